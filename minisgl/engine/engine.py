@@ -1,0 +1,154 @@
+"""The engine loop: schedule, run, sample, resolve.
+
+Two loops behind one switch. The plain loop runs a step and waits for its tokens before scheduling the
+next. The overlap loop launches step N+1 before it reads step N's tokens: the host's scheduling work hides
+behind the device's compute, and a request's newest token reaches the next step on the device (see
+Batch.pending_*). Tokens are identical either way; only the timing differs. On a CPU every launch finishes
+before it returns, so the overlap loop runs the same code with nothing to hide.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from minisgl.config import EngineConfig
+from minisgl.engine.model_runner import ModelRunner, StepOutput
+from minisgl.kvcache import NaiveCache, PageAllocator, RadixCache
+from minisgl.sampling_params import SamplingParams
+from minisgl.scheduler import NEED_SYNC, Req, ReqStatus, Scheduler
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.model_config = self.runner.model_config
+        self.max_model_len = self.runner.max_model_len
+        self.allocator = PageAllocator(self.runner.num_pages)
+        cache_cls = RadixCache if config.radix_cache else NaiveCache
+        self.cache = cache_cls(self.allocator, config.page_size)
+        chunk = config.chunked_prefill_size if config.chunked_prefill_size > 0 else 8192
+        self.scheduler = Scheduler(self.allocator, self.runner.req_pool, self.cache, config.page_size,
+                                   config.max_running_requests, chunk,
+                                   chunked=config.chunked_prefill and config.chunked_prefill_size > 0)
+        self.eos_ids = frozenset(self.model_config.eos_token_ids)
+        self._rng = random.Random(config.seed)
+        self._next_rid = 0
+        self._inflight: StepOutput | None = None
+        self.stats = {"steps": 0, "decode_steps": 0, "graph_steps": 0}
+
+    # --- requests ------------------------------------------------------------------------------------
+    def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong with a request; accept it otherwise."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if len(input_ids) == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in input_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab),
+                   None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is out of the vocabulary [0, {vocab})")
+        params.validate()
+        n, ctx = len(input_ids), self.max_model_len
+        if n >= ctx:
+            raise ValueError(f"the prompt has {n} tokens, longer than the context of {ctx} tokens")
+        if n + params.max_tokens > ctx:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                             f"of {ctx} tokens")
+        cap = self.runner.kv_capacity_tokens
+        if n + params.max_tokens > cap:
+            raise ValueError(f"the request needs up to {n + params.max_tokens} KV slots but the whole KV pool "
+                             f"holds {cap}; it cannot run even alone")
+
+    def add_request(self, input_ids: list[int], params: SamplingParams,
+                    stop_check: Callable[[Req], bool] | None = None) -> Req:
+        input_ids = list(input_ids)
+        self.check_request(input_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        req = Req(self._next_rid, input_ids, params, seed, stop_check=stop_check)
+        self._next_rid += 1
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, req: Req) -> None:
+        """Stop a request now; its pages come back as soon as no launched step uses them."""
+        if not req.finished:
+            self.scheduler.abort(req)
+            req.finish_time = time.perf_counter()
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._inflight is not None
+
+    # --- the loop ------------------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """One iteration of the loop; returns the requests released (finished) by it."""
+        batch = self.scheduler.schedule()
+        if batch is NEED_SYNC:  # a retraction needs the tokens of the step in flight
+            self._resolve(self._inflight)
+            self._inflight = None
+            return self.scheduler.release_finished(set())
+        launched = self._launch(batch) if batch is not None else None
+        if self.config.overlap:
+            previous, self._inflight = self._inflight, launched
+            if previous is not None:
+                self._resolve(previous)
+        elif launched is not None:
+            self._resolve(launched)
+        in_flight = {id(r) for r in self._inflight.batch.reqs} if self._inflight else set()
+        released = self.scheduler.release_finished(in_flight)
+        if batch is None and self._inflight is None and not released and self.scheduler.has_work:
+            raise RuntimeError("scheduler stalled: no request can make progress")
+        return released
+
+    def _launch(self, batch) -> StepOutput:
+        self.stats["steps"] += 1
+        if batch.is_decode:
+            self.stats["decode_steps"] += 1
+        out = self.runner.forward(batch)
+        if self.runner.graph_runner is not None and self.runner.graph_runner.last_run_used_graph:
+            self.stats["graph_steps"] += 1
+        return out
+
+    def _resolve(self, out: StepOutput) -> None:
+        tokens = out.wait()
+        now = time.perf_counter()
+        for token, row in zip(tokens, out.batch.sample_rows):
+            req = out.batch.reqs[row]
+            req.num_pending -= 1
+            if req.finished:
+                continue  # finished (or aborted) while this step was in flight: its token is dropped
+            req.output_ids.append(token)
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                req.status = ReqStatus.FINISHED
+                req.finish_reason = reason
+                req.finish_time = now
+
+    def _finish_reason(self, req: Req, token: int) -> str | None:
+        p = req.params
+        if not p.ignore_eos and token in self.eos_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if req.stop_check is not None and req.stop_check(req):
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def run(self, reqs: list[Req] | None = None, progress: Callable[[int], None] | None = None) -> None:
+        """Step until every given request (default: all work) has finished and been released."""
+        while self.has_work:
+            released = self.step()
+            if progress and released:
+                progress(len(released))
+            if reqs is not None and all(r.finished and r.row is None for r in reqs):
+                break

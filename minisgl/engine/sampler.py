@@ -1,0 +1,72 @@
+"""Turn the last-token logits of a batch into next tokens: greedy, temperature, top-k, top-p, per request.
+
+Randomness comes from a counter-based hash of (request seed, output index, token id), not from a stateful
+generator. So a seeded request draws the same tokens whatever batch it shares, in either loop, with or
+without CUDA Graph, and the whole batch samples in a few vectorised ops with no host sync.
+Sampling by argmax(logits / T + Gumbel noise) is the same as drawing from softmax(logits / T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply); int64 lanes hold the 32-bit values."""
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0,1) `[B, vocab]`, a pure function of (seed, step, token id)."""
+    row = _mix32(_mix32(seeds.long() * 0x9E3779B1 + steps.long()) + 0x632BE5AB)  # [B]
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(row[:, None] ^ (idx[None, :] * 0x85EBCA77))
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings on the device, built once per batch."""
+
+    temperatures: torch.Tensor  # [B] float; 0 = greedy
+    top_ks: torch.Tensor  # [B] int; vocab size = off
+    top_ps: torch.Tensor  # [B] float; 1 = off
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64: index of the token being drawn
+    all_greedy: bool
+    any_top_k_p: bool
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = ranks >= top_ks[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    # keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_ps[:, None]
+    drop[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """logits `[B, V]` float32 → next token ids `[B]` int64."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy_tokens
+    temps = st.temperatures.clamp_min(1e-6)[:, None]
+    scaled = logits / temps
+    if st.any_top_k_p:
+        scaled = apply_top_k_top_p(scaled, st.top_ks, st.top_ps)
+    u = uniform_noise(st.seeds, st.steps, logits.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    sampled = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(st.temperatures == 0, greedy_tokens, sampled)

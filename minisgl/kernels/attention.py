@@ -1,0 +1,370 @@
+"""Triton attention kernels over the paged KV pool: split-K decode and causal extend (prefill over a prefix).
+
+Both read keys through `req_to_token`, so the pool's page size never matters to them. Layouts:
+- K/V buffers of one layer: `[num_slots, num_kv_heads, head_dim]`, slot = page * page_size + offset.
+- `req_to_token[row, pos]` (int32) is the slot of token `pos` of the request that owns `row`.
+
+Triton is imported lazily-guarded: this module imports on a machine without Triton, only the launchers fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: nothing here can run, but importing must not fail
+    triton = None
+    tl = None
+
+__all__ = ["decode_attention", "decode_num_splits", "decode_workspace_numel", "extend_attention"]
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64
+_MIN_TOKENS_PER_SPLIT = 256  # below this, another split costs more in the reduction than it saves
+_DEFAULT_NUM_SMS = 132  # H200; used when the tensor is not on a CUDA device (interpreter tests)
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+def _require_triton() -> None:
+    if triton is None:
+        raise ImportError("minisgl.kernels.attention needs Triton (pip install triton); use the torch backend")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decode: stage 1 computes, for each (request, kv head, split), the softmax-normalised partial output of the
+# q heads sharing that kv head over the split's keys, plus its log-sum-exp (base 2). Stage 2 merges splits.
+# The split length is derived per request on the device from its seq_len, so the grid depends only on host
+# values and the launch can be captured in a CUDA graph; splits past a request's end do nothing.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@_jit
+def _decode_stage1_kernel(
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, Out,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    # Even work per split, rounded to whole key tiles; short requests use fewer splits.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + offs_g
+    hmask = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+
+    if start < end:
+        row = tl.load(ReqPoolIdx + b).to(tl.int64)
+        q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=hmask[:, None] & dmask[None, :], other=0.0)
+        q = q.to(K.dtype.element_ty)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            nmask = offs_n < end
+            slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
+            kv_mask = nmask[:, None] & dmask[None, :]
+            k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask,
+                        other=0.0)
+            if IEEE_DOT:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(nmask[None, :], qk * qk_scale, float("-inf"))
+            # The first tile of a non-empty split always holds a real key, so m_new is finite from here on.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask,
+                        other=0.0)
+            if IEEE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        o = acc / l_i[:, None]
+        omask = hmask[:, None] & dmask[None, :]
+        if NUM_SPLITS == 1:  # no reduction needed: write the answer directly
+            o_ptrs = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=omask)
+        else:
+            p_ptrs = (PartO + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + split * stride_ps
+                      + offs_d[None, :])
+            tl.store(p_ptrs, o, mask=omask)
+            tl.store(PartLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i),
+                     mask=hmask)
+    elif NUM_SPLITS == 1:  # empty request (seq_len 0, e.g. a padded row): define the output as zeros
+        o_ptrs = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_D], dtype=Out.dtype.element_ty),
+                 mask=hmask[:, None] & dmask[None, :])
+
+
+@_jit
+def _decode_stage2_kernel(
+    PartO, PartLse, SeqLens, Out,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # Same split arithmetic as stage 1: only splits that saw keys wrote partials (the rest hold garbage).
+    n_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
+
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < n_valid
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+
+    lse = tl.load(PartLse + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=smask,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no valid split (seq_len 0): avoid inf - inf
+    w = tl.where(smask, tl.exp2(lse - m), 0.0)
+    o = tl.load(PartO + b.to(tl.int64) * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
+                + offs_d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    num = tl.sum(o * w[:, None], 0)
+    den = tl.sum(w, 0)
+    res = num / tl.maximum(den, 1e-30)
+    tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, res.to(Out.dtype.element_ty),
+             mask=dmask)
+
+
+_num_sms_cache: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_NUM_SMS
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _num_sms_cache:
+        _num_sms_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _num_sms_cache[idx]
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int | None,
+                      num_sms: int = _DEFAULT_NUM_SMS) -> int:
+    """Splits per request for flash-decoding, from host values only (so a captured graph keeps its grid).
+
+    Enough (request, kv head, split) programs to fill about two waves of SMs, but no split shorter than
+    _MIN_TOKENS_PER_SPLIT tokens of the longest possible request, and at most _MAX_SPLITS.
+    """
+    programs = max(1, batch_size * num_kv_heads)
+    want = math.ceil(2 * num_sms / programs)
+    if max_seq_len is not None:
+        want = min(want, math.ceil(max(1, max_seq_len) / _MIN_TOKENS_PER_SPLIT))
+    return int(max(1, min(want, _MAX_SPLITS)))
+
+
+def decode_workspace_numel(batch_size: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements of the stage-1 partials: outputs [B, Hq, S, D] then log-sum-exps [B, Hq, S]."""
+    if num_splits <= 1:
+        return 0
+    return batch_size * num_q_heads * num_splits * (head_dim + 1)
+
+
+def _decode_block_n(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scale: float,
+                     max_seq_len: int | None = None, workspace: torch.Tensor | None = None,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """One new token per request: out[b] = softmax(q[b] K_b^T * scale) V_b over keys 0..seq_lens[b]-1.
+
+    q, out: [B, Hq, D] (last dim contiguous); k_buf, v_buf: [num_slots, Hkv, D]; req_pool_indices: [B];
+    seq_lens: [B] (already counting the new token, whose K/V must be stored). `max_seq_len` is a host-side
+    bound on seq_lens used only to pick the split count (pass a fixed bound when capturing a CUDA graph);
+    `workspace` is an optional flat fp32 buffer of at least `decode_workspace_numel(...)` elements, so a
+    captured graph reuses the same memory. Rows with seq_len 0 get zeros.
+    """
+    _require_triton()
+    B, Hq, D = q.shape
+    Hkv = k_buf.shape[1]
+    assert Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads"
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+    assert req_to_token.stride(-1) == 1
+    if B == 0:
+        return out
+    group = Hq // Hkv
+    if num_splits is None:
+        num_splits = decode_num_splits(B, Hkv, max_seq_len, _num_sms(q.device))
+    block_n = _decode_block_n(D)
+    block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
+    block_d = max(16, triton.next_power_of_2(D))
+    ieee = k_buf.dtype == torch.float32  # q is cast to the cache dtype; fp32 dots must not drop to tf32
+
+    if num_splits > 1:
+        need = decode_workspace_numel(B, Hq, D, num_splits)
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+        if workspace.dtype != torch.float32 or workspace.numel() < need:
+            raise ValueError(f"decode workspace too small: need {need} fp32 elements")
+        part_o = workspace[: B * Hq * num_splits * D].view(B, Hq, num_splits, D)
+        part_lse = workspace[B * Hq * num_splits * D: need].view(B, Hq, num_splits)
+    else:  # stage 1 writes `out` directly; these are placeholders for unused pointer arguments
+        part_o = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
+        part_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
+
+    _decode_stage1_kernel[(B, Hkv, num_splits)](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, out,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        scale * _LOG2E,
+        GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits,
+        IEEE_DOT=ieee, num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_stage2_kernel[(B, Hq)](
+            part_o, part_lse, seq_lens, out,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            BLOCK_N=block_n, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, HEAD_DIM=D,
+            NUM_SPLITS=num_splits, num_warps=4,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Extend: one program per (request, q head, block of BLOCK_M new tokens). Keys 0..seq_len-1 of the request are
+# read through req_to_token (the new tokens' K/V are already stored); query j sits at position prefix + j and
+# sees keys at positions <= prefix + j. Online softmax over BLOCK_N key tiles.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@_jit
+def _extend_kernel(
+    Q, K, V, Out, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_r2t,
+    qk_scale,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = tl.program_id(2)
+    ext_len = tl.load(ExtendLens + b).to(tl.int32)
+    m_start = mblk * BLOCK_M
+    if m_start < ext_len:  # the grid is sized for the longest request; shorter ones skip the extra blocks
+        kvh = h // GROUP
+        prefix = tl.load(PrefixLens + b).to(tl.int32)
+        tok0 = tl.load(ExtendStart + b).to(tl.int64)
+        row = tl.load(ReqPoolIdx + b).to(tl.int64)
+
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        mmask = offs_m < ext_len
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < HEAD_DIM
+        q_ptrs = Q + (tok0 + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=mmask[:, None] & dmask[None, :], other=0.0).to(K.dtype.element_ty)
+        q_pos = prefix + offs_m
+
+        # Causal: the last row of this block (or of the request) bounds the keys any row here may see.
+        kv_end = prefix + tl.minimum(m_start + BLOCK_M, ext_len)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for n0 in range(0, kv_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            nmask = offs_n < kv_end
+            slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
+            kv_mask = nmask[:, None] & dmask[None, :]
+            k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask,
+                        other=0.0)
+            if IEEE_DOT:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            visible = nmask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            # Key 0 is visible to every row, so after the first tile every row's max is finite.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask,
+                        other=0.0)
+            if IEEE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        o = acc / l_i[:, None]
+        o_ptrs = Out + (tok0 + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+def _extend_blocks(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the extend kernel."""
+    if device.type != "cuda":
+        return 32, 32, 4, 1  # interpreter: small tiles keep the CPU tests quick
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 4, 2
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                     extend_start: torch.Tensor, out: torch.Tensor, scale: float, max_extend_len: int,
+                     block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """Causal attention of the new tokens of a batch over each request's cached prefix and themselves.
+
+    q, out: [T, Hq, D]; request i owns rows extend_start[i] : extend_start[i] + extend_lens[i] of q, at
+    positions prefix_lens[i] + j. All keys 0 .. prefix_lens[i] + extend_lens[i] - 1 must already be stored.
+    `max_extend_len` (host int) bounds extend_lens and sizes the grid. Rows of q owned by no request are left
+    untouched in `out`.
+    """
+    _require_triton()
+    T, Hq, D = q.shape
+    Hkv = k_buf.shape[1]
+    B = req_pool_indices.shape[0]
+    assert Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads"
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+    assert req_to_token.stride(-1) == 1
+    if T == 0 or B == 0 or max_extend_len <= 0:
+        return out
+    bm, bn, num_warps, num_stages = _extend_blocks(D, q.device)
+    bm = block_m or bm
+    bn = block_n or bn
+    block_d = max(16, triton.next_power_of_2(D))
+    ieee = k_buf.dtype == torch.float32  # q is cast to the cache dtype; fp32 dots must not drop to tf32
+    grid = (B, Hq, triton.cdiv(max_extend_len, bm))
+    _extend_kernel[grid](
+        q, k_buf, v_buf, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        out.stride(0), out.stride(1), req_to_token.stride(0),
+        scale * _LOG2E,
+        GROUP=Hq // Hkv, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, HEAD_DIM=D, IEEE_DOT=ieee,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

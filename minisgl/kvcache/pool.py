@@ -1,0 +1,117 @@
+"""KV storage by pages, the page allocator and the request→token table."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K and V for every layer: one tensor `[2, layers, num_pages, page_size, kv_heads, head_dim]`.
+
+    Attention kernels see each layer as flat slots `[num_pages * page_size, kv_heads, head_dim]`;
+    slot = page * page_size + offset. Page 0 is never handed out: padded rows of a CUDA Graph batch
+    write their K/V there, so they can never clobber a live request.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.buffer = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim,
+                                  dtype=dtype, device=device)
+        flat = self.buffer.view(2, num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.k_buffers = [flat[0, i] for i in range(num_layers)]
+        self.v_buffers = [flat[1, i] for i in range(num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][loc] = k.to(self.dtype)
+        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class PageAllocator:
+    """Hands out whole pages. Page 0 is reserved (see KVCache)."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 2:
+            raise ValueError("the KV pool needs at least 2 pages (page 0 is reserved)")
+        self.num_pages = num_pages
+        # Popping from the end hands out low page numbers first, which keeps tests easy to read.
+        self._free = list(range(num_pages - 1, 0, -1))
+        self._is_free = [False] + [True] * (num_pages - 1)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n pages, or None (and nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        for p in pages:
+            self._is_free[p] = False
+        return pages
+
+    def free(self, pages) -> None:
+        for p in pages:
+            p = int(p)
+            if p <= 0 or p >= self.num_pages or self._is_free[p]:
+                raise RuntimeError(f"double free or bad page {p}")
+            self._is_free[p] = True
+            self._free.append(p)
+
+
+class ReqToTokenPool:
+    """`table[row, pos]` = KV slot of token `pos` of the request in `row`, kept on the device.
+
+    Writes are queued on the host and applied by `flush()` in one scatter right before a forward, so a step
+    costs one host-to-device copy however many requests changed.
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str) -> None:
+        self.max_reqs, self.max_context_len = max_reqs, max_context_len
+        self.device = torch.device(device)
+        self.table = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+        self._pending: list[tuple[int, int, torch.Tensor]] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._pending.append((row, start, slots))
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        rows = torch.cat([torch.full((s.numel(),), r, dtype=torch.int64) for r, _, s in self._pending])
+        cols = torch.cat([torch.arange(st, st + s.numel(), dtype=torch.int64) for _, st, s in self._pending])
+        vals = torch.cat([s.to(torch.int32) for _, _, s in self._pending])
+        self._pending.clear()
+        packed = torch.stack([rows, cols, vals.to(torch.int64)])
+        if self.device.type == "cuda":
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        self.table[packed[0], packed[1]] = packed[2].to(torch.int32)

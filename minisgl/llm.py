@@ -1,0 +1,110 @@
+"""The offline API: `LLM(model, **switches).generate(prompts, SamplingParams)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minisgl.config import EngineConfig
+from minisgl.engine import Engine
+from minisgl.sampling_params import SamplingParams
+from minisgl.scheduler import Req
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    num_cached_prompt_tokens: int
+    ttft: float | None  # seconds from submission to the first token
+    latency: float  # seconds from submission to the last token
+
+
+def load_tokenizer(path: str):
+    """The model folder's tokenizer, or None when it has none (dummy-weight configs)."""
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:
+        return None
+
+
+class LLM:
+    def __init__(self, model: str, **switches) -> None:
+        self.config = EngineConfig(model=model, **switches)
+        self.engine = Engine(self.config)
+        self.tokenizer = load_tokenizer(self.engine.runner.model_path)
+
+    # --- helpers -------------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def decode(self, ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _stop_check(self, params: SamplingParams):
+        if not params.stop:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        window = 8 + 4 * max(len(s) for s in params.stop)  # a stop string spans at most this many tokens
+
+        def check(req: Req) -> bool:
+            tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=True)
+            return any(s in tail for s in params.stop)
+        return check
+
+    def _trim_stop(self, text: str | None, params: SamplingParams) -> str | None:
+        if text is None or not params.stop:
+            return text
+        cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+        return text if cut < 0 else text[:cut]
+
+    # --- the API -------------------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or many (a prompt is text or a list of token ids); one output each.
+
+        Every request is checked before any runs: a bad one raises ValueError naming it, and the engine
+        stays ready for the next call.
+        """
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                              and isinstance(prompts[0], int))
+        prompt_list = [prompts] if single else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_list)
+        if len(params) != len(prompt_list):
+            raise ValueError(f"{len(prompt_list)} prompts but {len(params)} sampling params")
+        encoded = []
+        for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+            try:
+                ids = self.encode(prompt)
+                self.engine.check_request(ids, p)
+                stop_check = self._stop_check(p)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"request {i}: {e}") from None
+            encoded.append((ids, p, stop_check))
+        reqs = [self.engine.add_request(ids, p, stop_check) for ids, p, stop_check in encoded]
+        show = self.config.progress if progress is None else progress
+        bar = None
+        if show:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(reqs), desc="generate", unit="req")
+        self.engine.run(reqs, progress=bar.update if bar else None)
+        if bar:
+            bar.close()
+        outs = []
+        for r, (_, p, _) in zip(reqs, encoded):
+            outs.append(RequestOutput(
+                prompt_token_ids=r.input_ids, token_ids=list(r.output_ids),
+                text=self._trim_stop(self.decode(r.output_ids), p), finish_reason=r.finish_reason,
+                num_cached_prompt_tokens=r.num_cached_prompt_tokens,
+                ttft=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
+                latency=(r.finish_time or r.arrival_time) - r.arrival_time))
+        return outs

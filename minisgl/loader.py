@@ -1,0 +1,155 @@
+"""Build a model from a folder (or hub id) in Hugging Face layout and load its weights.
+
+`load_format="dummy"` needs only config.json: it fills the weights with seeded random values of a sane
+scale, the way SGLang's and vLLM's `--load-format dummy` do, so performance can be measured at real shapes
+without the real weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from minisgl.models import DecoderLM, ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# HF name → (our parameter, which slice of a fused parameter). Fused: qkv_proj = [q; k; v], gate_up = [gate; up].
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderLM
+    config: ModelConfig
+    hf_config: object
+    path: str
+
+
+def resolve_model_path(model: str) -> str:
+    """A local folder as is; anything else is taken as a hub id and downloaded (needs the network)."""
+    if os.path.isdir(model):
+        return model
+    if os.path.exists(model):
+        raise ValueError(f"{model!r} is a file; pass the folder that holds config.json")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model",
+                                                        "*.txt"])
+    except Exception as e:  # no network, unknown id, ...
+        raise ValueError(f"model {model!r} is not a local folder and could not be fetched from the hub: {e}") from e
+
+
+def read_eos_ids(path: str, hf_config) -> tuple[int, ...]:
+    """Every EOS id: generation_config.json's (often a list) wins over config.json's."""
+    for source in (os.path.join(path, "generation_config.json"), None):
+        eos = None
+        if source and os.path.exists(source):
+            with open(source) as f:
+                eos = json.load(f).get("eos_token_id")
+        elif source is None:
+            eos = getattr(hf_config, "eos_token_id", None)
+        if eos is not None:
+            return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return ()
+
+
+def _fused_slice(param: torch.Tensor, cfg: ModelConfig, fused: str, part: int) -> torch.Tensor:
+    if fused == "qkv_proj":
+        q, kv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        start, size = [(0, q), (q, kv), (q + kv, kv)][part]
+    else:
+        half = param.shape[0] // 2
+        start, size = part * half, half
+    return param.narrow(0, start, size)
+
+
+def load_safetensors(model: DecoderLM, cfg: ModelConfig, path: str) -> None:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for fname in files:
+        with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                name = hf_name.removeprefix("model.")
+                if "rotary_emb" in name:
+                    continue
+                m = re.match(r"(.*)\.(\w+)\.(weight|bias)$", name)
+                if m and m.group(2) in _FUSED:
+                    fused, part = _FUSED[m.group(2)]
+                    target_name = f"{m.group(1)}.{fused}.{m.group(3)}"
+                    if target_name not in params:
+                        raise KeyError(f"checkpoint tensor {hf_name} has no place in the model")
+                    target = _fused_slice(params[target_name].data, cfg, fused, part)
+                    loaded.add(f"{target_name}#{part}")
+                else:
+                    if name not in params:
+                        raise KeyError(f"checkpoint tensor {hf_name} has no place in the model")
+                    target = params[name].data
+                    loaded.add(name)
+                tensor = f.get_tensor(hf_name)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+                target.copy_(tensor)
+    missing = []
+    for name, p in model.named_parameters():
+        fused = name.rsplit(".", 2)[-2]
+        if fused in ("qkv_proj", "gate_up_proj"):
+            parts = 3 if fused == "qkv_proj" else 2
+            missing += [f"{name}#{i}" for i in range(parts) if f"{name}#{i}" not in loaded]
+        elif name not in loaded and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            missing.append(name)
+    if missing:
+        raise ValueError(f"checkpoint in {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+@torch.no_grad()
+def init_dummy(model: DecoderLM, seed: int) -> None:
+    """Seeded random weights at a scale that keeps activations finite in bf16."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif p.ndim == 1:  # biases
+            p.zero_()
+        else:
+            std = 0.02 if "embed" in name else 1.0 / max(p.shape[1], 1) ** 0.5
+            p.normal_(0.0, std, generator=gen)
+
+
+def load_model(model: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
+               seed: int = 0, max_positions: int | None = None) -> LoadedModel:
+    from transformers import AutoConfig
+
+    path = resolve_model_path(model)
+    hf_config = AutoConfig.from_pretrained(path)
+    cfg = ModelConfig.from_hf(hf_config, read_eos_ids(path, hf_config))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            net = DecoderLM(cfg, max_positions)
+    finally:
+        torch.set_default_dtype(old)
+    if load_format == "dummy":
+        init_dummy(net, seed)
+    else:
+        load_safetensors(net, cfg, path)
+    net.rotary.cos_sin = net.rotary.cos_sin.float()  # the rotary table stays fp32 whatever the dtype
+    net.eval().requires_grad_(False)
+    return LoadedModel(net, cfg, hf_config, path)

@@ -1,0 +1,59 @@
+"""Per-request sampling settings: the boundary type between a user and the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its next tokens and when it stops.
+
+    temperature == 0 means greedy. top_k <= 0 means no top-k cut; top_p == 1 means no nucleus cut.
+    A request without a seed gets one drawn from the engine's seeded generator, so a whole run is
+    reproducible from the engine seed alone.
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept a list or a single string for `stop` without making the dataclass mutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, max_tokens_limit: int | None = None) -> None:
+        """Raise ValueError naming the first bad field."""
+        t = self.temperature
+        if not isinstance(t, (int, float)) or t != t or t < 0 or t > 100:
+            raise ValueError(f"temperature must be a number in [0, 100], got {t!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k == 0:
+            raise ValueError(f"top_k must be a positive integer or -1 (off), got {self.top_k!r}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be a positive integer or -1 (off), got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
+            raise ValueError(f"max_tokens={self.max_tokens} exceeds the limit {max_tokens_limit}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if any(not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")

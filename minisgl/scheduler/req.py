@@ -1,0 +1,71 @@
+"""A request as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from minisgl.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request and its KV bookkeeping.
+
+    The tokens are `input_ids + output_ids` followed by `num_pending` sampled tokens whose values are still
+    on the device (overlap loop). `kv_len` of them have their K/V written (or being written by a launched
+    step); the next step computes the rest. A decode step is simply the case "one token left to compute".
+    """
+
+    rid: int
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    num_pending: int = 0
+    status: ReqStatus = ReqStatus.WAITING
+    # KV bookkeeping
+    kv_len: int = 0
+    pages: list[int] = field(default_factory=list)
+    row: int | None = None  # row in the request→token table
+    cached_len: int = 0  # leading tokens whose pages the prefix cache owns (locked for us via cache_node)
+    cache_node: object = None
+    # where the pending token will appear: (step id, row among that step's sampled tokens)
+    pending_src: tuple[int, int] | None = None
+    # outcome and metrics
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
+    error: str | None = None
+    num_cached_prompt_tokens: int = 0
+    num_retractions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    stop_check: object = None  # callable(req) -> bool, for stop strings (needs a tokenizer)
+
+    @property
+    def num_tokens(self) -> int:
+        """All tokens, including pending ones."""
+        return len(self.input_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_outputs_scheduled(self) -> int:
+        return len(self.output_ids) + self.num_pending
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def known_ids(self, end: int) -> list[int]:
+        """The first `end` token ids; all must be resolved."""
+        n_in = len(self.input_ids)
+        if end <= n_in:
+            return self.input_ids[:end]
+        return self.input_ids + self.output_ids[:end - n_in]

@@ -1,0 +1,217 @@
+"""Continuous batching with chunked prefill, prefix reuse and retraction.
+
+Every step the scheduler builds one flat batch:
+1. every running request that has a token to compute (decodes: one token each);
+2. the next chunks of prefills already under way, then new requests from the waiting queue, while the
+   prefill token budget (`chunk_size`) and the KV pool allow.
+Decodes and prefill chunks share the batch, so a long prompt delays the decoders by one chunk's time,
+not by its whole prefill. When a decode cannot get a KV page even after evicting the prefix cache, the
+newest running request is retracted: its KV goes back (to the prefix cache when there is one) and it
+returns to the front of the queue, to be resumed by a prefill of everything it has so far.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from minisgl.kvcache import PageAllocator, PrefixCache, ReqToTokenPool
+from minisgl.scheduler.batch import Batch
+from minisgl.scheduler.req import Req, ReqStatus
+
+NEED_SYNC = object()  # schedule() needs the in-flight step resolved first (retraction of a pending request)
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, cache: PrefixCache,
+                 page_size: int, max_running: int, chunk_size: int, chunked: bool = True) -> None:
+        self.allocator, self.req_pool, self.cache = allocator, req_pool, cache
+        self.page_size = page_size
+        self.max_running = max_running
+        # Prefill tokens per step. Chunked: prompts are cut to fit. Not chunked: prompts are never cut, and a
+        # prompt larger than the budget runs as the only prefill of its step.
+        self.chunk_size = chunk_size
+        self.chunked = chunked
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.step_id = 0
+        self.num_retractions = 0
+
+    # --- queue ---------------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- pages ---------------------------------------------------------------------------------------
+    def _pages_for(self, req: Req, n: int) -> int:
+        p = self.page_size
+        return -(-(req.kv_len + n) // p) - len(req.pages)
+
+    def _ensure_free(self, n: int) -> bool:
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.num_free >= n
+
+    def _slots(self, req: Req, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        pages = torch.tensor(req.pages, dtype=torch.int64)
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def release(self, req: Req) -> None:
+        """Give back a request's KV: the page-aligned prefix to the prefix cache, the rest to the pool."""
+        p = self.page_size
+        aligned = req.kv_len // p * p
+        n_dup, _ = self.cache.insert(req.known_ids(aligned), req.pages[:aligned // p])
+        self.allocator.free(req.pages[req.cached_len // p:n_dup // p])  # ours, but cached already
+        self.allocator.free(req.pages[aligned // p:])  # the partial last page
+        self.cache.unlock(req.cache_node)
+        self.req_pool.free(req.row)
+        req.pages, req.row, req.cache_node, req.cached_len, req.kv_len = [], None, None, 0, 0
+
+    def _cache_prefix(self, req: Req) -> None:
+        """Put a running request's computed prefix in the cache now, so requests admitted later reuse it."""
+        p = self.page_size
+        aligned = req.kv_len // p * p
+        if aligned <= req.cached_len:
+            return
+        n_dup, result = self.cache.insert(req.known_ids(aligned), req.pages[:aligned // p])
+        lo, hi = req.cached_len // p, n_dup // p
+        if hi > lo:  # someone cached the same tokens first: use their pages, free ours
+            self.allocator.free(req.pages[lo:hi])
+            req.pages[lo:hi] = result.pages[lo:hi]
+            self.req_pool.write(req.row, lo * p, self._slots(req, lo * p, hi * p))
+        self.cache.lock(result.node)
+        self.cache.unlock(req.cache_node)
+        req.cache_node, req.cached_len = result.node, aligned
+
+    # --- retraction ----------------------------------------------------------------------------------
+    def _retract(self, req: Req) -> None:
+        self.release(req)
+        self.running.remove(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    def release_finished(self, in_flight: set[int]) -> list[Req]:
+        """Release finished requests that no launched step still uses; returns them."""
+        done = [r for r in self.running if r.finished and id(r) not in in_flight]
+        for r in done:
+            self.release(r)
+            self.running.remove(r)
+        return done
+
+    def abort(self, req: Req) -> None:
+        if req.status is ReqStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = req.finish_reason or "abort"
+
+    # --- the step ------------------------------------------------------------------------------------
+    def _wants_step(self, req: Req) -> bool:
+        return (not req.finished and req.num_tokens > req.kv_len
+                and req.num_outputs_scheduled < req.params.max_tokens)
+
+    def schedule(self):
+        """The next Batch, None when nothing can run now, or NEED_SYNC."""
+        active = [r for r in self.running if self._wants_step(r)]
+        decodes = [r for r in active if r.num_tokens - r.kv_len == 1]
+        prefills = [r for r in active if r.num_tokens - r.kv_len > 1]
+
+        # 1. one new token for every decoder; retract the newest requests until their pages fit
+        while True:
+            need = sum(self._pages_for(r, 1) for r in decodes)
+            if self._ensure_free(need):
+                break
+            victims = [r for r in self.running if not r.finished]
+            if any(r.num_pending for r in victims):
+                return NEED_SYNC
+            victim = victims[-1]
+            self._retract(victim)
+            for group in (decodes, prefills):
+                if victim in group:
+                    group.remove(victim)
+        plan: list[tuple[Req, int]] = []
+        for r in decodes:
+            r.pages += self.allocator.alloc(self._pages_for(r, 1))
+            plan.append((r, 1))
+
+        # 2. continue prefills under way, then admit new requests, within the token budget
+        prefill_tokens = 0
+        for r in prefills:
+            n = self._prefill_len(r.num_tokens - r.kv_len, prefill_tokens)
+            if n <= 0 or not self._ensure_free(self._pages_for(r, n)):
+                break
+            r.pages += self.allocator.alloc(self._pages_for(r, n))
+            plan.append((r, n))
+            prefill_tokens += n
+        while self.waiting and len(self.running) < self.max_running and self.req_pool.num_free:
+            req = self.waiting[0]
+            ids = req.known_ids(req.num_tokens)
+            match = self.cache.match(ids[:-1])  # leave at least one token to compute: it gives the logits
+            matched = len(match.pages) * self.page_size
+            n = self._prefill_len(req.num_tokens - matched, prefill_tokens)
+            if n <= 0:
+                break
+            self.cache.lock(match.node)
+            need = -(-(matched + n) // self.page_size) - len(match.pages)
+            # keep a page per running request spare, so admitting does not force the decoders to retract
+            if not self._ensure_free(need + len(self.running)):
+                self.cache.unlock(match.node)
+                break
+            self.waiting.popleft()
+            req.row = self.req_pool.alloc()
+            req.pages, req.kv_len = list(match.pages), matched
+            req.cached_len, req.cache_node = matched, match.node
+            if req.num_retractions == 0:
+                req.num_cached_prompt_tokens = min(matched, len(req.input_ids))
+            self.req_pool.write(req.row, 0, self._slots(req, 0, matched))
+            req.pages += self.allocator.alloc(need)
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+            plan.append((req, n))
+            prefill_tokens += n
+        if not plan:
+            return None
+        return self._build(plan)
+
+    def _prefill_len(self, todo: int, prefill_tokens: int) -> int:
+        """How many of `todo` prompt tokens fit this step (0: none)."""
+        if self.chunked:
+            return min(todo, self.chunk_size - prefill_tokens)
+        if prefill_tokens and prefill_tokens + todo > self.chunk_size:
+            return 0
+        return todo
+
+    def _build(self, plan: list[tuple[Req, int]]) -> Batch:
+        self.step_id += 1
+        batch = Batch(self.step_id, [], [], [], [], [], [])
+        for i, (req, n) in enumerate(plan):
+            start = req.kv_len
+            slots = self._slots(req, start, start + n)
+            self.req_pool.write(req.row, start, slots)
+            batch.reqs.append(req)
+            batch.prefix_lens.append(start)
+            batch.extend_lens.append(n)
+            batch.out_cache_loc.extend(slots.tolist())
+            n_known = min(start + n, req.num_tokens - req.num_pending)
+            batch.input_ids.extend(req.known_ids(n_known)[start:])
+            if n_known < start + n:  # the last token is still on the device, sampled by the previous step
+                assert req.pending_src is not None and req.pending_src[0] == self.step_id - 1
+                batch.pending_dst.append(len(batch.input_ids))
+                batch.pending_src.append(req.pending_src[1])
+                batch.input_ids.append(0)
+            req.kv_len = start + n
+            if req.kv_len == req.num_tokens:
+                req.pending_src = (self.step_id, len(batch.sample_rows))
+                batch.sample_rows.append(i)
+                req.num_pending += 1
+            if n > 1 and self.cache.keeps_pages:
+                self._cache_prefix(req)
+        return batch
