@@ -23,11 +23,12 @@ class RequestOutput:
 
 def load_tokenizer(path: str):
     """The model folder's tokenizer, or None when it has none (dummy-weight configs)."""
-    try:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path)
-    except Exception:
+    import os
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model",
+                                                              "tokenizer_config.json")):
         return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
 
 
 class LLM:

@@ -1,0 +1,86 @@
+"""The Triton backend: paged split-K decode and causal extend kernels from minisgl.kernels.attention.
+
+The kernels read every key through `req_to_token`, so they need no per-step planning: `prepare` only keeps
+the metadata, and CUDA Graph capture works by pointing the backend at the graph runner's fixed buffers.
+The one thing a captured decode needs fixed is its split count and workspace; both depend only on the batch
+size and `max_context_len`, never on the step's sequence lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.attention.base import AttentionBackend, AttentionMetadata
+from minisgl.kernels.attention import (
+    decode_attention,
+    decode_num_splits,
+    decode_workspace_numel,
+    extend_attention,
+)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graph = True
+
+    def __init__(self, kv_cache, req_to_token: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                 head_dim: int, scale: float, max_context_len: int | None = None) -> None:
+        super().__init__(kv_cache, req_to_token, num_q_heads, num_kv_heads, head_dim, scale)
+        # The split count comes from this fixed bound (not the step's longest request) so eager and replayed
+        # decode steps run the very same reduction and give bit-identical results.
+        self.max_context_len = int(max_context_len or req_to_token.shape[1])
+        device = req_to_token.device
+        self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                         if device.type == "cuda" else 132)
+        self._graph_workspace: torch.Tensor | None = None  # fixed once allocated: captured graphs point at it
+        self._eager_workspace: torch.Tensor | None = None  # grows for eager batches larger than max_bs
+
+    def _num_splits(self, bs: int) -> int:
+        return decode_num_splits(bs, self.num_kv_heads, self.max_context_len, self._num_sms)
+
+    def _workspace_numel(self, bs: int) -> int:
+        return decode_workspace_numel(bs, self.num_q_heads, self.head_dim, self._num_splits(bs))
+
+    def _workspace(self, bs: int, device: torch.device) -> torch.Tensor | None:
+        need = self._workspace_numel(bs)
+        if need == 0:
+            return None
+        if self._graph_workspace is not None and self._graph_workspace.numel() >= need:
+            return self._graph_workspace
+        if self._eager_workspace is None or self._eager_workspace.numel() < need:
+            self._eager_workspace = torch.empty(need, dtype=torch.float32, device=device)
+        return self._eager_workspace
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        self.store_kv(k, v, layer_id)
+        meta = self.meta
+        k_buf, v_buf = self.kv_cache.k_buffers[layer_id], self.kv_cache.v_buffers[layer_id]
+        out = torch.empty_like(q)
+        if meta.is_decode:
+            bs = q.shape[0]
+            decode_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.seq_lens, out,
+                             self.scale, max_seq_len=self.max_context_len,
+                             workspace=self._workspace(bs, q.device), num_splits=self._num_splits(bs))
+        else:
+            extend_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.prefix_lens,
+                             meta.extend_lens, meta.extend_start, out, self.scale, meta.max_extend_len)
+        return out
+
+    # --- CUDA Graph (decode) ---
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        # Splits shrink as the batch grows, so the largest workspace may belong to a mid-sized batch.
+        need = max(self._workspace_numel(bs) for bs in range(1, max_bs + 1))
+        if need and (self._graph_workspace is None or self._graph_workspace.numel() < need):
+            self._graph_workspace = torch.empty(need, dtype=torch.float32, device=self.req_to_token.device)
+
+    def prepare_for_capture(self, meta: AttentionMetadata) -> None:
+        need = self._workspace_numel(meta.batch_size)
+        if need and (self._graph_workspace is None or self._graph_workspace.numel() < need):
+            # An eager workspace may be reallocated later, which would leave the graph reading freed memory.
+            raise RuntimeError("call init_cuda_graph_state(max_bs) before capturing this batch size")
+        self.meta = meta
+
+    def prepare_for_replay(self, meta: AttentionMetadata) -> None:
+        # The kernels read seq_lens / req_pool_indices from meta's fixed buffers on the device: nothing to do.
+        self.meta = meta

@@ -1,0 +1,145 @@
+"""Run the standard workloads on an engine and return plain dicts of numbers (JSON-ready)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+from minisgl.bench.workloads import WORKLOADS, Workload
+from minisgl.sampling_params import SamplingParams
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def warm_up(llm, n: int = 4, prompt_len: int = 64, out: int = 8) -> None:
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [[(7 * i + j) % vocab for j in range(prompt_len)] for i in range(n)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True), progress=False)
+
+
+def _engine_stats(llm) -> dict:
+    e = llm.engine
+    s = dict(e.stats)
+    s["cuda_graph_hit_rate"] = (s["graph_steps"] / s["decode_steps"]) if s["decode_steps"] else None
+    s["retractions"] = e.scheduler.num_retractions
+    return s
+
+
+def _reset_stats(llm) -> None:
+    for k in llm.engine.stats:
+        llm.engine.stats[k] = 0
+
+
+def run_throughput(llm, w: Workload) -> dict:
+    """All requests at once; output tokens per second of wall time."""
+    warm_up(llm)
+    _reset_stats(llm)
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(w.prompts, w.params)
+    _sync()
+    wall = time.perf_counter() - t0
+    produced = sum(len(o.token_ids) for o in outs)
+    prompt_tokens = sum(len(p) for p in w.prompts)
+    cached = sum(o.num_cached_prompt_tokens for o in outs)
+    return {
+        "requests": len(w.prompts), "prompt_tokens": prompt_tokens, "output_tokens": produced,
+        "expected_output_tokens": w.total_output_tokens, "wall_s": wall,
+        "output_tok_per_s": w.total_output_tokens / wall, "total_tok_per_s": (prompt_tokens + produced) / wall,
+        "cached_prompt_tokens": cached, "cached_prompt_share": cached / prompt_tokens,
+        "engine": _engine_stats(llm),
+    }
+
+
+def run_latency(llm, w: Workload) -> dict:
+    """One request at a time: TTFT and TPOT = (end-to-end - TTFT) / (outputs - 1), medians."""
+    warm_up(llm, n=1)
+    _reset_stats(llm)
+    ttfts, tpots = [], []
+    for prompt, p in zip(w.prompts, w.params):
+        _sync()
+        out = llm.generate([prompt], p, progress=False)[0]
+        ttfts.append(out.ttft)
+        tpots.append((out.latency - out.ttft) / max(len(out.token_ids) - 1, 1))
+    return {
+        "requests": len(w.prompts), "output_tokens_each": w.params[0].max_tokens,
+        "ttft_ms_median": 1e3 * statistics.median(ttfts), "tpot_ms_median": 1e3 * statistics.median(tpots),
+        "ttft_ms": [1e3 * x for x in ttfts], "tpot_ms": [1e3 * x for x in tpots],
+        "engine": _engine_stats(llm),
+    }
+
+
+def run_interference(llm, w: Workload) -> dict:
+    """W4: long prompts arrive while short requests decode; the decoders' worst inter-token gap."""
+    warm_up(llm)
+    _reset_stats(llm)
+    engine = llm.engine
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    short = [engine.add_request(p, sp) for p, sp in zip(w.prompts, w.params)]
+    while not all(r.output_ids for r in short):
+        engine.step()
+    t_arrive = time.perf_counter()
+    long = [engine.add_request(p, sp) for p, sp in zip(w.late_prompts, w.late_params)]
+    for r in long:
+        r.arrival_time = t_arrive
+    engine.run(short + long)
+    gaps = []
+    for r in short:
+        times = [t for t in r.token_times if t >= t_arrive - 1.0]  # gaps around the long prompts' arrival
+        gaps += [b - a for a, b in zip(times, times[1:])]
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return {
+        "short_requests": len(short), "long_requests": len(long), "long_prompt_tokens": len(w.late_prompts[0]),
+        "worst_decode_gap_ms": 1e3 * max(gaps) if gaps else None,
+        "median_decode_gap_ms": 1e3 * statistics.median(gaps) if gaps else None,
+        "long_ttft_ms": [1e3 * (r.first_token_time - t_arrive) for r in long],
+        "peak_gpu_memory_bytes": peak, "engine": _engine_stats(llm),
+    }
+
+
+RUNNERS = {"w1": run_throughput, "w2": run_latency, "w3": run_throughput, "w4": run_interference}
+
+
+def run_workload(llm, name: str, scale: float = 1.0) -> dict:
+    vocab = llm.engine.model_config.vocab_size
+    w = WORKLOADS[name](scale=scale, vocab=min(vocab, 10000))
+    return RUNNERS[name](llm, w)
+
+
+def environment() -> dict:
+    """What the numbers were measured with: commit, versions, hardware."""
+    def git(*args):
+        try:
+            return subprocess.check_output(["git", *args], text=True, stderr=subprocess.DEVNULL).strip()
+        except Exception:
+            return None
+    import transformers
+    env = {
+        "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain")),
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+        try:
+            import triton
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    return env
+
+
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)

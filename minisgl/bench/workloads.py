@@ -1,0 +1,95 @@
+"""The standard workloads W1-W4 (DESIGN.md), shared by the benchmarks and the tests.
+
+Each builder returns plain data, the same on every machine for the same arguments. `scale` < 1 shrinks a
+workload for a CPU smoke run (fewer requests, shorter prompts and outputs); scale=1 is the standard one.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from minisgl.sampling_params import SamplingParams
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    late_prompts: list[list[int]] = field(default_factory=list)  # W4: arrive once the others decode
+    late_params: list[SamplingParams] = field(default_factory=list)
+
+    @property
+    def total_output_tokens(self) -> int:
+        return sum(p.max_tokens for p in self.params + self.late_params)
+
+
+def _s(n: int, scale: float) -> int:
+    return max(1, round(n * scale))
+
+
+def w1_offline(scale: float = 1.0, vocab: int = 10000) -> Workload:
+    """256 requests, prompts of 100-1024 random ids, 100-1024 output tokens, temperature 0.6, all at once."""
+    random.seed(0)
+    n = 256
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(n)]
+    max_tokens = [random.randint(100, 1024) for _ in range(n)]
+    if scale != 1.0:
+        keep = _s(n, scale)
+        prompts = [[t % vocab for t in p[:_s(len(p), scale)]] for p in prompts[:keep]]
+        max_tokens = [_s(m, scale) for m in max_tokens[:keep]]
+    params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    return Workload("W1", prompts, params)
+
+
+def w2_latency(scale: float = 1.0, vocab: int = 10000) -> Workload:
+    """8 requests of 512 random ids, 256 greedy output tokens, run one after another."""
+    random.seed(1)
+    prompts = [[random.randint(0, 9999) for _ in range(512)] for _ in range(8)]
+    out = 256
+    if scale != 1.0:
+        prompts = [[t % vocab for t in p[:_s(512, scale)]] for p in prompts]
+        out = max(2, _s(256, scale))
+    return Workload("W2", prompts, [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)] * 8)
+
+
+def w3_shared_prefix(scale: float = 1.0, vocab: int = 10000) -> Workload:
+    """8 system prompts of 1024 ids; 256 requests = a system prompt + 32-256 ids, 64-256 output tokens.
+
+    Draw order per request: the system prompt, the suffix length, the suffix ids, the output length.
+    """
+    random.seed(2)
+    systems = [[random.randint(0, 9999) for _ in range(1024)] for _ in range(8)]
+    prompts, params = [], []
+    for _ in range(256):
+        system = random.choice(systems)
+        suffix = [random.randint(0, 9999) for _ in range(random.randint(32, 256))]
+        prompts.append(system + suffix)
+        params.append(SamplingParams(temperature=0.6, max_tokens=random.randint(64, 256), ignore_eos=True))
+    if scale != 1.0:
+        keep = _s(256, scale)
+        sys_len = _s(1024, scale)
+        prompts = [[t % vocab for t in p[:sys_len] + p[1024:1024 + _s(len(p) - 1024, scale)]]
+                   for p in prompts[:keep]]
+        params = [SamplingParams(temperature=0.6, max_tokens=_s(p.max_tokens, scale), ignore_eos=True)
+                  for p in params[:keep]]
+    return Workload("W3", prompts, params)
+
+
+def w4_interference(scale: float = 1.0, vocab: int = 10000) -> Workload:
+    """128 decoding requests (256 ids, 512 greedy tokens); then 8 prompts of 32768 ids (16 tokens) arrive."""
+    random.seed(3)
+    short = [[random.randint(0, 9999) for _ in range(256)] for _ in range(128)]
+    long = [[random.randint(0, 9999) for _ in range(32768)] for _ in range(8)]
+    n_short, short_out, long_len = 128, 512, 32768
+    if scale != 1.0:
+        n_short, short_out, long_len = _s(128, scale), max(4, _s(512, scale)), _s(32768, scale)
+        short = [[t % vocab for t in p[:_s(256, scale)]] for p in short[:n_short]]
+        long = [[t % vocab for t in p[:long_len]] for p in long]
+    return Workload(
+        "W4", short, [SamplingParams(temperature=0, max_tokens=short_out, ignore_eos=True)] * n_short,
+        late_prompts=long, late_params=[SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 8)
+
+
+WORKLOADS = {"w1": w1_offline, "w2": w2_latency, "w3": w3_shared_prefix, "w4": w4_interference}

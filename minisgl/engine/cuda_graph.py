@@ -1,0 +1,89 @@
+"""CUDA Graph runner for decode steps.
+
+A decode step of a small model is a few hundred short kernels; launching them one by one from Python costs
+more than running them. So we record ("capture") the whole forward once per batch size and replay it with
+one call. A graph replays fixed addresses, so every input lives in a fixed buffer that is refreshed in
+place before each replay; a batch is padded up to the next captured size, with padded rows writing their
+K/V to the reserved slot 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.attention import AttentionMetadata
+
+
+def default_batch_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 8))
+    return sorted({s for s in sizes if s <= max_bs} | {max_bs})
+
+
+class CudaGraphRunner:
+    def __init__(self, runner, max_bs: int, batch_sizes: list[int] | None = None) -> None:
+        self.runner = runner
+        self.model, self.attn = runner.model, runner.attn
+        self.batch_sizes = batch_sizes or default_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        dev, n = runner.device, self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.extend_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.extend_start = torch.arange(n, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.last_run_used_graph = False
+        self.attn.init_cuda_graph_state(n)
+        self._capture_all()
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            is_decode=True, req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+            prefix_lens=self.prefix_lens[:bs], extend_lens=self.extend_lens[:bs],
+            extend_start=self.extend_start[:bs], out_cache_loc=self.out_cache_loc[:bs],
+            max_seq_len=self.runner.max_model_len, max_extend_len=1)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
+            meta = self._meta(bs)
+            self.attn.prepare_for_capture(meta)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: autotuning and lazy initialisation must not be captured
+                    self.model(self.input_ids[:bs], self.positions[:bs], self.attn)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = self.model(self.input_ids[:bs], self.positions[:bs], self.attn)
+            self.graphs[bs], self.outputs[bs] = graph, out
+        torch.cuda.synchronize()
+
+    def can_run(self, batch) -> bool:
+        ok = batch.is_decode and batch.size <= self.max_bs
+        self.last_run_used_graph = ok
+        return ok
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            num_rows: int) -> torch.Tensor:
+        n = meta.batch_size
+        bs = next(s for s in self.batch_sizes if s >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.out_cache_loc[:n].copy_(meta.out_cache_loc)
+        self.req_pool_indices[:n].copy_(meta.req_pool_indices)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        if bs > n:  # padded rows: slot 0 is reserved, a one-token context reads a valid slot
+            self.out_cache_loc[n:bs].zero_()
+            self.seq_lens[n:bs].fill_(1)
+            self.positions[n:bs].zero_()
+        static = self._meta(bs)
+        self.attn.prepare_for_replay(static)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:num_rows]
