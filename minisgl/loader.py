@@ -107,7 +107,7 @@ def load_safetensors(model: DecoderLM, cfg: ModelConfig, path: str) -> None:
                     raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
                 target.copy_(tensor)
     missing = []
-    for name, p in model.named_parameters():
+    for name, _ in model.named_parameters():
         fused = name.rsplit(".", 2)[-2]
         if fused in ("qkv_proj", "gate_up_proj"):
             parts = 3 if fused == "qkv_proj" else 2
@@ -153,3 +153,21 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, load_format
     net.rotary.cos_sin = net.rotary.cos_sin.float()  # the rotary table stays fp32 whatever the dtype
     net.eval().requires_grad_(False)
     return LoadedModel(net, cfg, hf_config, path)
+
+
+def to_hf_state_dict(model: DecoderLM, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our weights under Hugging Face names (fused tensors split), e.g. to load a transformers peer."""
+    out = {}
+    for name, p in model.named_parameters():
+        module, leaf = name.rsplit(".", 1)
+        parent, fused = (module.rsplit(".", 1) + [""])[:2] if "." in module else ("", module)
+        prefix = "" if name.startswith("lm_head") else "model."
+        if fused == "qkv_proj" or fused == "gate_up_proj":
+            parts = ["q_proj", "k_proj", "v_proj"] if fused == "qkv_proj" else ["gate_proj", "up_proj"]
+            for i, part in enumerate(parts):
+                out[f"{prefix}{parent}.{part}.{leaf}"] = _fused_slice(p.data, cfg, fused, i)
+        else:
+            out[prefix + name] = p.data
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out

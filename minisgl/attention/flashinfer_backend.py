@@ -17,7 +17,8 @@ import torch
 
 from minisgl.attention.base import AttentionBackend, AttentionMetadata
 
-_WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's split-k scratch; 128 MB is its suggestion, long contexts like more
+# FlashInfer's split-k scratch (it suggests 128 MB; long contexts want more)
+_WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -62,7 +63,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         bs = len(seq_lens)
         indptr = torch.zeros(bs + 1, dtype=torch.int32)
         indptr[1:] = torch.tensor(num_pages, dtype=torch.int32).cumsum(0)
-        last_page_len = torch.tensor([s - (n - 1) * ps for s, n in zip(seq_lens, num_pages)], dtype=torch.int32)
+        last_page_len = torch.tensor([s - (n - 1) * ps for s, n in zip(seq_lens, num_pages)],
+                                     dtype=torch.int32)
         total = int(indptr[-1])
 
         # Page ids on the device: entry e belongs to request req[e], page number e - indptr[req[e]] of it.

@@ -34,7 +34,8 @@ def _jit(fn):
 
 def _require_triton() -> None:
     if triton is None:
-        raise ImportError("minisgl.kernels.attention needs Triton (pip install triton); use the torch backend")
+        raise ImportError("minisgl.kernels.attention needs Triton (pip install triton); "
+                          "use the torch attention backend instead")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -108,12 +108,12 @@ def _rms_norm_kernel(
 
 
 @_jit
-def _silu_and_mul_kernel(GU, Out, stride_g, stride_o, I, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(GU, Out, stride_g, stride_o, inter, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
+    mask = offs < inter
     g = tl.load(GU + t * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU + t * stride_g + I + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + t * stride_g + inter + offs, mask=mask, other=0.0).to(tl.float32)
     # Round silu(gate) to the activation dtype before the product, as the two-op torch version does.
     s = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
     tl.store(Out + t * stride_o + offs, (s * u).to(Out.dtype.element_ty), mask=mask)

@@ -1,0 +1,295 @@
+"""Request bodies of the OpenAI-compatible API, and the error shape every failure is answered with.
+
+Parsing is strict: a wrong type is an error (no "5" for 5, no 1 for true), unknown fields are refused (a
+typo such as `max_token` is named instead of silently ignored), and non-finite numbers are refused. Fields
+the OpenAI API has but this server does not implement are accepted only at their neutral value, so a
+client that sends `n: 1` or `presence_penalty: 0` works and one that asks for `n: 2` is told why not.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+MAX_SEED = 2**63 - 1
+
+
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """The request body as a JSON object, or APIError(400)."""
+    if not raw.strip():
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}",
+                       code="invalid_json")
+    return body
+
+
+def validation_error(err: ValidationError) -> APIError:
+    """The first problem pydantic found, as an APIError naming the parameter."""
+    first = err.errors(include_url=False)[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    param = ".".join(loc) or None
+    kind = first.get("type", "invalid")
+    if kind == "missing":
+        message = f"missing required parameter '{param}'"
+    elif kind == "extra_forbidden":
+        message = f"unrecognized request argument supplied: '{param}'"
+    else:
+        msg = first.get("msg", "invalid value")
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        message = f"invalid value for '{param}': {msg}" if param else msg
+        if "input" in first and kind not in ("model_type", "dict_type"):
+            shown = repr(first["input"])
+            message += f" (got {shown[:80] + '...' if len(shown) > 80 else shown})"
+    return APIError(400, message, param=param, code=kind)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # extension: -1 or 0 = off
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Any = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool | None = False  # extension
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return ()
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(v)}")
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_LEN for s in v):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_LEN} characters long")
+        return tuple(v)
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if v is not None and v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v):
+        if v:
+            raise ValueError("presence and frequency penalties are not supported (only 0)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Any
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        """A string or a list of token ids (a one-element batch of either is unwrapped)."""
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]
+        if isinstance(v, str):
+            if v == "":
+                raise ValueError("the prompt is empty")
+            return v
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("the prompt is empty")
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+                return v
+            if all(isinstance(t, (str, list)) for t in v):
+                raise ValueError("batched prompts are not supported; send one prompt per request")
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v is not None and v != 1:
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Any] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        """Text, or a list of text parts (joined); other part types are refused."""
+        if isinstance(v, list):
+            texts = []
+            for part in v:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"only text content parts are supported, got {kind!r}")
+                texts.append(TextPart.model_validate(part).text)
+            return "".join(texts)
+        return v
+
+    @model_validator(mode="after")
+    def _needs_content(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("messages must hold at least one message")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v is not None and v != {"type": "text"}:
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        if v:
+            raise ValueError("tools are not supported")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v not in (None, "none"):
+            raise ValueError("tool_choice is not supported")
+        return v
+
+    def conversation(self) -> list[dict]:
+        """Messages as plain dicts for the chat template (developer is the newer name of system)."""
+        out = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            msg = {"role": role, "content": m.content or ""}
+            if m.name:
+                msg["name"] = m.name
+            out.append(msg)
+        return out

@@ -1,0 +1,260 @@
+"""One call on the H200 machine: check correctness, then time everything; JSON under --out.
+
+    python scripts/h200_run.py --out $OUT --sections ceilings,parity,bench06,profile
+
+Sections (comma separated):
+  ceilings   device-to-device copy bandwidth and bf16 matmul rate, measured now
+  parity     greedy tokens vs transformers on the GPU at Qwen3-0.6B shapes (dummy weights), fp32 and bf16
+  kernels    Triton attention kernels vs a torch fp32 reference (scripts/gpu_kernel_check.py)
+  bench06    W1-W4 on Qwen3-0.6B with defaults, then each switch off in turn (the ablation table)
+  bench8     W1, W2 on Qwen3-8B with defaults and the overlap / CUDA Graph ablations
+  hf06, hf8  Hugging Face transformers W2 peer (sdpa, dynamic cache) on the same dummy weights
+  profile    torch.profiler diagnosis of a W1 slice on Qwen3-0.6B
+  flashinfer W1 and W2 on Qwen3-0.6B with --attention-backend flashinfer
+Each section's result (or its traceback) is written as soon as it ends, so a timeout keeps what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from minisgl import LLM, SamplingParams  # noqa: E402
+from minisgl.bench.runner import environment, run_workload, write_json  # noqa: E402
+
+CONFIGS = {"qwen3-0.6b": "assets/configs/qwen3-0.6b", "qwen3-8b": "assets/configs/qwen3-8b"}
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def free_gpu():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def ceilings() -> dict:
+    n = 2 << 30  # 2 GiB
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    bw = 2 * n / statistics.median(times)
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    free_gpu()
+    return {"copy_bytes_per_s": bw, "bf16_matmul_flops": 2 * m ** 3 / statistics.median(times)}
+
+
+def hf_model_like(llm_or_loaded, dtype):
+    """A transformers model holding exactly our (dummy) weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minisgl.loader import to_hf_state_dict
+    model, cfg, path = llm_or_loaded
+    hf_cfg = AutoConfig.from_pretrained(path)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=dtype, attn_implementation="sdpa")
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(model, cfg), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if cfg.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.eval()
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def parity() -> dict:
+    import random
+    random.seed(7)
+    prompts = [[random.randint(0, 150000) for _ in range(random.randint(16, 200))] for _ in range(8)]
+    res = {}
+    for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype=dtype_name, max_model_len=4096,
+                  kv_memory_fraction=0.3)
+        r = llm.engine.runner
+        hf = hf_model_like((r.model, r.model_config, r.model_path), dtype)
+        ref = [hf_greedy(hf, p, 64) for p in prompts]
+        del hf
+        free_gpu()
+        per_switch = {}
+        for label, kw in (("default", {}), ("no_overlap", {"overlap": False}),
+                          ("no_cuda_graph", {"cuda_graph": False})):
+            if kw:
+                del llm
+                free_gpu()
+                llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype=dtype_name, max_model_len=4096,
+                          kv_memory_fraction=0.3, **kw)
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+            prefix = []
+            for o, rf in zip(outs, ref):
+                k = next((i for i, (a, b) in enumerate(zip(o.token_ids, rf)) if a != b), len(rf))
+                prefix.append(k)
+            per_switch[label] = {"exact": sum(p == 64 for p in prefix), "of": len(prompts),
+                                 "tokens_before_first_divergence": prefix,
+                                 "graph_hit_rate": llm.engine.stats["graph_steps"] /
+                                 max(llm.engine.stats["decode_steps"], 1)}
+            log(dtype_name, label, per_switch[label])
+        res[dtype_name] = per_switch
+        del llm
+        free_gpu()
+    return res
+
+
+def kernels() -> dict:
+    import subprocess
+    path = "/tmp/kernel_check.json"
+    subprocess.run([sys.executable, "scripts/gpu_kernel_check.py", "--out", path], check=True)
+    with open(path) as f:
+        return json.load(f)
+
+
+def bench(model: str, runs: list[tuple[str, list[str], dict]]) -> dict:
+    res = {}
+    for label, workloads, kw in runs:
+        t0 = time.perf_counter()
+        try:
+            llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16", **kw)
+            startup = time.perf_counter() - t0
+            res[label] = {"settings": kw, "startup_s": startup, "kv_pool_tokens": llm.engine.runner.kv_capacity_tokens}
+            for w in workloads:
+                res[label][w] = run_workload(llm, w)
+                log(model, label, w, {k: v for k, v in res[label][w].items() if not isinstance(v, (list, dict))})
+            del llm
+        except Exception:
+            res[label] = {"settings": kw, "error": traceback.format_exc()}
+            log(model, label, "FAILED", res[label]["error"])
+        free_gpu()
+    return res
+
+
+def hf_peer(model: str, n_requests: int = 2) -> dict:
+    import random
+
+    from minisgl.loader import load_model
+    loaded = load_model(CONFIGS[model], torch.bfloat16, torch.device("cuda"), "dummy", 0)
+    hf = hf_model_like((loaded.model, loaded.config, loaded.path), torch.bfloat16)
+    del loaded
+    free_gpu()
+    random.seed(1)  # W2's prompts
+    prompts = [[random.randint(0, 9999) for _ in range(512)] for _ in range(8)][:n_requests]
+    hf_greedy(hf, prompts[0][:64], 4)  # warm-up
+    ttfts, tpots = [], []
+    for p in prompts:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf_greedy(hf, p, 1)
+        torch.cuda.synchronize()
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        hf_greedy(hf, p, 256)
+        torch.cuda.synchronize()
+        e2e = time.perf_counter() - t0
+        ttfts.append(ttft)
+        tpots.append((e2e - ttft) / 255)
+    del hf
+    free_gpu()
+    return {"engine": "transformers generate, sdpa, dynamic cache", "requests": n_requests,
+            "ttft_ms_median": 1e3 * statistics.median(ttfts), "tpot_ms_median": 1e3 * statistics.median(tpots)}
+
+
+def profile() -> dict:
+    from minisgl.bench.profile import profile_w1_slice
+    llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype="bfloat16")
+    out = {"default": profile_w1_slice(llm)}
+    del llm
+    free_gpu()
+    llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype="bfloat16", overlap=False)
+    out["no_overlap"] = profile_w1_slice(llm, keep_intervals=0)
+    del llm
+    free_gpu()
+    llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype="bfloat16", cuda_graph=False)
+    out["no_cuda_graph"] = profile_w1_slice(llm, keep_intervals=0)
+    del llm
+    free_gpu()
+    return out
+
+
+ABLATIONS_06 = [
+    ("default", ["w1", "w2", "w3", "w4"], {}),
+    ("no_overlap", ["w1", "w2"], {"overlap": False}),
+    ("no_cuda_graph", ["w1", "w2"], {"cuda_graph": False}),
+    ("no_radix_cache", ["w1", "w3"], {"radix_cache": False}),
+    ("no_chunked_prefill", ["w1", "w4"], {"chunked_prefill": False}),
+]
+ABLATIONS_8 = [
+    ("default", ["w1", "w2"], {}),
+    ("no_overlap", ["w1", "w2"], {"overlap": False}),
+    ("no_cuda_graph", ["w2"], {"cuda_graph": False}),
+]
+SECTIONS = {
+    "ceilings": ceilings, "parity": parity, "kernels": kernels,
+    "bench06": lambda: bench("qwen3-0.6b", ABLATIONS_06),
+    "bench8": lambda: bench("qwen3-8b", ABLATIONS_8),
+    "hf06": lambda: hf_peer("qwen3-0.6b"), "hf8": lambda: hf_peer("qwen3-8b"),
+    "profile": profile,
+    "flashinfer": lambda: bench("qwen3-0.6b", [("flashinfer", ["w1", "w2"], {"attention_backend": "flashinfer"})]),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sections", required=True)
+    ap.add_argument("--file", default="results.json", help="JSON file name under --out")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    data = {"environment": environment(), "sections": {}}
+    path = os.path.join(a.out, a.file)
+    for name in a.sections.split(","):
+        log("section", name)
+        t0 = time.perf_counter()
+        try:
+            data["sections"][name] = {"result": SECTIONS[name]()}
+        except Exception:
+            data["sections"][name] = {"error": traceback.format_exc()}
+            log(name, "FAILED\n", data["sections"][name]["error"])
+        data["sections"][name]["seconds"] = time.perf_counter() - t0
+        write_json(path, data)
+    log("done", {k: round(v["seconds"], 1) for k, v in data["sections"].items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
