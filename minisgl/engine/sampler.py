@@ -59,9 +59,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits `[B, V]` float32 → next token ids `[B]` int64."""
-    greedy_tokens = logits.argmax(dim=-1)
     if st.all_greedy:
-        return greedy_tokens
+        return logits.argmax(dim=-1)
+    if logits.is_cuda and not st.any_top_k_p:
+        from minisgl.kernels import sampling as fused
+        if fused.triton is not None:  # one pass over the logits instead of ~15
+            return fused.gumbel_argmax(logits, st.temperatures, st.seeds, st.steps)
+    greedy_tokens = logits.argmax(dim=-1)
     temps = st.temperatures.clamp_min(1e-6)[:, None]
     scaled = logits / temps
     if st.any_top_k_p:

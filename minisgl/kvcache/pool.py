@@ -88,7 +88,10 @@ class ReqToTokenPool:
         self.device = torch.device(device)
         self.table = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
         self._free_rows = list(range(max_reqs - 1, -1, -1))
-        self._pending: list[tuple[int, int, torch.Tensor]] = []
+        # queued writes as three flat lists: cheap to append one decode token at a time
+        self._rows: list[int] = []
+        self._cols: list[int] = []
+        self._vals: list[int] = []
 
     @property
     def num_free(self) -> int:
@@ -100,18 +103,18 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        if slots.numel():
-            self._pending.append((row, start, slots))
+    def write(self, row: int, start: int, slots: list[int]) -> None:
+        n = len(slots)
+        if n:
+            self._rows.extend([row] * n)
+            self._cols.extend(range(start, start + n))
+            self._vals.extend(slots)
 
     def flush(self) -> None:
-        if not self._pending:
+        if not self._rows:
             return
-        rows = torch.cat([torch.full((s.numel(),), r, dtype=torch.int64) for r, _, s in self._pending])
-        cols = torch.cat([torch.arange(st, st + s.numel(), dtype=torch.int64) for _, st, s in self._pending])
-        vals = torch.cat([s.to(torch.int32) for _, _, s in self._pending])
-        self._pending.clear()
-        packed = torch.stack([rows, cols, vals.to(torch.int64)])
+        packed = torch.tensor([self._rows, self._cols, self._vals], dtype=torch.int64)
+        self._rows, self._cols, self._vals = [], [], []
         if self.device.type == "cuda":
             packed = packed.pin_memory().to(self.device, non_blocking=True)
         self.table[packed[0], packed[1]] = packed[2].to(torch.int32)

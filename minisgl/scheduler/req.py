@@ -63,6 +63,15 @@ class Req:
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
 
+    def ids_between(self, start: int, end: int) -> list[int]:
+        """Token ids start..end-1 (resolved ones), without building the whole sequence."""
+        n_in = len(self.input_ids)
+        if end <= n_in:
+            return self.input_ids[start:end]
+        if start >= n_in:
+            return self.output_ids[start - n_in:end - n_in]
+        return self.input_ids[start:] + self.output_ids[:end - n_in]
+
     def known_ids(self, end: int) -> list[int]:
         """The first `end` token ids; all must be resolved."""
         n_in = len(self.input_ids)

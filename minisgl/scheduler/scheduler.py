@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 from minisgl.kvcache import PageAllocator, PrefixCache, ReqToTokenPool
 from minisgl.scheduler.batch import Batch
 from minisgl.scheduler.req import Req, ReqStatus
@@ -58,10 +56,12 @@ class Scheduler:
             self.cache.evict(short)
         return self.allocator.num_free >= n
 
-    def _slots(self, req: Req, start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        pages = torch.tensor(req.pages, dtype=torch.int64)
-        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+    def _slots(self, req: Req, start: int, end: int) -> list[int]:
+        """KV slots of the request's tokens start..end-1."""
+        p, pages = self.page_size, req.pages
+        if p == 1:
+            return pages[start:end]
+        return [pages[i // p] * p + i % p for i in range(start, end)]
 
     def release(self, req: Req) -> None:
         """Give back a request's KV: the page-aligned prefix to the prefix cache, the rest to the pool."""
@@ -199,9 +199,9 @@ class Scheduler:
             batch.reqs.append(req)
             batch.prefix_lens.append(start)
             batch.extend_lens.append(n)
-            batch.out_cache_loc.extend(slots.tolist())
+            batch.out_cache_loc.extend(slots)
             n_known = min(start + n, req.num_tokens - req.num_pending)
-            batch.input_ids.extend(req.known_ids(n_known)[start:])
+            batch.input_ids.extend(req.ids_between(start, n_known))
             if n_known < start + n:  # the last token is still on the device, sampled by the previous step
                 assert req.pending_src is not None and req.pending_src[0] == self.step_id - 1
                 batch.pending_dst.append(len(batch.input_ids))
