@@ -7,6 +7,7 @@ Sections (comma separated):
   parity     greedy tokens vs transformers on the GPU at Qwen3-0.6B shapes (dummy weights), fp32 and bf16
   kernels    Triton attention kernels vs a torch fp32 reference (scripts/gpu_kernel_check.py)
   bench06    W1-W4 on Qwen3-0.6B with defaults, then each switch off in turn (the ablation table)
+  quick06    W2 then W1 on Qwen3-0.6B with defaults only (a first look)
   bench8     W1, W2 on Qwen3-8B with defaults and the overlap / CUDA Graph ablations
   hf06, hf8  Hugging Face transformers W2 peer (sdpa, dynamic cache) on the same dummy weights
   profile    torch.profiler diagnosis of a W1 slice on Qwen3-0.6B
@@ -85,18 +86,19 @@ def hf_model_like(llm_or_loaded, dtype):
     model, cfg, path = llm_or_loaded
     hf_cfg = AutoConfig.from_pretrained(path)
     with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=dtype, attn_implementation="sdpa")
+        hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(model, cfg), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     if cfg.tie_word_embeddings:
         hf.tie_weights()
+    hf.generation_config.eos_token_id = None  # dummy weights: run every request to its length
+    hf.generation_config.pad_token_id = 0
     return hf.eval()
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt], device="cuda")
-    out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                      pad_token_id=0)
+    out = hf.generate(ids, max_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
 
 
@@ -149,6 +151,7 @@ def bench(model: str, runs: list[tuple[str, list[str], dict]]) -> dict:
     res = {}
     for label, workloads, kw in runs:
         t0 = time.perf_counter()
+        llm = None
         try:
             llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16", **kw)
             startup = time.perf_counter() - t0
@@ -156,10 +159,10 @@ def bench(model: str, runs: list[tuple[str, list[str], dict]]) -> dict:
             for w in workloads:
                 res[label][w] = run_workload(llm, w)
                 log(model, label, w, {k: v for k, v in res[label][w].items() if not isinstance(v, (list, dict))})
-            del llm
         except Exception:
             res[label] = {"settings": kw, "error": traceback.format_exc()}
             log(model, label, "FAILED", res[label]["error"])
+        llm = None
         free_gpu()
     return res
 
@@ -227,6 +230,7 @@ SECTIONS = {
     "ceilings": ceilings, "parity": parity, "kernels": kernels,
     "bench06": lambda: bench("qwen3-0.6b", ABLATIONS_06),
     "bench8": lambda: bench("qwen3-8b", ABLATIONS_8),
+    "quick06": lambda: bench("qwen3-0.6b", [("default", ["w2", "w1"], {})]),
     "hf06": lambda: hf_peer("qwen3-0.6b"), "hf8": lambda: hf_peer("qwen3-8b"),
     "profile": profile,
     "flashinfer": lambda: bench("qwen3-0.6b", [("flashinfer", ["w1", "w2"], {"attention_backend": "flashinfer"})]),

@@ -1,3 +1,4 @@
+# generated from notebooks/03_attention.ipynb by autograder/course.py export — edit the notebook, not this file
 """The attention backend interface.
 
 A backend owns how attention reads the paged KV pool. The model calls `forward(q, k, v, layer_id)` in every

@@ -1,3 +1,4 @@
+# generated from notebooks/03_attention.ipynb by autograder/course.py export — edit the notebook, not this file
 """The reference backend: plain torch, one request at a time. Slow, obviously right, runs anywhere."""
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -123,10 +124,14 @@ def environment() -> dict:
         except Exception:
             return None
     import transformers
+    # a copy of the tree without .git (the GPU machine) gets the commit from the caller
+    commit = os.environ.get("MINISGL_GIT_COMMIT") or git("rev-parse", "HEAD")
+    dirty = os.environ.get("MINISGL_GIT_DIRTY")
     env = {
-        "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain")),
+        "git_commit": commit,
+        "git_dirty": (dirty == "1") if dirty is not None else bool(git("status", "--porcelain")),
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),
+        "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if torch.cuda.is_available():

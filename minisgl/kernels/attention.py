@@ -4,7 +4,7 @@ Both read keys through `req_to_token`, so the pool's page size never matters to 
 - K/V buffers of one layer: `[num_slots, num_kv_heads, head_dim]`, slot = page * page_size + offset.
 - `req_to_token[row, pos]` (int32) is the slot of token `pos` of the request that owns `row`.
 
-Triton is imported lazily-guarded: this module imports on a machine without Triton, only the launchers fail.
+The Triton import is guarded: this module imports on a machine without Triton; only the launchers fail.
 """
 
 from __future__ import annotations
@@ -261,6 +261,56 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 
 
 @_jit
+def _load_tile(ptrs, rmask, cmask, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
+    # Masks only where they can bite: full key tiles and power-of-2 head dims load unpredicated.
+    if MASK_R and MASK_C:
+        return tl.load(ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0)
+    elif MASK_R:
+        return tl.load(ptrs, mask=rmask[:, None], other=0.0)
+    elif MASK_C:
+        return tl.load(ptrs, mask=cmask[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@_jit
+def _extend_tile(
+    q, m_i, l_i, acc, K, V, ReqToToken, row, stride_r2t, kvh, stride_kn, stride_kh, stride_vn, stride_vh,
+    n0, kv_end, q_pos, qk_scale, offs_d, dmask,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    """One BLOCK_N key tile of online softmax. CAUSAL tiles may hold keys past kv_end or past some rows'
+    positions; the others are full tiles every row of the block may see."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    nmask = offs_n < kv_end
+    if CAUSAL:
+        slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
+    else:
+        slots = tl.load(ReqToToken + row * stride_r2t + offs_n).to(tl.int64)
+    k = _load_tile(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], nmask, dmask, CAUSAL,
+                   MASK_D)
+    if IEEE_DOT:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * qk_scale
+    if CAUSAL:
+        qk = tl.where(nmask[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
+    # Key 0 is visible to every row and comes first, so every row's max is finite after the first tile.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_tile(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], nmask, dmask, CAUSAL,
+                   MASK_D)
+    if IEEE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@_jit
 def _extend_kernel(
     Q, K, V, Out, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_r2t,
@@ -270,7 +320,8 @@ def _extend_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    mblk = tl.program_id(2)
+    # Last query blocks first: under the causal mask they have the most keys, so the short ones fill the tail.
+    mblk = tl.num_programs(2) - 1 - tl.program_id(2)
     ext_len = tl.load(ExtendLens + b).to(tl.int32)
     m_start = mblk * BLOCK_M
     if m_start < ext_len:  # the grid is sized for the longest request; shorter ones skip the extra blocks
@@ -287,36 +338,23 @@ def _extend_kernel(
         q = tl.load(q_ptrs, mask=mmask[:, None] & dmask[None, :], other=0.0).to(K.dtype.element_ty)
         q_pos = prefix + offs_m
 
-        # Causal: the last row of this block (or of the request) bounds the keys any row here may see.
-        kv_end = prefix + tl.minimum(m_start + BLOCK_M, ext_len)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for n0 in range(0, kv_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            nmask = offs_n < kv_end
-            slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
-            kv_mask = nmask[:, None] & dmask[None, :]
-            k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask,
-                        other=0.0)
-            if IEEE_DOT:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            visible = nmask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            # Key 0 is visible to every row, so after the first tile every row's max is finite.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask,
-                        other=0.0)
-            if IEEE_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        # Keys before prefix + m_start are visible to every row here: whole tiles of them need no mask.
+        full_end = (prefix + m_start) // BLOCK_N * BLOCK_N
+        # Causal: the last row of this block (or of the request) bounds the keys any row here may see.
+        kv_end = prefix + tl.minimum(m_start + BLOCK_M, ext_len)
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _extend_tile(
+                q, m_i, l_i, acc, K, V, ReqToToken, row, stride_r2t, kvh, stride_kn, stride_kh, stride_vn,
+                stride_vh, n0, kv_end, q_pos, qk_scale, offs_d, dmask,
+                BLOCK_N=BLOCK_N, CAUSAL=False, MASK_D=BLOCK_D != HEAD_DIM, IEEE_DOT=IEEE_DOT)
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            m_i, l_i, acc = _extend_tile(
+                q, m_i, l_i, acc, K, V, ReqToToken, row, stride_r2t, kvh, stride_kn, stride_kh, stride_vn,
+                stride_vh, n0, kv_end, q_pos, qk_scale, offs_d, dmask,
+                BLOCK_N=BLOCK_N, CAUSAL=True, MASK_D=BLOCK_D != HEAD_DIM, IEEE_DOT=IEEE_DOT)
 
         o = acc / l_i[:, None]
         o_ptrs = Out + (tok0 + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :]
@@ -327,11 +365,23 @@ def _extend_blocks(head_dim: int, device: torch.device) -> tuple[int, int, int, 
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the extend kernel."""
     if device.type != "cuda":
         return 32, 32, 4, 1  # interpreter: small tiles keep the CPU tests quick
-    if head_dim <= 64:
-        return 128, 64, 4, 3
     if head_dim <= 128:
-        return 128, 64, 8, 3
+        # Swept on an H200 with Qwen3 shapes: 128x128 tiles, 8 warps lead on Hopper (they need ~200 KB of
+        # shared memory for 3 stages); 128x64 with 4 warps is within a few percent and fits smaller GPUs.
+        if _capability(device)[0] == 9:
+            return 128, 128, 8, 3
+        return 128, 64, 4, 3
     return 64, 32, 4, 2
+
+
+_capability_cache: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _capability_cache:
+        _capability_cache[idx] = torch.cuda.get_device_capability(idx)
+    return _capability_cache[idx]
 
 
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,

@@ -33,8 +33,16 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("MINISGL_FORCE_TRITON", "0") == "1"
 
 
-def _norm_warps(n: int) -> int:
-    return 4 if n <= 1024 else (8 if n <= 4096 else 16)
+# (rows per program, warps) by padded row length; overridable so scripts can sweep it on the GPU.
+NORM_CONFIGS: dict[int, tuple[int, int]] = {}
+
+
+def _norm_config(block: int) -> tuple[int, int]:
+    if block in NORM_CONFIGS:
+        return NORM_CONFIGS[block]
+    # From a noisy sweep on an H200: several short rows per program, 4-8 warps.
+    rows = 16 if block <= 256 else (4 if block <= 4096 else 1)
+    return rows, (4 if rows * block <= 4096 else 8)
 
 
 # ------------------------------------------------------------ references ------------------------------------
@@ -78,17 +86,21 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 @_jit
 def _rms_norm_kernel(
-    X, R, W, Y, RES_OUT, n_inner,
+    X, R, W, Y, RES_OUT, n_rows, n_inner,
     stride_x0, stride_x1, stride_r0, stride_r1, stride_y0, stride_y1, stride_o0, stride_o1,
-    N, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+    N, eps, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, HAS_RES: tl.constexpr,
 ):
-    # Rows are addressed as (outer, inner) so a [T, H, D] view with any token/head strides (Qwen3's per-head
-    # q/k norm on a slice of the fused qkv output) needs no copy.
-    pid = tl.program_id(0)
-    i0 = (pid // n_inner).to(tl.int64)
-    i1 = (pid % n_inner).to(tl.int64)
+    # BLOCK_R rows per program (short rows, e.g. per-head norms over 128 values, would leave a program mostly
+    # idle). Rows are addressed as (outer, inner) so a [T, H, D] view with any token/head strides (Qwen3's
+    # per-head q/k norm on a slice of the fused qkv output) needs no copy.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    i0 = (rows // n_inner).to(tl.int64)[:, None]
+    i1 = (rows % n_inner).to(tl.int64)[:, None]
     offs = tl.arange(0, BLOCK)
-    mask = offs < N
+    cmask = offs < N
+    mask = rmask[:, None] & cmask[None, :]
+    offs = offs[None, :]
     x = tl.load(X + i0 * stride_x0 + i1 * stride_x1 + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(R + i0 * stride_r0 + i1 * stride_r1 + offs, mask=mask, other=0.0)
@@ -100,10 +112,10 @@ def _rms_norm_kernel(
     else:
         xf = x.to(tl.float32)
         norm_dtype = X.dtype.element_ty
-    var = tl.sum(xf * xf, 0) / N
+    var = tl.sum(xf * xf, 1) / N
     rstd = tl.rsqrt(var + eps)
-    normed = (xf * rstd).to(norm_dtype).to(tl.float32)
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    normed = (xf * rstd[:, None]).to(norm_dtype).to(tl.float32)
+    w = tl.load(W + offs, mask=cmask[None, :], other=0.0).to(tl.float32)
     tl.store(Y + i0 * stride_y0 + i1 * stride_y1 + offs, (w * normed).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -184,11 +196,13 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     if n0 * n1 == 0:
         return y, res_out
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(n0 * n1,)](
-        xv, rv, weight, yv, ro if ro is not None else yv, n1,
+    block_r, num_warps = _norm_config(block)
+    n_rows = n0 * n1
+    _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
+        xv, rv, weight, yv, ro if ro is not None else yv, n_rows, n1,
         sx0, sx1, sr0, sr1, yv.stride(0), yv.stride(1),
         ro.stride(0) if ro is not None else 0, ro.stride(1) if ro is not None else 0,
-        n, eps, BLOCK=block, HAS_RES=residual is not None, num_warps=_norm_warps(n),
+        n, eps, BLOCK=block, BLOCK_R=block_r, HAS_RES=residual is not None, num_warps=num_warps,
     )
     return y, res_out
 
