@@ -48,10 +48,11 @@ class Engine:
         if len(input_ids) == 0:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in input_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab),
-                   None)
+        # the index, not the token: a None token must not read as "nothing bad found"
+        bad = next((i for i, t in enumerate(input_ids)
+                    if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"token id {bad!r} is out of the vocabulary [0, {vocab})")
+            raise ValueError(f"token id {input_ids[bad]!r} is out of the vocabulary [0, {vocab})")
         params.validate()
         n, ctx = len(input_ids), self.max_model_len
         if n >= ctx:
@@ -140,7 +141,9 @@ class Engine:
             return "stop"
         if req.stop_check is not None and req.stop_check(req):
             return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        # resolved tokens only: under overlap, num_tokens also counts a token still in flight, which would end
+        # the request one token early
+        if len(req.output_ids) >= p.max_tokens or len(req.input_ids) + len(req.output_ids) >= self.max_model_len:
             return "length"
         return None
 

@@ -1,3 +1,4 @@
+# generated from notebooks/02_kv_pool.ipynb by autograder/course.py export — edit the notebook, not this file
 """KV storage by pages, the page allocator and the request→token table."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# generated from notebooks/04_radix_cache.ipynb by autograder/course.py export — edit the notebook, not this file
 """What a prefix cache promises the scheduler, and the naive cache that keeps nothing (the ablation)."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# generated from notebooks/04_radix_cache.ipynb by autograder/course.py export — edit the notebook, not this file
 """A radix tree over token ids whose nodes hold KV pages: prefix reuse across requests.
 
 Each edge holds a whole number of pages of tokens. Nodes locked by running requests (and their
