@@ -1,3 +1,4 @@
+# generated from notebooks/01_model.ipynb by autograder/course.py export — edit the notebook, not this file
 """Build a model from a folder (or hub id) in Hugging Face layout and load its weights.
 
 `load_format="dummy"` needs only config.json: it fills the weights with seeded random values of a sane

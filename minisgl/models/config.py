@@ -1,3 +1,4 @@
+# generated from notebooks/01_model.ipynb by autograder/course.py export — edit the notebook, not this file
 """The few numbers of a Hugging Face config that our models need, read once into a frozen dataclass."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# generated from notebooks/01_model.ipynb by autograder/course.py export — edit the notebook, not this file
 """One decoder-only transformer that covers Llama-3, Qwen2 and Qwen3.
 
 The three differ in two switches: Qwen2 has a bias on q/k/v, Qwen3 normalises q and k per head

@@ -1,3 +1,4 @@
+# generated from notebooks/01_model.ipynb by autograder/course.py export — edit the notebook, not this file
 """The building blocks shared by our decoder models: norm, rotary embedding, MLP.
 
 The elementwise work goes through `minisgl.kernels.elementwise`, which fuses it in Triton on a GPU and
