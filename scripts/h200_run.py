@@ -231,6 +231,7 @@ SECTIONS = {
     "bench06": lambda: bench("qwen3-0.6b", ABLATIONS_06),
     "bench8": lambda: bench("qwen3-8b", ABLATIONS_8),
     "quick06": lambda: bench("qwen3-0.6b", [("default", ["w2", "w1"], {})]),
+    "w1_06": lambda: bench("qwen3-0.6b", [("default", ["w1"], {})]),
     "hf06": lambda: hf_peer("qwen3-0.6b"), "hf8": lambda: hf_peer("qwen3-8b"),
     "profile": profile,
     "flashinfer": lambda: bench("qwen3-0.6b", [("flashinfer", ["w1", "w2"], {"attention_backend": "flashinfer"})]),

@@ -20,10 +20,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def warm_up(llm, n: int = 4, prompt_len: int = 64, out: int = 8) -> None:
+def warm_up(llm, n: int = 8, out: int = 16) -> None:
+    """Compile every kernel variant a workload will use before the clock starts: short and chunk-sized
+    prompts (mixed prefill + decode steps), greedy and temperature sampling (the fused sampler)."""
     vocab = llm.engine.model_config.vocab_size
-    prompts = [[(7 * i + j) % vocab for j in range(prompt_len)] for i in range(n)]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True), progress=False)
+    chunk = llm.config.chunked_prefill_size if llm.config.chunked_prefill_size > 0 else 8192
+    lengths = [1, 17, 64, 200, 513, min(chunk + 100, llm.engine.max_model_len - out - 1)]
+    prompts = [[(7 * i + j) % vocab for j in range(lengths[i % len(lengths)])] for i in range(n)]
+    params = [SamplingParams(temperature=0.6 if i % 2 else 0.0, max_tokens=out, ignore_eos=True) for i in range(n)]
+    llm.generate(prompts, params, progress=False)
 
 
 def _engine_stats(llm) -> dict:

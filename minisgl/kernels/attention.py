@@ -361,10 +361,12 @@ def _extend_kernel(
         tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
 
-def _extend_blocks(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+def _extend_blocks(head_dim: int, device: torch.device, elem_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the extend kernel."""
     if device.type != "cuda":
         return 32, 32, 4, 1  # interpreter: small tiles keep the CPU tests quick
+    if elem_size > 2:
+        return 64, 64, 4, 2  # fp32 tiles take twice the shared memory: 128x128x3 stages does not fit
     if head_dim <= 128:
         # Swept on an H200 with Qwen3 shapes: 128x128 tiles, 8 warps lead on Hopper (they need ~200 KB of
         # shared memory for 3 stages); 128x64 with 4 warps is within a few percent and fits smaller GPUs.
@@ -404,7 +406,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     assert req_to_token.stride(-1) == 1
     if T == 0 or B == 0 or max_extend_len <= 0:
         return out
-    bm, bn, num_warps, num_stages = _extend_blocks(D, q.device)
+    bm, bn, num_warps, num_stages = _extend_blocks(D, q.device, k_buf.element_size())
     bm = block_m or bm
     bn = block_n or bn
     block_d = max(16, triton.next_power_of_2(D))
