@@ -47,6 +47,13 @@ def parse_json_object(raw: bytes) -> dict:
         body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    try:  # JSON may spell unpaired UTF-16 surrogates (\ud800), which are not text and break tokenizers
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body holds an unpaired UTF-16 surrogate (such as \\ud800); "
+                            "strings must be valid Unicode", code="invalid_json") from None
+    except (ValueError, RecursionError):
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}",
                        code="invalid_json")
@@ -69,7 +76,10 @@ def validation_error(err: ValidationError) -> APIError:
             msg = msg[len("Value error, "):]
         message = f"invalid value for '{param}': {msg}" if param else msg
         if "input" in first and kind not in ("model_type", "dict_type"):
-            shown = repr(first["input"])
+            try:
+                shown = repr(first["input"])
+            except RecursionError:
+                shown = "a deeply nested value"
             message += f" (got {shown[:80] + '...' if len(shown) > 80 else shown})"
     return APIError(400, message, param=param, code=kind)
 
@@ -167,7 +177,8 @@ class CompletionRequest(_Sampling):
                 raise ValueError("the prompt is empty")
             if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
                 return v
-            if all(isinstance(t, (str, list)) for t in v):
+            if len(v) > 1 and all(isinstance(t, str) or (isinstance(t, list) and t and all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in t)) for t in v):
                 raise ValueError("batched prompts are not supported; send one prompt per request")
         raise ValueError("prompt must be a string or a list of token ids")
 

@@ -78,6 +78,7 @@ class EngineWorker:
         self.fatal_error: str | None = None
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "aborted": 0, "errors": 0}
         self._stopped = threading.Event()
+        self._stop_requested = False
 
     # --- the asyncio side (any thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -138,6 +139,12 @@ class EngineWorker:
             "engine_steps": e.stats.get("steps", 0),
         }
 
+    def _answer_stats(self, fut: concurrent.futures.Future) -> None:
+        try:
+            fut.set_result(self._stats())
+        except Exception as e:  # never leave the asker waiting
+            fut.set_exception(e)
+
     def _run(self) -> None:
         try:
             while True:
@@ -153,11 +160,11 @@ class EngineWorker:
             logger.error("engine thread died:\n%s", traceback.format_exc())
             self._fail_all(self.fatal_error)
             self._stopped.set()
-            # keep answering stats / stop so nothing waits forever
-            while True:
+            # keep answering stats / stop so nothing waits forever (unless a stop is what failed)
+            while not self._stop_requested:
                 kind, obj, _ = self._cmds.get()
                 if kind == "stats":
-                    obj.set_result(self._stats())
+                    self._answer_stats(obj)
                 elif kind == "add":
                     self._send(obj, Delta([], "error", self.fatal_error, "internal"))
                 elif kind == "stop":
@@ -181,8 +188,9 @@ class EngineWorker:
                 for h in list(self._active):
                     self._abort(h)
             elif kind == "stats":
-                obj.set_result(self._stats())
+                self._answer_stats(obj)
             elif kind == "stop":
+                self._stop_requested = True
                 for h in list(self._active):
                     self._abort(h)
                 while self.engine.has_work:  # let aborted requests release their pages
@@ -191,6 +199,7 @@ class EngineWorker:
 
     def _add(self, handle: RequestHandle, loop) -> None:
         if handle.cancelled:  # the client left before the engine saw the request
+            self.counters["aborted"] += 1
             self._send(handle, Delta([], "abort"))
             return
         try:

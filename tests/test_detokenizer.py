@@ -1,0 +1,158 @@
+"""Incremental detokenizer and stop strings: streamed pieces never split a character and add up to the
+non-streamed text; nothing at or past a stop string is ever emitted."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minisgl.server.detokenizer import IncrementalDetokenizer, TextStream, partial_stop_len, trim_at_stop
+from minisgl.server.testing import build_tokenizer
+
+TOK = build_tokenizer()
+VOCAB = len(TOK)
+SPECIAL = set(TOK.all_special_ids)
+HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def decode(ids):
+    return TOK.decode(ids, skip_special_tokens=True)
+
+
+def chunked(ids, cuts):
+    """Split ids at the given cut points (sorted, deduplicated, inside the list)."""
+    points = sorted({c % (len(ids) + 1) for c in cuts} | {0, len(ids)})
+    return [ids[a:b] for a, b in zip(points, points[1:])]
+
+
+def stream(ids, cuts, stop=()):
+    ts = TextStream(TOK, stop)
+    pieces = [ts.push(chunk) for chunk in chunked(ids, cuts)]
+    pieces.append(ts.finish())
+    return ts, pieces
+
+
+def byte_tokens(text: str) -> list[int]:
+    """One token per UTF-8 byte (the byte-level alphabet), so every multi-byte character is split."""
+    chars = _bytes_to_unicode()
+    return [TOK.convert_tokens_to_ids(chars[b]) for b in text.encode("utf-8")]
+
+
+def _bytes_to_unicode():
+    """The byte-level pre-tokenizer's table: each byte is shown as one printable character."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, (chr(c) for c in chars)))
+
+
+# --- hand-written cases ------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["\U0001f600", "caf\u00e9", "\u65e5\u672c\u8a9e", "a\U0001f44d\U0001f3fdb",
+                                  "\u20ac100 \u2192 \u221e"])
+def test_split_characters_are_held_back(text):
+    ids = byte_tokens(text)
+    assert decode(ids) == text
+    detok = IncrementalDetokenizer(TOK)
+    pieces = [detok.push([t]) for t in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # nothing is released in the middle of a multi-byte character
+    released = ""
+    for piece in pieces:
+        released += piece
+        assert text.startswith(released)
+        released.encode("utf-8")  # a whole-character string
+
+
+def test_emoji_released_only_when_complete():
+    ids = byte_tokens("\U0001f600")
+    detok = IncrementalDetokenizer(TOK)
+    assert [detok.push([t]) for t in ids] == ["", "", "", "\U0001f600"]
+
+
+def test_special_tokens_are_skipped():
+    ids = TOK.encode("hello", add_special_tokens=False) + [TOK.convert_tokens_to_ids("<|im_end|>")]
+    ts, pieces = stream(ids, [1, 2])
+    assert "".join(pieces) == "hello" == ts.final_text()
+
+
+def test_stop_string_cuts_and_never_streams_past():
+    ids = TOK.encode("The quick brown fox jumps", add_special_tokens=False)
+    for cuts in ([], list(range(len(ids))), [2, 5]):
+        ts, pieces = stream(ids, cuts, stop=("brown",))
+        assert "".join(pieces) == "The quick " == ts.final_text()
+        assert ts.stopped
+
+
+def test_partial_stop_is_held_then_released():
+    ts = TextStream(TOK, ("xyz",))
+    first = ts.push(TOK.encode("abc x", add_special_tokens=False))
+    assert first == "abc "  # "x" could be the start of "xyz": held back
+    second = ts.push(TOK.encode("y!", add_special_tokens=False))
+    assert first + second == "abc xy!"
+    assert ts.finish() == ""
+
+
+def test_overlapping_stops_cut_at_earliest():
+    ids = TOK.encode("12 abcX tail", add_special_tokens=False)
+    ts, pieces = stream(ids, list(range(len(ids))), stop=("bc", "abcX"))
+    assert "".join(pieces) == "12 " == trim_at_stop(decode(ids), ("bc", "abcX"))[0]
+
+
+def test_partial_stop_len():
+    assert partial_stop_len("hello wor", ("world",)) == 3
+    assert partial_stop_len("hello", ("world",)) == 0
+    assert partial_stop_len("ab", ("abc", "bcd")) == 2
+
+
+# --- properties --------------------------------------------------------------------------------------
+TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+
+
+@HYP
+@given(text=TEXT, cuts=st.lists(st.integers(0, 200), max_size=12), bytewise=st.booleans())
+def test_valid_text_streams_whole_characters(text, cuts, bytewise):
+    ids = byte_tokens(text) if bytewise else TOK.encode(text, add_special_tokens=False)
+    full = decode(ids)
+    ts, pieces = stream(ids, cuts)
+    assert "".join(pieces) == full == ts.final_text()
+    for piece in pieces:
+        assert "\ufffd" not in piece or "\ufffd" in text
+
+
+@HYP
+@given(ids=st.lists(st.integers(0, VOCAB - 1), max_size=60), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_any_ids_concatenate_to_the_full_decode(ids, cuts):
+    ts, pieces = stream(ids, cuts)
+    assert "".join(pieces) == decode(ids)
+    emitted = ""
+    for piece in pieces[:-1]:
+        emitted += piece
+        assert decode(ids).startswith(emitted)
+        assert not piece.endswith("\ufffd") or not piece  # held back until settled
+
+
+@HYP
+@given(ids=st.lists(st.integers(0, VOCAB - 1), max_size=60), cuts=st.lists(st.integers(0, 200), max_size=12),
+       stops=st.lists(st.text(alphabet="abcde \u00e9\U0001f600", min_size=1, max_size=4), min_size=1,
+                      max_size=3), data=st.data())
+def test_stop_strings_in_both_modes(ids, cuts, stops, data):
+    full = decode(ids)
+    if full and data.draw(st.booleans()):  # often pick a stop string that really occurs
+        i = data.draw(st.integers(0, len(full) - 1))
+        stops = stops + [full[i:i + data.draw(st.integers(1, 4))]]
+    expected, found = trim_at_stop(full, stops)
+    ts, pieces = stream(ids, cuts, stops)
+    assert "".join(pieces) == expected == ts.final_text()
+    emitted = ""
+    for piece in pieces:
+        emitted += piece
+        assert expected.startswith(emitted)  # never past the stop string
+        assert not any(s in emitted for s in stops)
