@@ -1,0 +1,48 @@
+"""The standard workloads are exactly DESIGN.md's, and `bench` writes JSON with its settings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from minisgl.bench.workloads import w1_offline, w2_latency, w3_shared_prefix, w4_interference
+
+
+def test_w1_matches_the_published_convention():
+    w = w1_offline()
+    assert len(w.prompts) == 256 and w.total_output_tokens == 133_966
+    assert all(100 <= len(p) <= 1024 for p in w.prompts)
+    assert all(p.temperature == 0.6 and p.ignore_eos for p in w.params)
+
+
+def test_w2_w3_w4_shapes():
+    w2 = w2_latency()
+    assert len(w2.prompts) == 8 and all(len(p) == 512 for p in w2.prompts)
+    assert all(p.max_tokens == 256 and p.temperature == 0 for p in w2.params)
+    w3 = w3_shared_prefix()
+    systems = {tuple(p[:1024]) for p in w3.prompts}
+    assert len(w3.prompts) == 256 and len(systems) <= 8
+    assert all(32 <= len(p) - 1024 <= 256 for p in w3.prompts)
+    assert all(64 <= p.max_tokens <= 256 for p in w3.params)
+    w4 = w4_interference()
+    assert len(w4.prompts) == 128 and all(len(p) == 256 for p in w4.prompts)
+    assert len(w4.late_prompts) == 8 and all(len(p) == 32768 for p in w4.late_prompts)
+    assert all(p.max_tokens == 512 for p in w4.params) and all(p.max_tokens == 16 for p in w4.late_params)
+
+
+def test_workloads_are_deterministic():
+    assert w1_offline().prompts == w1_offline().prompts
+    assert w3_shared_prefix(scale=0.1).prompts == w3_shared_prefix(scale=0.1).prompts
+
+
+def test_bench_cli_writes_json(qwen3_path, tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "minisgl", "bench", "--model", str(qwen3_path), "--workload", "w1",
+           "--workload", "w3", "--scale", "0.02", "--quiet", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["settings"]["scale"] == 0.02 and data["environment"]["torch"]
+    w1 = data["results"]["w1"]
+    assert w1["output_tokens"] == w1["expected_output_tokens"] > 0 and w1["output_tok_per_s"] > 0
