@@ -1,0 +1,161 @@
+"""Bad requests are refused with a ValueError naming the problem, and the engine keeps serving: after every
+refusal a valid request on the same LLM completes (matching HF) and every page is back."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from helpers import PROMPTS, assert_all_pages_back, hf_greedy
+
+from minisgl import LLM, EngineConfig, SamplingParams
+
+CTX = 64  # max_model_len of the context-limited engine
+OK = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ctx_llm(qwen3_path):
+    """A short context (64 tokens), a roomy KV pool."""
+    return LLM(qwen3_path, max_model_len=CTX, page_size=4)
+
+
+@pytest.fixture(scope="module")
+def kv_llm(qwen3_path):
+    """A long context, a KV pool of 9 pages of 4 tokens (36 tokens) in all."""
+    return LLM(qwen3_path, kv_cache_tokens=40, page_size=4)
+
+
+def still_serves(llm, path):
+    """A valid batch right after a refusal completes with HF's tokens, and every page comes back."""
+    assert_all_pages_back(llm)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[7]]
+    outs = llm.generate(prompts, OK)
+    assert [o.token_ids for o in outs] == [r[:8] for r in hf_greedy(path, prompts)]
+    assert_all_pages_back(llm)
+
+
+def refused(llm, prompts, params, match, exc=ValueError):
+    waiting_before = len(llm.engine.scheduler.waiting)
+    with pytest.raises(exc, match=match) as info:
+        llm.generate(prompts, params)
+    assert len(llm.engine.scheduler.waiting) == waiting_before == 0  # nothing was queued
+    return str(info.value)
+
+
+def test_empty_prompt(ctx_llm, qwen3_path):
+    msg = refused(ctx_llm, [[]], OK, "prompt is empty")
+    assert msg.startswith("request 0:")
+    assert ctx_llm.generate([], OK) == []  # no prompts at all is not an error: nothing to do
+    still_serves(ctx_llm, qwen3_path)
+
+
+def test_empty_text_prompt(qwen3_tok_path):
+    llm = LLM(qwen3_tok_path, page_size=4)
+    refused(llm, "", OK, "prompt is empty")
+    refused(llm, ["w5 w6", ""], OK, "request 1: the prompt is empty")
+    still_serves(llm, qwen3_tok_path)
+
+
+def test_prompt_longer_than_context(ctx_llm, qwen3_path):
+    refused(ctx_llm, [PROMPTS[1][:10] * 7], OK, rf"70 tokens, longer than the context of {CTX}")
+    refused(ctx_llm, [[5] * CTX], SamplingParams(max_tokens=1), rf"{CTX} tokens, longer than the context")
+    still_serves(ctx_llm, qwen3_path)
+
+
+def test_prompt_plus_max_tokens_over_context(ctx_llm, qwen3_path):
+    msg = refused(ctx_llm, [[5] * 50], SamplingParams(max_tokens=15), "exceeds the context")
+    assert "50 tokens" in msg and "max_tokens (15)" in msg and str(CTX) in msg
+    refused(ctx_llm, [[5] * (CTX - 1)], SamplingParams(max_tokens=2), "exceeds the context")
+    # exactly the context is fine, and runs to the end of it
+    prompt = PROMPTS[1][:48]
+    (out,) = ctx_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=CTX - 48, ignore_eos=True))
+    assert out.token_ids == hf_greedy(qwen3_path, [prompt], CTX - 48)[0]
+    assert out.finish_reason == "length"
+    still_serves(ctx_llm, qwen3_path)
+
+
+@pytest.mark.parametrize("bad", [-1, 512, 10**9, 3.0, True, None], ids=str)
+def test_token_ids_out_of_vocab(bad, ctx_llm, qwen3_path):
+    prompt = [5, 6, bad, 7]
+    msg = refused(ctx_llm, [PROMPTS[0], prompt], OK, r"request 1: token id .* is out of the vocabulary \[0, 512\)")
+    assert repr(bad) in msg
+    still_serves(ctx_llm, qwen3_path)
+
+
+BAD_PARAMS = [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=math.nan), "temperature"),
+    (dict(temperature=math.inf), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=math.nan), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(max_tokens=2.5), "max_tokens"),
+    (dict(seed=-1), "seed"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-4]), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("kw,field", BAD_PARAMS, ids=[f"{k}={v}" for (d, _) in BAD_PARAMS for k, v in d.items()])
+def test_invalid_sampling_values(kw, field, ctx_llm, qwen3_path):
+    bad = SamplingParams(**kw)
+    value = next(iter(kw.values()))
+    msg = refused(ctx_llm, [PROMPTS[0], PROMPTS[2]], [OK, bad], rf"request 1: {field}\b")
+    if field not in ("stop", "stop_token_ids"):
+        assert repr(value) in msg, msg
+    still_serves(ctx_llm, qwen3_path)
+
+
+def test_request_that_cannot_fit_the_kv_pool_even_alone(kv_llm, qwen3_path):
+    assert kv_llm.engine.runner.kv_capacity_tokens == 36
+    msg = refused(kv_llm, [[5] * 30], SamplingParams(max_tokens=16), "KV pool")
+    assert "46" in msg and "36" in msg
+    refused(kv_llm, [PROMPTS[0], [5] * 36], OK, "request 1: .*cannot run even alone")
+    # a request that fits exactly runs, even though the batch around it must be retracted to make room
+    prompt = PROMPTS[1][:28]
+    (out,) = kv_llm.generate([prompt], OK)
+    assert out.token_ids == hf_greedy(qwen3_path, [prompt])[0][:8]
+    batch = [prompt, PROMPTS[0], PROMPTS[2], PROMPTS[5], PROMPTS[7], prompt[:20]]
+    outs = kv_llm.generate(batch, OK)
+    assert [o.token_ids for o in outs] == [r[:8] for r in hf_greedy(qwen3_path, batch)]
+    assert kv_llm.engine.scheduler.num_retractions > 0
+    still_serves(kv_llm, qwen3_path)
+
+
+def test_mismatched_prompt_and_params_lengths(ctx_llm, qwen3_path):
+    refused(ctx_llm, [PROMPTS[0], PROMPTS[2]], [OK, OK, OK], "2 prompts but 3 sampling params")
+    refused(ctx_llm, [PROMPTS[0], PROMPTS[2], PROMPTS[3]], [OK], "3 prompts but 1 sampling params")
+    still_serves(ctx_llm, qwen3_path)
+
+
+def test_wrong_params_type(ctx_llm, qwen3_path):
+    refused(ctx_llm, [PROMPTS[0]], [{"temperature": 0}], "SamplingParams", exc=TypeError)
+    still_serves(ctx_llm, qwen3_path)
+
+
+def test_a_bad_request_in_a_batch_runs_nothing(ctx_llm, qwen3_path):
+    steps = ctx_llm.engine.stats["steps"]
+    refused(ctx_llm, [PROMPTS[0], PROMPTS[2], [7, 600]], OK, "request 2: token id 600")
+    assert ctx_llm.engine.stats["steps"] == steps and ctx_llm.engine._next_rid >= 0
+    still_serves(ctx_llm, qwen3_path)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(page_size=0), "page_size"), (dict(dtype="float8"), "dtype"),
+                                      (dict(load_format="pickle"), "load_format"),
+                                      (dict(attention_backend="magic"), "attention_backend"),
+                                      (dict(max_running_requests=0), "max_running_requests")])
+def test_bad_engine_config(kw, match, qwen3_path):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model=qwen3_path, **kw).validate()
+    with pytest.raises(ValueError, match=match):
+        LLM(qwen3_path, **kw)
+
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(ValueError, match="not a local folder"):
+        LLM(str(tmp_path / "nope"))
