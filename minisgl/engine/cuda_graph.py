@@ -1,3 +1,4 @@
+# generated from notebooks/06_cuda_graph.ipynb by autograder/course.py export — edit the notebook, not this file
 """CUDA Graph runner for decode steps.
 
 A decode step of a small model is a few hundred short kernels; launching them one by one from Python costs
@@ -17,6 +18,20 @@ from minisgl.attention import AttentionMetadata
 def default_batch_sizes(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 8))
     return sorted({s for s in sizes if s <= max_bs} | {max_bs})
+
+
+def padded_size(batch_sizes: list[int], n: int) -> int:
+    """The smallest captured batch size that holds `n` rows (`batch_sizes` ascending)."""
+    return next(s for s in batch_sizes if s >= n)
+
+
+def fill_padding(n: int, bs: int, out_cache_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 positions: torch.Tensor) -> None:
+    """Make rows n..bs-1 of the static buffers harmless: K/V to the reserved slot 0, a one-token context."""
+    if bs > n:  # padded rows: slot 0 is reserved, a one-token context reads a valid slot
+        out_cache_loc[n:bs].zero_()
+        seq_lens[n:bs].fill_(1)
+        positions[n:bs].zero_()
 
 
 class CudaGraphRunner:
@@ -73,16 +88,13 @@ class CudaGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             num_rows: int) -> torch.Tensor:
         n = meta.batch_size
-        bs = next(s for s in self.batch_sizes if s >= n)
+        bs = padded_size(self.batch_sizes, n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.out_cache_loc[:n].copy_(meta.out_cache_loc)
         self.req_pool_indices[:n].copy_(meta.req_pool_indices)
         self.seq_lens[:n].copy_(meta.seq_lens)
-        if bs > n:  # padded rows: slot 0 is reserved, a one-token context reads a valid slot
-            self.out_cache_loc[n:bs].zero_()
-            self.seq_lens[n:bs].fill_(1)
-            self.positions[n:bs].zero_()
+        fill_padding(n, bs, self.out_cache_loc, self.seq_lens, self.positions)
         static = self._meta(bs)
         self.attn.prepare_for_replay(static)
         self.graphs[bs].replay()

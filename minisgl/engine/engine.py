@@ -1,3 +1,4 @@
+# generated from notebooks/07_overlap.ipynb by autograder/course.py export — edit the notebook, not this file
 """The engine loop: schedule, run, sample, resolve.
 
 Two loops behind one switch. The plain loop runs a step and waits for its tokens before scheduling the

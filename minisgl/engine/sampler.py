@@ -1,3 +1,4 @@
+# generated from notebooks/05_scheduler.ipynb by autograder/course.py export — edit the notebook, not this file
 """Turn the last-token logits of a batch into next tokens: greedy, temperature, top-k, top-p, per request.
 
 Randomness comes from a counter-based hash of (request seed, output index, token id), not from a stateful

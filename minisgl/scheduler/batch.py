@@ -1,3 +1,4 @@
+# generated from notebooks/05_scheduler.ipynb by autograder/course.py export — edit the notebook, not this file
 """One step's work, as the scheduler hands it to the model runner."""
 
 from __future__ import annotations

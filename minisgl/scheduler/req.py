@@ -1,3 +1,4 @@
+# generated from notebooks/05_scheduler.ipynb by autograder/course.py export — edit the notebook, not this file
 """A request as the scheduler sees it."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# generated from notebooks/05_scheduler.ipynb by autograder/course.py export — edit the notebook, not this file
 """Continuous batching with chunked prefill, prefix reuse and retraction.
 
 Every step the scheduler builds one flat batch:
@@ -47,6 +48,7 @@ class Scheduler:
 
     # --- pages ---------------------------------------------------------------------------------------
     def _pages_for(self, req: Req, n: int) -> int:
+        """Pages to add so that `req` (holding `kv_len` tokens in `pages`) can hold `n` more tokens."""
         p = self.page_size
         return -(-(req.kv_len + n) // p) - len(req.pages)
 
@@ -92,6 +94,7 @@ class Scheduler:
 
     # --- retraction ----------------------------------------------------------------------------------
     def _retract(self, req: Req) -> None:
+        """Release a running request's KV and put it back at the front of the waiting queue."""
         self.release(req)
         self.running.remove(req)
         req.status = ReqStatus.WAITING

@@ -1,0 +1,144 @@
+"""The course mechanics (notebooks/CONVENTIONS.md): notebooks are the source of the modules they teach,
+every notebook runs top to bottom on a CPU, and the nbgrader release round trip holds.
+
+- `test_modules_match_notebooks`: `course.py check` (a committed module differs from its notebook -> diff).
+- `test_notebook_runs[NN_x]`: nbval, one subprocess per notebook. We use `--nbval-lax`: a cell fails only when
+  it raises; outputs are not compared, because timings, plotly JSON and widget ids change from run to run and
+  correctness is asserted by the notebooks' own test cells (a cell that should pin its output says
+  `# NBVAL_CHECK_OUTPUT`). MINISGL_COURSE_NO_EXPORT keeps the notebooks' last cell from rewriting minisgl/,
+  so nbval can never mask a failing `check`.
+- `test_release_roundtrip`: release -> grade the reference (full marks) and the untouched release (zero),
+  no solution text in the release, no graded cell passing on the stubs, no hidden test in the feedback,
+  and the release package imports with every exercise a stub.
+
+All of it runs in `python -m pytest` (CI); `-m "not slow"` leaves out the three slow parts while you edit.
+Cost on a 2-core CPU: about 7 minutes of CPU time for notebooks 00-05 (nbval ~35%, round trip ~50%, graders
+~15%), mostly kernel start-up and imports.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "autograder"))
+
+import course  # noqa: E402
+
+NOTEBOOKS = course.notebook_paths()
+
+
+def test_modules_match_notebooks():
+    diffs = course.check()
+    assert not diffs, "modules differ from their notebooks (run `python autograder/course.py export`):\n" + \
+        "\n".join(diffs)
+
+
+def test_every_notebook_is_clean_and_well_formed():
+    """Committed without outputs; export cells name a module; grade ids unique; graded cells are locked."""
+    ids = {}
+    for nb_path in NOTEBOOKS:
+        nb = nbformat.read(nb_path, as_version=4)
+        nbformat.validate(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, \
+                    f"{nb_path.name}: commit notebooks without outputs (`python autograder/course.py clean`)"
+            meta = cell.metadata.get("nbgrader")
+            if not meta:
+                assert "### BEGIN SOLUTION" not in cell.source, f"{nb_path.name}: solution region w/o metadata"
+                continue
+            gid = meta["grade_id"]
+            assert gid not in ids, f"grade_id {gid} in {nb_path.name} and {ids[gid]}"
+            ids[gid] = nb_path.name
+            assert meta.get("schema_version") == 3
+            if meta.get("grade"):
+                assert meta.get("locked") and meta.get("points", 0) > 0, f"{gid}: graded cells are locked"
+                assert "### BEGIN SOLUTION" not in cell.source
+
+
+def test_render_module_rules(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell('#| export minisgl/x.py\n"""doc."""\n\nimport os\n'),
+        nbformat.v4.new_code_cell("print('not exported')"),
+        nbformat.v4.new_code_cell("#| export minisgl/x.py\n\ndef f():\n    ### BEGIN SOLUTION\n    return 1\n"
+                                  "    ### END SOLUTION\n"),
+    ]
+    nbformat.write(nb, tmp_path / "07_demo.ipynb")
+    text = course.generate(tmp_path)["minisgl/x.py"]
+    assert text == (course.HEADER.format(nb="07_demo.ipynb")
+                    + '"""doc."""\n\nimport os\n\n\ndef f():\n    return 1\n')
+
+
+def _nbval(nb: Path) -> tuple[int, str, float]:
+    env = dict(os.environ, MINISGL_COURSE_NO_EXPORT="1")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", str(nb), "-q", "-p", "no:cacheprovider",
+                          "--nbval-cell-timeout=300"], cwd=REPO, env=env, capture_output=True, text=True)
+    return out.returncode, out.stdout[-6000:] + out.stderr[-2000:], time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def nbval_runs():
+    """Every notebook under nbval, two at a time (each is mostly kernel start-up and imports)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(NOTEBOOKS, pool.map(_nbval, NOTEBOOKS)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(nb, nbval_runs):
+    rc, log, seconds = nbval_runs[nb]
+    print(f"{nb.name}: {seconds:.0f} s under nbval")
+    assert rc == 0, f"{nb.name} failed under nbval:\n{log}"
+    assert seconds < 180, f"{nb.name} took {seconds:.0f} s; the budget is 3 minutes on a 2-core CPU"
+
+
+@pytest.mark.slow
+def test_graders_pass_on_the_reference():
+    """autograder/graders on the reference package: everything passes (the GPU bars skip on a CPU)."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "autograder/graders", "-q", "-p", "no:cacheprovider",
+                          "-rs"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+
+
+def test_adapters_cover_the_exercises():
+    """Every exercise region in an export cell is listed in adapters.EXERCISES, and every target exists."""
+    import adapters
+
+    graded = set()
+    for nb_path in NOTEBOOKS:
+        for cell in nbformat.read(nb_path, as_version=4).cells:
+            meta = cell.metadata.get("nbgrader", {})
+            if meta.get("solution") and cell.source.startswith(course.EXPORT_MARK):
+                graded.add(meta["grade_id"])
+    assert graded == set(adapters.EXERCISES), f"adapters.EXERCISES out of date: {graded ^ set(adapters.EXERCISES)}"
+    for targets in adapters.EXERCISES.values():
+        for t in targets:
+            assert callable(adapters.resolve(t)), t
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_release_roundtrip(tmp_path):
+    with open(tmp_path / "roundtrip.log", "w") as log:
+        rt = course.roundtrip(tmp_path, log=log)
+    print(rt.reference.summary(), rt.untouched.summary(), rt.seconds, sep="\n")
+    assert not rt.problems(), "\n".join(rt.problems())
+    assert set(rt.reference.notebooks) == {p.stem for p in NOTEBOOKS}
+    # the stub package: an exercised function raises NotImplementedError, not anything else
+    code = ("from minisgl.kvcache.pool import PageAllocator\n"
+            "try:\n    PageAllocator(4).alloc(1)\nexcept NotImplementedError:\n    print('stub')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / "release",
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path / "release")), capture_output=True, text=True)
+    assert out.stdout.strip() == "stub", out.stdout + out.stderr
