@@ -9,6 +9,11 @@ import sys
 import pytest
 import torch
 
+# Without a GPU, Triton kernels can only run in its interpreter, and Triton picks interpreter or compiler when
+# a kernel is decorated, i.e. when its module is first imported. Decide once, before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The models are tiny: thread start-up and contention with other processes on a small machine cost far
 # more than the maths. One thread is ~30x faster here than two.
 torch.set_num_threads(1)

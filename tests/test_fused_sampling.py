@@ -10,11 +10,20 @@ pytest.importorskip("triton", reason="Triton is not installed (the GPU extra); t
 import torch  # noqa: E402
 
 from minisgl.engine.sampler import SamplingTensors, sample  # noqa: E402
-from minisgl.kernels.sampling import gumbel_argmax  # noqa: E402
+
+
+def _interpreted_gumbel_argmax():
+    """The kernel module decorated under the interpreter: another test may have imported it without."""
+    import importlib
+
+    import minisgl.kernels.sampling as fused
+    os.environ["TRITON_INTERPRET"] = "1"
+    return importlib.reload(fused).gumbel_argmax
 
 
 @pytest.mark.parametrize("vocab,chunk", [(3000, 1024), (777, 256)])
 def test_fused_matches_torch(vocab, chunk):
+    gumbel_argmax = _interpreted_gumbel_argmax()
     gen = torch.Generator().manual_seed(vocab)
     b = 6
     logits = torch.randn(b, vocab, generator=gen) * 3
