@@ -40,7 +40,8 @@ STUB = 'raise NotImplementedError("exercise: see the notebook")'  # keep in sync
 # the package, the embedded model, the graders, and the measured reports the GPU notebooks show on a CPU.
 RELEASE_PATHS = ["README.md", "pyproject.toml", "environment.yml", "assets", "minisgl", "autograder", "reports"]
 RELEASE_SKIP = re.compile(r"(^|/)(__pycache__|\.ipynb_checkpoints)(/|$)|\.pyc$|"
-                          r"^autograder/(release|submitted|autograded|feedback|source)(/|$)|^autograder/gradebook\.db$")
+                          r"^autograder/(release|submitted|autograded|feedback|source)(/|$)|^autograder/gradebook\.db$|"
+                          r"^reports/.*\.log$")  # run logs quote source lines in their tracebacks
 
 
 # --- export / check / clean -------------------------------------------------------------------------------
