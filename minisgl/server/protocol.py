@@ -182,11 +182,11 @@ class CompletionRequest(_Sampling):
                 raise ValueError("batched prompts are not supported; send one prompt per request")
         raise ValueError("prompt must be a string or a list of token ids")
 
-    @field_validator("echo")
+    @field_validator("echo", "suffix")
     @classmethod
-    def _echo(cls, v):
+    def _unsupported(cls, v, info):
         if v:
-            raise ValueError("echo is not supported")
+            raise ValueError(f"{info.field_name} is not supported")
         return v
 
     @field_validator("logprobs")
@@ -201,13 +201,6 @@ class CompletionRequest(_Sampling):
     def _best_of(cls, v):
         if v is not None and v != 1:
             raise ValueError("only best_of=1 is supported")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
         return v
 
 
@@ -259,18 +252,11 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("messages must hold at least one message")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "top_logprobs", "tools")
     @classmethod
-    def _logprobs(cls, v):
+    def _unsupported(cls, v, info):
         if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
+            raise ValueError(f"{info.field_name} is not supported")
         return v
 
     @field_validator("response_format")
@@ -278,13 +264,6 @@ class ChatCompletionRequest(_Sampling):
     def _response_format(cls, v):
         if v is not None and v != {"type": "text"}:
             raise ValueError("only response_format {'type': 'text'} is supported")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported")
         return v
 
     @field_validator("tool_choice")
