@@ -199,18 +199,13 @@ def hf_peer(model: str, n_requests: int = 2) -> dict:
 
 def profile() -> dict:
     from minisgl.bench.profile import profile_w1_slice
-    llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype="bfloat16")
-    out = {"default": profile_w1_slice(llm)}
-    del llm
-    free_gpu()
-    llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype="bfloat16", overlap=False)
-    out["no_overlap"] = profile_w1_slice(llm, keep_intervals=0)
-    del llm
-    free_gpu()
-    llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype="bfloat16", cuda_graph=False)
-    out["no_cuda_graph"] = profile_w1_slice(llm, keep_intervals=0)
-    del llm
-    free_gpu()
+    out = {}
+    for label, kw in (("default", {}), ("no_overlap", {"overlap": False}), ("no_cuda_graph", {"cuda_graph": False})):
+        llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype="bfloat16", **kw)
+        # only the default run keeps its kernel intervals: the report draws one timeline
+        out[label] = profile_w1_slice(llm, keep_intervals=3000 if label == "default" else 0)
+        del llm
+        free_gpu()
     return out
 
 

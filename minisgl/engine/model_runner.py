@@ -117,8 +117,8 @@ class ModelRunner:
             np.asarray([r.row for r in batch.reqs], dtype=np.int64), prefix + extend, prefix, extend, start,
             logit_idx, np.asarray(batch.pending_dst, np.int64), np.asarray(batch.pending_src, np.int64),
             seeds, steps, top_ks])
-        floats = np.asarray([[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]],
-                            dtype=np.float32).reshape(2, s)
+        temps = [r.params.temperature for r in reqs]
+        floats = np.asarray([temps, [r.params.top_p for r in reqs]], dtype=np.float32).reshape(2, s)
         dev_ints, dev_floats = self._to_device(ints), self._to_device(floats)
         sizes = [t, t, t, b, b, b, b, b, s, len(batch.pending_dst), len(batch.pending_dst), s, s, s]
         (input_ids, pos, out_loc, rows, seq_lens, prefix_d, extend_d, start_d, logit_d, pdst, psrc, seeds_d,
@@ -132,7 +132,6 @@ class ModelRunner:
             out_cache_loc=out_loc, max_seq_len=int((prefix + extend).max()), max_extend_len=int(extend.max()),
             seq_lens_cpu=(prefix + extend).tolist(), prefix_lens_cpu=batch.prefix_lens,
             extend_lens_cpu=batch.extend_lens)
-        temps = [r.params.temperature for r in reqs]
         sampling = SamplingTensors(
             temperatures=dev_floats[0], top_ps=dev_floats[1], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
             all_greedy=all(x == 0 for x in temps),
