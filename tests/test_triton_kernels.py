@@ -316,6 +316,24 @@ def test_apply_rope_in_place_on_qkv_views(force_triton, dtype):
     assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_from_qkv_views(force_triton, dtype):
+    """One launch writes K and V rows (views into a fused qkv output) to shuffled slots of the layer buffers."""
+    gen = torch.Generator().manual_seed(5)
+    t, hq, hkv, d, slots = 7, 4, 2, 64, 40
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    loc = torch.randperm(slots - 1, generator=gen)[:t] + 1
+    bufs = [torch.randn(slots, hkv, d, generator=gen).to(dtype) for _ in range(2)]
+    ref = [b.clone() for b in bufs]
+    ew.store_kv(bufs[0], bufs[1], loc, k, v)
+    ew.store_kv_ref(ref[0], ref[1], loc, k, v)
+    # the written rows and every other row (the reference started from the same random buffers)
+    assert torch.equal(bufs[0], ref[0]) and torch.equal(bufs[1], ref[1])
+    assert torch.equal(bufs[0][loc], k) and torch.equal(bufs[1][loc], v)
+
+
 def test_elementwise_cpu_path_without_force():
     """Without the flag, CPU tensors take the torch reference (what CI, which has no Triton, runs)."""
     x = torch.randn(3, 16)

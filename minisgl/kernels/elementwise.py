@@ -1,4 +1,5 @@
-"""Elementwise ops of the decoder: RMSNorm (plain, fused with the residual add, per head), SiLU-and-mul, RoPE.
+"""Elementwise ops of the decoder: RMSNorm (plain, fused with the residual add, per head), SiLU-and-mul, RoPE,
+and the K/V store into the paged pool.
 
 Each op has a torch reference (`*_ref`, the semantics) and a fused Triton kernel. The public wrappers use
 Triton for CUDA tensors and the reference otherwise; setting MINISGL_FORCE_TRITON=1 sends CPU tensors to
@@ -20,7 +21,7 @@ except ImportError:  # CPU-only installs run the torch references
     triton = None
     tl = None
 
-__all__ = ["apply_rope", "fused_add_rms_norm", "rms_norm", "silu_and_mul"]
+__all__ = ["apply_rope", "fused_add_rms_norm", "rms_norm", "silu_and_mul", "store_kv"]
 
 
 def _jit(fn):
@@ -79,6 +80,12 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     q.copy_(rot(q))
     k.copy_(rot(k))
     return q, k
+
+
+def store_kv_ref(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+    k_buf[loc] = k.to(k_buf.dtype)
+    v_buf[loc] = v.to(v_buf.dtype)
 
 
 # ------------------------------------------------------------ Triton kernels --------------------------------
@@ -159,6 +166,23 @@ def _rope_kernel(
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     tl.store(p1, (x1 * cos - x2 * sin).to(K.dtype.element_ty), mask=mask)
     tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(K.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _store_kv_kernel(
+    K, V, Loc, KBuf, VBuf, stride_kt, stride_kh, stride_vt, stride_vh, stride_kbn, stride_kbh, stride_vbn,
+    stride_vbh, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per token: its K and V rows (all kv heads) go to slot Loc[t] of the layer's buffers.
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Loc + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (offs_h < H) & (offs_d < D)
+    k = tl.load(K + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+    tl.store(KBuf + slot * stride_kbn + offs_h * stride_kbh + offs_d, k.to(KBuf.dtype.element_ty), mask=mask)
+    v = tl.load(V + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    tl.store(VBuf + slot * stride_vbn + offs_h * stride_vbh + offs_d, v.to(VBuf.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------ public wrappers -------------------------------
@@ -259,3 +283,23 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
     )
     return q, k
+
+
+def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """k_buf[loc] = k and v_buf[loc] = v in one launch (two index-puts otherwise).
+
+    k, v: [T, Hkv, D] with free token/head strides (views into the qkv output); k_buf, v_buf: one layer's
+    [num_slots, Hkv, D]; loc: [T] slots. Several rows may target slot 0 (CUDA Graph padding): any one wins.
+    """
+    if not _use_triton(k) or k.stride(-1) != 1 or v.stride(-1) != 1 or k_buf.stride(-1) != 1:
+        store_kv_ref(k_buf, v_buf, loc, k, v)
+        return
+    t, h, d = k.shape
+    if t == 0:
+        return
+    _store_kv_kernel[(t,)](
+        k, v, loc, k_buf, v_buf, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        H=h, D=d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+    )

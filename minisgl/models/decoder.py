@@ -38,12 +38,12 @@ class Attention(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # Views into the qkv output, not copies: the norm, rope and attention kernels all take a token stride.
+        q = q.view(t, self.num_q_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim))
-            k = self.k_norm(k.reshape(-1, self.head_dim))
-        q = q.reshape(t, self.num_q_heads, self.head_dim).contiguous()
-        k = k.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k, positions)
         o = attn.forward(q, k, v, self.layer_id)
         return self.o_proj(o.reshape(t, self.q_size))
