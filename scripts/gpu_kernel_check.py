@@ -12,6 +12,7 @@ Exits non-zero if any check fails; the JSON holds every case either way.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
+from minisgl.attention.base import AttentionMetadata  # noqa: E402
 from minisgl.kernels import elementwise as ew  # noqa: E402
 from minisgl.kernels.attention import (  # noqa: E402
     decode_attention,
@@ -31,6 +33,7 @@ from minisgl.kernels.attention import (  # noqa: E402
     decode_workspace_numel,
     extend_attention,
 )
+from minisgl.kvcache.pool import KVCache  # noqa: E402
 
 DEV = torch.device("cuda")
 MODELS = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}
@@ -155,24 +158,25 @@ def check_decode_graph(gen: torch.Generator, results: list) -> None:
     results.append(dict(kernel="decode_cuda_graph", bs=bs, splits=splits, rel_err=worst, ok=ok))
 
 
-def check_backend_graph(gen: torch.Generator, results: list) -> None:
-    """TritonAttentionBackend against TorchAttentionBackend: an eager extend step, then decode steps replayed
-    from a CUDA graph captured through the backend's hooks (store_kv included in the graph)."""
-    from minisgl.attention.base import AttentionMetadata
-    from minisgl.attention.torch_backend import TorchAttentionBackend
-    from minisgl.attention.triton_backend import TritonAttentionBackend
-    from minisgl.kvcache.pool import KVCache
+def check_backend(backend: str, model: str, page_size: int, gen: torch.Generator, results: list) -> None:
+    """A GPU backend against TorchAttentionBackend: an eager mixed extend step (prefills and a decode row),
+    then decode steps replayed from a CUDA graph captured through the backend's hooks (store_kv included).
+    Also times one decode layer of each backend at a few batch shapes."""
+    from minisgl.attention import create_backend
 
-    hq, hkv, d = MODELS["qwen3-8b"]
-    layers, ps, bs, max_len = 2, 16, 4, 2048
-    caches = [KVCache(layers, bs * max_len // ps + 1, ps, hkv, d, torch.bfloat16, DEV) for _ in range(2)]
+    hq, hkv, d = MODELS[model]
+    layers, bs, max_len = 2, 4, 2048
+    caches = [KVCache(layers, bs * max_len // page_size + 1, page_size, hkv, d, torch.bfloat16, DEV)
+              for _ in range(2)]
     table = torch.zeros(bs, max_len, dtype=torch.int32, device=DEV)
     pos = torch.arange(max_len, device=DEV)
-    pages = (torch.randperm(bs * max_len // ps, generator=gen, device=DEV) + 1).view(bs, -1)
-    table[:] = (pages[:, pos // ps] * ps + pos % ps).to(torch.int32)
+    pages = (torch.randperm(bs * max_len // page_size, generator=gen, device=DEV) + 1).view(bs, -1)
+    table[:] = (pages[:, pos // page_size] * page_size + pos % page_size).to(torch.int32)
     scale = d ** -0.5
-    torch_be = TorchAttentionBackend(caches[0], table, hq, hkv, d, scale)
-    triton_be = TritonAttentionBackend(caches[1], table, hq, hkv, d, scale, max_context_len=max_len)
+    kw = dict(req_to_token=table, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, scale=scale,
+              max_context_len=max_len)
+    ref_be = create_backend("torch", kv_cache=caches[0], **kw)
+    gpu_be = create_backend(backend, kv_cache=caches[1], **kw)
 
     def meta_for(prefix, ext, is_decode):
         p_t = torch.tensor(prefix, dtype=torch.int32, device=DEV)
@@ -183,45 +187,49 @@ def check_backend_graph(gen: torch.Generator, results: list) -> None:
                                  [p + e for p, e in zip(prefix, ext)], list(prefix), list(ext))
 
     worst, ok = 0.0, True
-    prefix, ext = [0, 0, 0, 0], [700, 1, 1500, 33]
-    m = meta_for(prefix, ext, False)
-    torch_be.prepare(m)
-    triton_be.prepare(m)
-    t = sum(ext)
-    for layer in range(layers):
-        q, k, v = (torch.randn(t, h, d, generator=gen, device=DEV, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-        _, e, nan = rel(triton_be.forward(q, k, v, layer), torch_be.forward(q, k, v, layer).float())
-        worst, ok = max(worst, e), ok and not nan
+    # two steps: fresh prefills (one of a single token), then chunks over those prefixes plus a decode row
+    lens = [0] * bs
+    for ext in ([700, 1, 1500, 33], [300, 1, 17, 999]):
+        m = meta_for(lens, ext, False)
+        ref_be.prepare(m)
+        gpu_be.prepare(m)
+        t = sum(ext)
+        for layer in range(layers):
+            q, k, v = (torch.randn(t, h, d, generator=gen, device=DEV, dtype=torch.bfloat16)
+                       for h in (hq, hkv, hkv))
+            _, e, nan = rel(gpu_be.forward(q, k, v, layer), ref_be.forward(q, k, v, layer).float())
+            worst, ok = max(worst, e), ok and not nan
+        lens = [n + e for n, e in zip(lens, ext)]
 
     # decode through a captured graph: static buffers, refreshed in place before each replay
-    triton_be.init_cuda_graph_state(bs)
-    lens = [p + e for p, e in zip(prefix, ext)]
+    gpu_be.init_cuda_graph_state(bs)
     static = meta_for(lens, [1] * bs, True)
     sq = torch.zeros(bs, hq, d, device=DEV, dtype=torch.bfloat16)
     sk = torch.zeros(bs, hkv, d, device=DEV, dtype=torch.bfloat16)
     sv = torch.zeros_like(sk)
-    triton_be.prepare_for_capture(static)
+    gpu_be.prepare_for_capture(static)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        [triton_be.forward(sq, sk, sv, layer) for layer in range(layers)]
+        [gpu_be.forward(sq, sk, sv, layer) for layer in range(layers)]
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [triton_be.forward(sq, sk, sv, layer) for layer in range(layers)]
+        outs = [gpu_be.forward(sq, sk, sv, layer) for layer in range(layers)]
     # the warm-up and capture wrote garbage K/V at the first decode slots; the steps below overwrite them
     for _ in range(3):
         m = meta_for(lens, [1] * bs, True)
         for buf, val in ((static.seq_lens, m.seq_lens), (static.prefix_lens, m.prefix_lens),
                          (static.out_cache_loc, m.out_cache_loc)):
             buf.copy_(val)
-        torch_be.prepare(m)
-        triton_be.prepare_for_replay(static)
+        static.seq_lens_cpu = m.seq_lens_cpu  # as the graph runner passes them
+        ref_be.prepare(m)
+        gpu_be.prepare_for_replay(static)
         # the graph runs every layer on the same static q/k/v, so the reference does too
         sq.copy_(torch.randn(bs, hq, d, generator=gen, device=DEV, dtype=torch.bfloat16))
         sk.copy_(torch.randn(bs, hkv, d, generator=gen, device=DEV, dtype=torch.bfloat16))
         sv.copy_(torch.randn(bs, hkv, d, generator=gen, device=DEV, dtype=torch.bfloat16))
-        refs = [torch_be.forward(sq.clone(), sk.clone(), sv.clone(), layer) for layer in range(layers)]
+        refs = [ref_be.forward(sq.clone(), sk.clone(), sv.clone(), layer) for layer in range(layers)]
         graph.replay()
         torch.cuda.synchronize()
         for layer in range(layers):
@@ -229,7 +237,71 @@ def check_backend_graph(gen: torch.Generator, results: list) -> None:
             worst, ok = max(worst, e), ok and not nan
         lens = [n + 1 for n in lens]
     ok = ok and worst < 2e-2 and torch.equal(caches[0].buffer, caches[1].buffer)
-    results.append(dict(kernel="triton_backend_vs_torch", rel_err=worst, ok=ok))
+    results.append(dict(kernel=f"{backend}_backend_vs_torch", model=model, page_size=page_size, rel_err=worst,
+                        ok=ok))
+
+
+def time_backends(backends: list[str], gen: torch.Generator, results: list) -> None:
+    """One decode layer (KV store + attention, metadata prepared outside the timing) per backend, as a CUDA graph
+    replay, at Qwen3-0.6B head shapes and page size 1; plus one prefill layer (eager)."""
+    from minisgl.attention import create_backend
+
+    hq, hkv, d = MODELS["qwen3-0.6b"]
+    for bs, ctx, is_decode in ((1, 4096, True), (64, 1024, True), (256, 1024, True), (256, 4096, True),
+                               (4, 2048, False)):
+        ext = 1 if is_decode else ctx // 2
+        prefix = ctx - ext
+        lens = [ctx] * bs
+        num_slots = bs * ctx + 8
+        kv = KVCache(1, num_slots, 1, hkv, d, torch.bfloat16, DEV)
+        kv.buffer.normal_(generator=gen)
+        table = (torch.randperm(num_slots - 1, generator=gen, device=DEV)[: bs * ctx] + 1).view(bs, ctx)
+        table = table.to(torch.int32)
+        p_t = torch.full((bs,), prefix, dtype=torch.int32, device=DEV)
+        e_t = torch.full((bs,), ext, dtype=torch.int32, device=DEV)
+        loc = table[:, prefix:ctx].reshape(-1).long()
+        meta = AttentionMetadata(is_decode, torch.arange(bs, device=DEV), p_t + e_t, p_t, e_t,
+                                 torch.arange(bs, device=DEV, dtype=torch.int32) * ext, loc, ctx, ext,
+                                 lens, [prefix] * bs, [ext] * bs)
+        q = torch.randn(bs * ext, hq, d, generator=gen, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(bs * ext, hkv, d, generator=gen, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        row = dict(kernel="backend_timing", bs=bs, ctx=ctx, phase="decode" if is_decode else "prefill")
+        outs = {}
+        for name in backends:
+            try:
+                be = create_backend(name, kv_cache=kv, req_to_token=table, num_q_heads=hq, num_kv_heads=hkv,
+                                    head_dim=d, scale=d ** -0.5, max_context_len=ctx)
+                fn = functools.partial(be.forward, q, k, v, 0)
+                if is_decode:  # as the engine runs it: captured through the backend's graph hooks
+                    be.init_cuda_graph_state(bs)
+                    be.prepare_for_capture(meta)
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        fn()
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        out = fn()
+                    be.prepare_for_replay(meta)
+                    graph.replay()
+                    run = graph.replay
+                else:
+                    be.prepare(meta)
+                    out = fn()
+                    run = fn
+                torch.cuda.synchronize()
+                outs[name] = out.float()
+                row[f"{name}_us"] = 1e3 * do_bench(run, rep=50)
+            except Exception as e:
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"
+        if len(outs) == 2:
+            a, b = outs.values()
+            row["rel_diff"] = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+        row["ok"] = not any(key.endswith("_error") for key in row) and row.get("rel_diff", 0.0) < 2e-2
+        row["kv_bytes"] = 2 * bs * ctx * hkv * d * 2
+        results.append(row)
 
 
 def check_extend(model: str, page_size: int, name: str, prefix: list[int], ext: list[int],
@@ -317,12 +389,24 @@ def check_elementwise(gen: torch.Generator, results: list) -> None:
     ew.apply_rope(q, k, pos, cos_sin)
     add("apply_rope", (q, k), (q_ref, k_ref), lambda: ew.apply_rope(q2, k2, pos, cos_sin),
         2 * (q.numel() + k.numel()) * 2, tol=2 ** -6)
+    # K/V of the qkv views to shuffled slots of a layer buffer, against two index-puts
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    slots = 4 * t
+    loc = torch.randperm(slots, generator=gen, device=DEV)[:t]
+    bufs = [torch.randn(slots, hkv, d, generator=gen, device=DEV, dtype=dt) for _ in range(2)]
+    refs = [b.clone() for b in bufs]
+    ew.store_kv(bufs[0], bufs[1], loc, k, v)
+    ew.store_kv_ref(refs[0], refs[1], loc, k, v)
+    add("store_kv", tuple(bufs), tuple(refs), lambda: ew.store_kv(bufs[0], bufs[1], loc, k, v),
+        4 * k.numel() * 2, tol=1e-12)  # a copy: exact
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="fewer cases")
+    ap.add_argument("--backends-only", default=None,
+                    help="comma list (e.g. triton,flashinfer): only the backend checks and timings")
     args = ap.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     results: list[dict] = []
@@ -335,6 +419,14 @@ def main() -> int:
             results.append(dict(kernel=fn.__name__, args=repr(a), ok=False, error=f"{type(e).__name__}: {e}"))
         print(json.dumps(results[-1]), flush=True)
 
+    if args.backends_only:
+        names = args.backends_only.split(",")
+        for name in names:
+            for page_size in (1, 16):
+                guarded(check_backend, name, "qwen3-0.6b", page_size)
+        guarded(time_backends, names)
+        return finish(args, results, t0)
+
     ctxs = [512, 4096, 32768]
     batches = [1, 8, 64] if not args.quick else [1, 32]
     for model in MODELS:
@@ -343,7 +435,8 @@ def main() -> int:
                 for ctx in ctxs if not args.quick else [4096, 32768]:
                     guarded(check_decode, model, page_size, bs, ctx)
     guarded(check_decode_graph)
-    guarded(check_backend_graph)
+    for page_size in (1, 16):
+        guarded(check_backend, "triton", "qwen3-8b", page_size)
     extend_cases = [
         ("prefill_4k", [0], [4096]),
         ("prefill_32k", [0], [32768]),
@@ -361,7 +454,10 @@ def main() -> int:
         for n in (4096, 32768):
             guarded(check_sdpa_baseline, model, n)
     guarded(check_elementwise)
+    return finish(args, results, t0)
 
+
+def finish(args, results: list, t0: float) -> int:
     ok = all(r.get("ok", False) for r in results)
     summary = dict(ok=ok, seconds=time.time() - t0, device=torch.cuda.get_device_name(),
                    torch=torch.__version__, triton=triton.__version__, results=results)

@@ -11,7 +11,9 @@ Sections (comma separated):
   bench8     W1, W2 on Qwen3-8B with defaults and the overlap / CUDA Graph ablations
   hf06, hf8  Hugging Face transformers W2 peer (sdpa, dynamic cache) on the same dummy weights
   profile    torch.profiler diagnosis of a W1 slice on Qwen3-0.6B
-  flashinfer W1 and W2 on Qwen3-0.6B with --attention-backend flashinfer
+  flashinfer FlashInfer backend: kernel checks/timings vs Triton and torch, bf16 parity, W2 and W1 on Qwen3-0.6B
+  w1_repeat  W1 on Qwen3-0.6B, twice per engine, default / no radix / no chunking, interleaved
+  w2_8b      W2 on Qwen3-8B with defaults only
 Each section's result (or its traceback) is written as soon as it ends, so a timeout keeps what finished.
 """
 
@@ -102,27 +104,28 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def parity() -> dict:
+PARITY_SWITCHES = (("default", {}), ("no_overlap", {"overlap": False}), ("no_cuda_graph", {"cuda_graph": False}))
+
+
+def parity(dtypes=("float32", "bfloat16"), switches=PARITY_SWITCHES) -> dict:
     import random
     random.seed(7)
     prompts = [[random.randint(0, 150000) for _ in range(random.randint(16, 200))] for _ in range(8)]
     res = {}
-    for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype=dtype_name, max_model_len=4096,
-                  kv_memory_fraction=0.3)
-        r = llm.engine.runner
-        hf = hf_model_like((r.model, r.model_config, r.model_path), dtype)
-        ref = [hf_greedy(hf, p, 64) for p in prompts]
-        del hf
-        free_gpu()
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        llm = None
+        ref = None
         per_switch = {}
-        for label, kw in (("default", {}), ("no_overlap", {"overlap": False}),
-                          ("no_cuda_graph", {"cuda_graph": False})):
-            if kw:
-                del llm
+        for label, kw in switches:
+            llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype=dtype_name, max_model_len=4096,
+                      kv_memory_fraction=0.3, **kw)
+            if ref is None:  # the same seeded dummy weights in every engine: one HF reference per dtype
+                r = llm.engine.runner
+                hf = hf_model_like((r.model, r.model_config, r.model_path), dtype)
+                ref = [hf_greedy(hf, p, 64) for p in prompts]
+                del hf
                 free_gpu()
-                llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype=dtype_name, max_model_len=4096,
-                          kv_memory_fraction=0.3, **kw)
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
             prefix = []
             for o, rf in zip(outs, ref):
@@ -130,21 +133,25 @@ def parity() -> dict:
                 prefix.append(k)
             per_switch[label] = {"exact": sum(p == 64 for p in prefix), "of": len(prompts),
                                  "tokens_before_first_divergence": prefix,
+                                 "token_ids": [o.token_ids for o in outs],
                                  "graph_hit_rate": llm.engine.stats["graph_steps"] /
                                  max(llm.engine.stats["decode_steps"], 1)}
-            log(dtype_name, label, per_switch[label])
+            log(dtype_name, label, {k: v for k, v in per_switch[label].items() if k != "token_ids"})
+            llm = None
+            free_gpu()
+        first = next(iter(per_switch.values()))["token_ids"]
+        for v in per_switch.values():  # the switches must not change the tokens
+            v["same_tokens_as_first_switch"] = v.pop("token_ids") == first
         res[dtype_name] = per_switch
-        del llm
-        free_gpu()
     return res
 
 
-def kernels() -> dict:
+def kernels(*extra: str) -> dict:
     import subprocess
     path = "/tmp/kernel_check.json"
-    subprocess.run([sys.executable, "scripts/gpu_kernel_check.py", "--out", path], check=True)
+    rc = subprocess.run([sys.executable, "scripts/gpu_kernel_check.py", "--out", path, *extra]).returncode
     with open(path) as f:
-        return json.load(f)
+        return {"returncode": rc, **json.load(f)}
 
 
 def bench(model: str, runs: list[tuple[str, list[str], dict]]) -> dict:
@@ -197,6 +204,35 @@ def hf_peer(model: str, n_requests: int = 2) -> dict:
             "ttft_ms_median": 1e3 * statistics.median(ttfts), "tpot_ms_median": 1e3 * statistics.median(tpots)}
 
 
+def w1_repeat() -> dict:
+    """W1 twice per engine (first and second run), for default and the two switches W1 should not feel,
+    then default and no-radix again: separates warm-up effects and run-to-run spread from real costs."""
+    rows = []
+    plan = [("default", {}), ("no_radix_cache", {"radix_cache": False}),
+            ("no_chunked_prefill", {"chunked_prefill": False}), ("default", {}),
+            ("no_radix_cache", {"radix_cache": False})]
+    for i, (label, kw) in enumerate(plan):
+        llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype="bfloat16", **kw)
+        runs = [run_workload(llm, "w1") for _ in range(2 if i < 3 else 1)]
+        rows.append({"label": label, "settings": kw, "order": i, "runs": runs})
+        log("w1_repeat", label, [round(r["output_tok_per_s"]) for r in runs],
+            [r["triton_compiles_timed"] for r in runs])
+        llm = None
+        free_gpu()
+    return {"rows": rows}
+
+
+def flashinfer_section() -> dict:
+    """The FlashInfer backend: kernel checks and timings against Triton and torch, greedy parity in bf16
+    next to the Triton backend, then W2 and W1 on Qwen3-0.6B."""
+    fi = {"attention_backend": "flashinfer"}
+    out = {"kernels": kernels("--backends-only", "triton,flashinfer")}
+    out["parity"] = parity(("bfloat16",), (("triton", {}), ("flashinfer", fi),
+                                           ("flashinfer_no_cuda_graph", {**fi, "cuda_graph": False})))
+    out["bench"] = bench("qwen3-0.6b", [("flashinfer", ["w2", "w1"], fi)])
+    return out
+
+
 def profile() -> dict:
     from minisgl.bench.profile import profile_w1_slice
     out = {}
@@ -229,7 +265,9 @@ SECTIONS = {
     "w1_06": lambda: bench("qwen3-0.6b", [("default", ["w1"], {})]),
     "hf06": lambda: hf_peer("qwen3-0.6b"), "hf8": lambda: hf_peer("qwen3-8b"),
     "profile": profile,
-    "flashinfer": lambda: bench("qwen3-0.6b", [("flashinfer", ["w1", "w2"], {"attention_backend": "flashinfer"})]),
+    "flashinfer": flashinfer_section,
+    "w1_repeat": w1_repeat,
+    "w2_8b": lambda: bench("qwen3-8b", [("default", ["w2"], {})]),
 }
 
 

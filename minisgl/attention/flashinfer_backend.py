@@ -47,6 +47,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self.decode_use_tensor_cores)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._active = None  # the wrapper planned for the current step
+        self._planned: torch.cuda.Event | None = None  # recorded after the last plan's host-to-device copies
         self._graph_wrappers: dict[int, object] = {}
         self._graph_indptr: torch.Tensor | None = None
         self._graph_indices: torch.Tensor | None = None
@@ -77,10 +78,22 @@ class FlashInferAttentionBackend(AttentionBackend):
         indices = torch.div(self.req_to_token[rows, page_no * ps], ps, rounding_mode="floor").to(torch.int32)
         return indptr, indices, last_page_len
 
+    def _before_plan(self) -> None:
+        # plan() fills a pinned host buffer and queues its copy to the device. Under the overlap loop the
+        # previous step's copy may still be queued behind the running step: wait for it before refilling.
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def _after_plan(self) -> None:
+        self._planned = torch.cuda.Event()
+        self._planned.record()
+
     def _plan_decode(self, wrapper, meta: AttentionMetadata) -> None:
         indptr, indices, last_page_len = self._page_table(meta)
+        self._before_plan()
         wrapper.plan(indptr, indices, last_page_len, self.num_q_heads, self.num_kv_heads, self.head_dim,
                      self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        self._after_plan()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -94,9 +107,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         ext = meta.extend_lens_cpu if meta.extend_lens_cpu is not None else meta.extend_lens.tolist()
         qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int32)
         qo_indptr[1:] = torch.tensor(ext, dtype=torch.int32).cumsum(0)
+        self._before_plan()
         self.prefill_wrapper.plan(qo_indptr, indptr, indices, last_page_len, self.num_q_heads,
                                   self.num_kv_heads, self.head_dim, self.page_size, causal=True,
                                   sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._after_plan()
         self._active = self.prefill_wrapper
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> None:

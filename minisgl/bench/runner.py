@@ -32,6 +32,28 @@ def warm_up(llm, n: int = 8, out: int = 16) -> None:
     llm.generate(prompts, params, progress=False)
 
 
+def triton_variants() -> dict[str, int]:
+    """Compiled variants of each of minisgl's Triton kernels held by this process. A variant that first appears
+    inside a timed region means a compile (or a disk-cache load) was timed: the runners record the difference."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return {}
+    from minisgl.kernels import attention, elementwise, sampling
+    counts = {}
+    for mod in (attention, elementwise, sampling):
+        for name, fn in vars(mod).items():
+            if isinstance(fn, JITFunction):
+                caches = getattr(fn, "device_caches", {}).values()
+                counts[name] = sum(len(c[0]) for c in caches if isinstance(c, tuple) and isinstance(c[0], dict))
+    return counts
+
+
+def _new_variants(before: dict[str, int]) -> dict[str, int]:
+    after = triton_variants()
+    return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+
+
 def _engine_stats(llm) -> dict:
     e = llm.engine
     s = dict(e.stats)
@@ -49,6 +71,7 @@ def run_throughput(llm, w: Workload) -> dict:
     """All requests at once; output tokens per second of wall time."""
     warm_up(llm)
     _reset_stats(llm)
+    variants = triton_variants()
     _sync()
     t0 = time.perf_counter()
     outs = llm.generate(w.prompts, w.params)
@@ -62,7 +85,7 @@ def run_throughput(llm, w: Workload) -> dict:
         "expected_output_tokens": w.total_output_tokens, "wall_s": wall,
         "output_tok_per_s": w.total_output_tokens / wall, "total_tok_per_s": (prompt_tokens + produced) / wall,
         "cached_prompt_tokens": cached, "cached_prompt_share": cached / prompt_tokens,
-        "engine": _engine_stats(llm),
+        "engine": _engine_stats(llm), "triton_compiles_timed": _new_variants(variants),
     }
 
 
@@ -70,6 +93,7 @@ def run_latency(llm, w: Workload) -> dict:
     """One request at a time: TTFT and TPOT = (end-to-end - TTFT) / (outputs - 1), medians."""
     warm_up(llm, n=1)
     _reset_stats(llm)
+    variants = triton_variants()
     ttfts, tpots = [], []
     for prompt, p in zip(w.prompts, w.params):
         _sync()
@@ -80,7 +104,7 @@ def run_latency(llm, w: Workload) -> dict:
         "requests": len(w.prompts), "output_tokens_each": w.params[0].max_tokens,
         "ttft_ms_median": 1e3 * statistics.median(ttfts), "tpot_ms_median": 1e3 * statistics.median(tpots),
         "ttft_ms": [1e3 * x for x in ttfts], "tpot_ms": [1e3 * x for x in tpots],
-        "engine": _engine_stats(llm),
+        "engine": _engine_stats(llm), "triton_compiles_timed": _new_variants(variants),
     }
 
 
@@ -88,6 +112,7 @@ def run_interference(llm, w: Workload) -> dict:
     """W4: long prompts arrive while short requests decode; the decoders' worst inter-token gap."""
     warm_up(llm)
     _reset_stats(llm)
+    variants = triton_variants()
     engine = llm.engine
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -109,7 +134,7 @@ def run_interference(llm, w: Workload) -> dict:
         "worst_decode_gap_ms": 1e3 * max(gaps) if gaps else None,
         "median_decode_gap_ms": 1e3 * statistics.median(gaps) if gaps else None,
         "long_ttft_ms": [1e3 * (r.first_token_time - t_arrive) for r in long],
-        "peak_gpu_memory_bytes": peak, "engine": _engine_stats(llm),
+        "peak_gpu_memory_bytes": peak, "engine": _engine_stats(llm), "triton_compiles_timed": _new_variants(variants),
     }
 
 

@@ -96,6 +96,8 @@ class CudaGraphRunner:
         self.seq_lens[:n].copy_(meta.seq_lens)
         fill_padding(n, bs, self.out_cache_loc, self.seq_lens, self.positions)
         static = self._meta(bs)
+        if meta.seq_lens_cpu is not None:  # host copies for backends that plan on the CPU (FlashInfer): no sync
+            static.seq_lens_cpu = list(meta.seq_lens_cpu) + [1] * (bs - n)
         self.attn.prepare_for_replay(static)
         self.graphs[bs].replay()
         return self.outputs[bs][:num_rows]

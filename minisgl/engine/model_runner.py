@@ -112,17 +112,24 @@ class ModelRunner:
         seeds = np.asarray([r.seed for r in reqs], dtype=np.int64)
         steps = np.asarray([r.num_outputs_scheduled for r in reqs], dtype=np.int64)
         top_ks = np.asarray([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], dtype=np.int64)
-        ints = np.concatenate([
+        parts = [
             np.asarray(batch.input_ids, dtype=np.int64), positions, np.asarray(batch.out_cache_loc, np.int64),
             np.asarray([r.row for r in batch.reqs], dtype=np.int64), prefix + extend, prefix, extend, start,
             logit_idx, np.asarray(batch.pending_dst, np.int64), np.asarray(batch.pending_src, np.int64),
-            seeds, steps, top_ks])
+            seeds, steps, top_ks]
+        # Each part starts on a 16-byte boundary: Triton compiles a kernel variant per pointer alignment, and
+        # unaligned views would make the variant depend on the batch's token count.
+        padded = [n + n % 2 for n in map(len, parts)]
+        ints = np.zeros(sum(padded), dtype=np.int64)
+        offsets = np.cumsum([0] + padded[:-1])
+        for part, off in zip(parts, offsets):
+            ints[off:off + len(part)] = part
         temps = [r.params.temperature for r in reqs]
-        floats = np.asarray([temps, [r.params.top_p for r in reqs]], dtype=np.float32).reshape(2, s)
+        floats = np.zeros((2, s + (-s) % 4), dtype=np.float32)  # rows on 16-byte boundaries too
+        floats[0, :s], floats[1, :s] = temps, [r.params.top_p for r in reqs]
         dev_ints, dev_floats = self._to_device(ints), self._to_device(floats)
-        sizes = [t, t, t, b, b, b, b, b, s, len(batch.pending_dst), len(batch.pending_dst), s, s, s]
         (input_ids, pos, out_loc, rows, seq_lens, prefix_d, extend_d, start_d, logit_d, pdst, psrc, seeds_d,
-         steps_d, topk_d) = dev_ints.split(sizes)
+         steps_d, topk_d) = (chunk[:len(part)] for chunk, part in zip(dev_ints.split(padded), parts))
         if len(batch.pending_dst):
             input_ids = input_ids.clone()
             input_ids[pdst] = self.last_tokens[psrc]
@@ -133,7 +140,7 @@ class ModelRunner:
             seq_lens_cpu=(prefix + extend).tolist(), prefix_lens_cpu=batch.prefix_lens,
             extend_lens_cpu=batch.extend_lens)
         sampling = SamplingTensors(
-            temperatures=dev_floats[0], top_ps=dev_floats[1], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
+            temperatures=dev_floats[0, :s], top_ps=dev_floats[1, :s], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
             all_greedy=all(x == 0 for x in temps),
             any_top_k_p=any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs))
         return input_ids, pos, meta, logit_d, sampling

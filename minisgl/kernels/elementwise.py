@@ -24,8 +24,10 @@ except ImportError:  # CPU-only installs run the torch references
 __all__ = ["apply_rope", "fused_add_rms_norm", "rms_norm", "silu_and_mul", "store_kv"]
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+def _jit(fn=None, **options):
+    if fn is None:  # used as @_jit(do_not_specialize=...)
+        return lambda f: _jit(f, **options)
+    return triton.jit(fn, **options) if triton is not None else fn
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -91,7 +93,8 @@ def store_kv_ref(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k:
 # ------------------------------------------------------------ Triton kernels --------------------------------
 
 
-@_jit
+# n_rows follows the step's token count: one compiled variant for all counts, not one per count % 16.
+@_jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     X, R, W, Y, RES_OUT, n_rows, n_inner,
     stride_x0, stride_x1, stride_r0, stride_r1, stride_y0, stride_y1, stride_o0, stride_o1,
