@@ -10,7 +10,8 @@ Sections (comma separated):
   quick06    W2 then W1 on Qwen3-0.6B with defaults only (a first look)
   bench8     W1, W2 on Qwen3-8B with defaults and the overlap / CUDA Graph ablations
   hf06, hf8  Hugging Face transformers W2 peer (sdpa, dynamic cache) on the same dummy weights
-  profile    torch.profiler diagnosis of a W1 slice on Qwen3-0.6B
+  profile    torch.profiler diagnosis of a W1 slice on Qwen3-0.6B, and of batch-1/64 decode and one W2 request
+  profile8   the batch-1/64 decode and W2-request profiles on Qwen3-8B
   flashinfer FlashInfer backend: kernel checks/timings vs Triton and torch, bf16 parity, W2 and W1 on Qwen3-0.6B
   w1_repeat  W1 on Qwen3-0.6B, twice per engine, default / no radix / no chunking, interleaved
   w2_8b      W2 on Qwen3-8B with defaults only
@@ -233,9 +234,29 @@ def flashinfer_section() -> dict:
     return out
 
 
+def profile_small_batches(model: str) -> dict:
+    """Decode at batch 1 and 64 (kernel time by kind: how much of a step is GEMMs), then one W2 request:
+    the prefill's host launch time against its kernel time."""
+    import random
+
+    from minisgl.bench.profile import profile_request, profile_w1_slice
+    from minisgl.bench.runner import warm_up
+    llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
+    warm_up(llm)
+    out = {f"decode_bs{n}": profile_w1_slice(llm, num_requests=n, warm_steps=8, steps=30, keep_intervals=0)
+           for n in (1, 64)}
+    random.seed(1)  # W2's first prompt
+    prompt = [random.randint(0, 9999) for _ in range(512)]
+    out["w2_request_unprofiled"] = [profile_request(llm, prompt, profiled=False) for _ in range(3)]
+    out["w2_request"] = profile_request(llm, prompt)
+    llm = None
+    free_gpu()
+    return out
+
+
 def profile() -> dict:
     from minisgl.bench.profile import profile_w1_slice
-    out = {}
+    out = {"small_batches": profile_small_batches("qwen3-0.6b")}
     for label, kw in (("default", {}), ("no_overlap", {"overlap": False}), ("no_cuda_graph", {"cuda_graph": False})):
         llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype="bfloat16", **kw)
         # only the default run keeps its kernel intervals: the report draws one timeline
@@ -268,6 +289,7 @@ SECTIONS = {
     "flashinfer": flashinfer_section,
     "w1_repeat": w1_repeat,
     "w2_8b": lambda: bench("qwen3-8b", [("default", ["w2"], {})]),
+    "profile8": lambda: profile_small_batches("qwen3-8b"),
 }
 
 

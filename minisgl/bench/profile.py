@@ -24,6 +24,22 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+_KINDS = (  # (kind, name fragments), first match wins; names are lower-cased kernel names
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
+    ("attention", ("decode_stage", "_extend_kernel", "batchdecode", "batchprefill", "flashinfer")),
+    ("norm", ("rms_norm",)),
+    ("rope", ("rope",)),
+    ("kv_store", ("store_kv",)),
+    ("silu_and_mul", ("silu",)),
+    ("sampling", ("gumbel", "argmax", "softmax", "topk", "sort")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, frags in _KINDS if any(f in low for f in frags)), "other")
+
+
 def profile_w1_slice(llm, num_requests: int = 64, warm_steps: int = 40, steps: int = 30,
                      keep_intervals: int = 3000) -> dict:
     from torch.profiler import ProfilerActivity, profile
@@ -51,6 +67,15 @@ def profile_w1_slice(llm, num_requests: int = 64, warm_steps: int = 40, steps: i
     n_steps = after["steps"] - before["steps"]
     n_decode = after["decode_steps"] - before["decode_steps"]
     n_graph = after["graph_steps"] - before["graph_steps"]
+    by_kind: dict[str, list[float]] = {}
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        dur = e.time_range.end - e.time_range.start
+        entry = by_kind.setdefault(kernel_kind(e.name), [0, 0.0])
+        entry[0] += 1
+        entry[1] += dur
+        by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + dur
+    per_step = max(n_steps, 1)
     t0 = min((s for s, _ in intervals), default=0.0)
     timeline = [[round(e.time_range.start - t0, 2), round(e.time_range.end - e.time_range.start, 2), e.name[:60]]
                 for e in sorted(kernels, key=lambda e: e.time_range.start)[:keep_intervals]]
@@ -62,5 +87,49 @@ def profile_w1_slice(llm, num_requests: int = 64, warm_steps: int = 40, steps: i
         "kernels_per_step": len(kernels) / n_steps if n_steps else None,
         "step_ms": window / 1e3 / n_steps if n_steps else None,
         "cuda_graph_hit_rate": n_graph / n_decode if n_decode else None,
+        # per step: kernel count and summed kernel time (ms) of each kind, e.g. how much of a step is GEMMs
+        "by_kind_per_step": {k: {"kernels": n / per_step, "ms": t / 1e3 / per_step} for k, (n, t) in by_kind.items()},
+        "top_kernels_ms_per_step": {k: t / 1e3 / per_step
+                                    for k, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]},
         "timeline_us": timeline,
+    }
+
+
+def profile_request(llm, prompt: list[int], max_tokens: int = 2, profiled: bool = True) -> dict:
+    """One request alone (W2's shape): where its time to first token goes. Host time of the prefill step
+    (schedule + prepare + launching every kernel) against the device's kernel time, by kind. The profiler
+    slows the host down: `profiled=False` gives the undisturbed host and TTFT times (no kernel breakdown)."""
+    import contextlib
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from minisgl.sampling_params import SamplingParams
+
+    engine = llm.engine
+    torch.cuda.synchronize()
+    ctx = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiled else contextlib.nullcontext()
+    with ctx as prof:
+        req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        t0 = time.perf_counter()
+        engine.step()  # schedules and launches the prefill
+        t_launched = time.perf_counter()
+        while engine.has_work:
+            engine.step()
+        torch.cuda.synchronize()
+    timing = {"prompt_tokens": len(prompt), "ttft_ms": 1e3 * (req.first_token_time - req.arrival_time),
+              "prefill_host_launch_ms": 1e3 * (t_launched - t0)}
+    if not profiled:
+        return timing
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
+    by_kind: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = by_kind.setdefault(kernel_kind(e.name), [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.end - e.time_range.start
+    return {**timing,
+        "gpu_busy_ms": _union_length(intervals) / 1e3,
+        "kernels": len(kernels),
+        "by_kind": {k: {"kernels": n, "ms": t / 1e3} for k, (n, t) in by_kind.items()},
     }

@@ -26,7 +26,8 @@ def warm_up(llm, n: int = 8, out: int = 16) -> None:
     vocab = llm.engine.model_config.vocab_size
     chunk = llm.config.chunked_prefill_size if llm.config.chunked_prefill_size > 0 else 8192
     longest = llm.engine.max_model_len - out - 1
-    lengths = [min(n, longest) for n in (1, 17, 64, 200, 513, chunk + 100)]
+    # the first length is a real prefill, so warm_up(n=1) also compiles the extend kernels
+    lengths = [min(n, longest) for n in (64, 1, 17, 200, 513, chunk + 100)]
     prompts = [[(7 * i + j) % vocab for j in range(lengths[i % len(lengths)])] for i in range(n)]
     params = [SamplingParams(temperature=0.6 if i % 2 else 0.0, max_tokens=out, ignore_eos=True) for i in range(n)]
     llm.generate(prompts, params, progress=False)
