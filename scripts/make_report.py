@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import statistics
 import sys
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -120,33 +121,130 @@ def reading(sections: dict, b06: dict | None, b8: dict | None, prof: dict | None
             f"arrive the worst gap between two tokens of a decoding request is {on['worst_decode_gap_ms']:.0f} ms "
             f"(SGLang, which runs prefill ahead of decode: 7,292 ms). Unchunked, a whole 32k prompt shares one "
             f"step with the decoders: {off['worst_decode_gap_ms']:.0f} ms.")
+    rep, _ = sections.get("w1_repeat", (None, None))
+    if rep:
+        firsts = {}
+        for row in rep["rows"]:
+            firsts.setdefault(row["label"], []).append(row["runs"][0]["output_tok_per_s"])
+        seconds = [(row["label"], row["runs"][1]) for row in rep["rows"] if len(row["runs"]) > 1]
+        out.append(
+            "- **W1 repeated** (fresh engine per row, order default, no radix, no chunking, default, no radix): "
+            + "; ".join(f"{label} {', '.join(f'{v:,.0f}' for v in vals)} tok/s" for label, vals in firsts.items())
+            + ". Radix bookkeeping costs W1 about "
+            f"{100 * (1 - statistics.mean(firsts['default']) / statistics.mean(firsts['no_radix_cache'])):.1f}% "
+            "(W1 shares no prefixes, so it only pays). A second W1 on the same engine is not comparable when the "
+            "radix cache is on: it finds the first run's prompts cached ("
+            + ", ".join(f"{label} {100 * r['cached_prompt_share']:.0f}% cached, {r['output_tok_per_s']:,.0f} tok/s"
+                        for label, r in seconds) + "). No Triton kernel was compiled inside any timed W1 run ("
+            + ("none recorded" if not any(r["triton_compiles_timed"] for row in rep["rows"] for r in row["runs"])
+               else "SOME: see the JSON") + ").")
+    small = get(prof, "small_batches") if prof else None
+    req = get(small, "w2_request")
+    unprof = get(small, "w2_request_unprofiled")
+    if req and unprof and b06 and get(b06, "default", "w2"):
+        launch = statistics.median(r["prefill_host_launch_ms"] for r in unprof)
+        ttft = statistics.median(r["ttft_ms"] for r in unprof)
+        out.append(
+            f"- **TTFT** ({b06['default']['w2']['ttft_ms_median']:.1f} ms for W2's 512-token prompts on Qwen3-0.6B, "
+            f"SGLang 11.1 ms). One such request alone: TTFT {ttft:.1f} ms, of which {launch:.1f} ms is the host "
+            f"scheduling, packing and launching the prefill step's {req['kernels']} kernels one by one "
+            f"(profiled: the kernels themselves are busy {req['gpu_busy_ms']:.2f} ms). The prefill runs eagerly; "
+            "what would close the gap is fewer launches per layer (fused q/k norm + rope + KV store, one launch "
+            "per norm pair) or graphs captured for common prefill sizes.")
+    p8 = get(sections.get("profile8", (None, None))[0], "decode_bs1")
     if b8 and get(b8, "default", "w2"):
         tpot = b8["default"]["w2"]["tpot_ms_median"]
         floor = w2_tpot_floor_ms(MODELS["qwen3-8b"], bw)
-        out.append(
-            f"- **Qwen3-8B TPOT** is {tpot:.2f} ms against a {floor:.2f} ms floor (weights and KV once over the "
-            f"measured {bw / 1e12:.2f} TB/s): {100 * floor / tpot:.0f}% of bandwidth. The step is one graph replay "
-            "of torch's bf16 matmuls at batch 1 plus our Triton kernels; what is left is the matrix-vector "
-            "products' efficiency at M=1, not scheduling.")
-    w1 = [(sec, sections[sec][0]["default"]["w1"]["output_tok_per_s"]) for sec in ("bench06", "w1_06")
-          if sec in sections and get(sections[sec][0], "default", "w1")]
-    if b06 and len(w1) > 1 and get(b06, "no_radix_cache", "w1"):
-        out.append(
-            f"- **W1 on Qwen3-0.6B varies between runs**: {', '.join(f'{v:,.0f}' for _, v in w1)} tok/s with "
-            f"defaults, while the rows that switch off the radix cache or chunked prefill (which should not matter "
-            f"to W1's unshared prompts) measured {b06['no_radix_cache']['w1']['output_tok_per_s']:,.0f} and "
-            f"{b06['no_chunked_prefill']['w1']['output_tok_per_s']:,.0f}. The first default run also paid the "
-            "fused sampler's JIT compile inside the timed region, most likely (the warm-up compiles it since run 2). "
-            "Whether the rest is run-to-run spread or a real cost of radix bookkeeping under chunked prefill needs "
-            "repeated runs in one process with the order shuffled; see the note on the issue.")
-    if b06 and get(b06, "default", "w2"):
-        out.append(
-            f"- **TTFT** ({b06['default']['w2']['ttft_ms_median']:.1f} ms for a 512-token prompt on Qwen3-0.6B) is "
-            "behind SGLang's 11.1 ms. A prefill step runs eagerly: ~500 kernels launched one by one from Python, "
-            "while its arithmetic (2 x 0.6 G parameters x 512 tokens) is well under a millisecond of the card; "
-            "the next step is a profile of the prefill step, then graphs for common prefill sizes or fewer, "
-            "larger kernels per layer.")
+        text = (f"- **Qwen3-8B TPOT** is {tpot:.2f} ms against a {floor:.2f} ms floor (weights and KV once over the "
+                f"measured {bw / 1e12:.2f} TB/s): {100 * floor / tpot:.0f}% of bandwidth.")
+        if p8:
+            kinds = p8["by_kind_per_step"]
+            gemm = kinds.get("gemm", {"ms": 0, "kernels": 0})
+            rest = sum(v["ms"] for k, v in kinds.items() if k != "gemm")
+            text += (f" Profiled at batch 1 a step is {p8['step_ms']:.2f} ms: {gemm['kernels']:.0f} GEMM kernels "
+                     f"take {gemm['ms']:.2f} ms ({weight_bytes(MODELS['qwen3-8b']) / (gemm['ms'] * 1e-3) / 1e12:.2f}"
+                     f" TB/s over the weights), the other {p8['kernels_per_step'] - gemm['kernels']:.0f} kernels "
+                     f"{rest:.2f} ms, and the GPU idles {p8['step_ms'] * (1 - p8['gpu_busy_fraction']):.2f} ms "
+                     "between kernels. What is left is torch's bf16 matrix-vector products at M=1 and the gaps "
+                     "between ~" + f"{p8['kernels_per_step'] / 36:.0f}" + " kernels per layer, not scheduling.")
+        out.append(text)
     return out + [""]
+
+
+def small_batch_profiles(sections: dict) -> list[str]:
+    """Kernel time by kind per decode step at batch 1 and 64 (both models), from the profile sections."""
+    runs = []
+    for model, sec, key in (("qwen3-0.6b", "profile", "small_batches"), ("qwen3-8b", "profile8", None)):
+        data = sections.get(sec, (None, None))[0]
+        data = get(data, key) if key else data
+        for bs in ("decode_bs1", "decode_bs64"):
+            if get(data, bs):
+                runs.append((model, bs.removeprefix("decode_bs"), data[bs]))
+    if not runs:
+        return []
+    kinds = sorted({k for _, _, r in runs for k in r["by_kind_per_step"]})
+    lines = ["## Where a decode step's time goes (torch.profiler, 30 steps, CUDA Graph on)", "",
+             "Per step: kernel count and summed kernel time (ms) of each kind; the gap is the step's time the GPU "
+             "spends between kernels.", "",
+             "| model | batch | step ms | GPU idle ms | kernels | " + " | ".join(kinds) + " |",
+             "|---|---|---|---|---|" + "---|" * len(kinds)]
+    for model, bs, r in runs:
+        cells = [f"{r['by_kind_per_step'][k]['kernels']:.0f} / {r['by_kind_per_step'][k]['ms']:.3f}"
+                 if k in r["by_kind_per_step"] else "—" for k in kinds]
+        lines.append(f"| {model} | {bs} | {r['step_ms']:.3f} | {r['step_ms'] * (1 - r['gpu_busy_fraction']):.3f} "
+                     f"| {r['kernels_per_step']:.0f} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def flashinfer_lines(sections: dict, b06: dict | None) -> list[str]:
+    fi, src = sections.get("flashinfer", (None, None))
+    if not fi:
+        return []
+    lines = [f"## FlashInfer backend (`--attention-backend flashinfer`, flashinfer-python 0.6.14, `{src}`)", ""]
+    res = get(fi, "kernels", "results") or []
+    checks = [r for r in res if r.get("kernel", "").endswith("_backend_vs_torch")]
+    if checks:
+        lines += ["Each backend against the torch reference backend: two eager mixed steps (prefills, chunks over "
+                  "a cached prefix, a decode row) then three decode steps replayed from a CUDA graph captured "
+                  "through the backend's hooks; the KV pools must end bit-identical.", "",
+                  "| backend | page size | max rel. error | ok |", "|---|---|---|---|"]
+        lines += [f"| {r['kernel'].removesuffix('_backend_vs_torch')} | {r.get('page_size')} "
+                  f"| {r.get('rel_err', float('nan')):.4f} | {'yes' if r.get('ok') else 'NO'} |" for r in checks]
+        lines.append("")
+    timing = [r for r in res if r.get("kernel") == "backend_timing"]
+    if timing:
+        lines += ["One attention layer (KV store + attention) of each backend at Qwen3-0.6B heads, page size 1; "
+                  "decode timed as a CUDA graph replay, prefill eagerly (`triton.testing.do_bench`, L2 flushed).", "",
+                  "| phase | batch x context | Triton µs | FlashInfer µs | FlashInfer / Triton | Triton KV TB/s "
+                  "| outputs' rel. difference |", "|---|---|---|---|---|---|---|"]
+        for r in timing:
+            t, f = r.get("triton_us"), r.get("flashinfer_us")
+            kv = f"{r['kv_bytes'] / (t * 1e-6) / 1e12:.2f}" if t and r["phase"] == "decode" else "—"
+            lines.append(f"| {r['phase']} | {r['bs']} x {r['ctx']} | {fmt(t, 1)} | {fmt(f, 1)} | {ratio(f, t)} "
+                         f"| {kv} | {fmt(r.get('rel_diff'), 4)} |")
+        lines.append("")
+    par = get(fi, "parity", "bfloat16")
+    if par:
+        lines += ["Greedy tokens in bf16 (8 prompts x 64, Qwen3-0.6B shapes, dummy weights) against transformers: "
+                  "tokens before the first divergence (random weights give near-ties, so bf16 kernels diverge "
+                  "early and differently).", "", "| backend | prompts identical to HF | tokens before divergence |",
+                  "|---|---|---|"]
+        lines += [f"| {label} | {r['exact']}/{r['of']} | {r['tokens_before_first_divergence']} |"
+                  for label, r in par.items()]
+        lines.append("")
+    bench = get(fi, "bench", "flashinfer")
+    if bench and "error" not in bench:
+        tw1, tw2 = get(b06, "default", "w1"), get(b06, "default", "w2")
+        lines += ["| Qwen3-0.6B | FlashInfer | Triton (defaults, ablation table) | FlashInfer / Triton |",
+                  "|---|---|---|---|",
+                  f"| W1 output tok/s | {fmt(get(bench, 'w1', 'output_tok_per_s'))} "
+                  f"| {fmt(get(tw1, 'output_tok_per_s'))} "
+                  f"| {ratio(get(bench, 'w1', 'output_tok_per_s'), get(tw1, 'output_tok_per_s'))} |",
+                  f"| W2 TPOT ms | {fmt(get(bench, 'w2', 'tpot_ms_median'), 3)} | {fmt(get(tw2, 'tpot_ms_median'), 3)} "
+                  f"| {ratio(get(bench, 'w2', 'tpot_ms_median'), get(tw2, 'tpot_ms_median'))} |",
+                  f"| W2 TTFT ms | {fmt(get(bench, 'w2', 'ttft_ms_median'), 1)} | {fmt(get(tw2, 'ttft_ms_median'), 1)} "
+                  f"| {ratio(get(bench, 'w2', 'ttft_ms_median'), get(tw2, 'ttft_ms_median'))} |", ""]
+    return lines
 
 
 def main(folder: str) -> None:
@@ -294,6 +392,8 @@ def main(folder: str) -> None:
                   "| setting | step ms | GPU busy | CPU gap ms (total) | kernels / step | CUDA Graph hit rate |",
                   "|---|---|---|---|---|---|"]
         for label, r in prof.items():
+            if label == "small_batches":
+                continue
             lines.append(f"| {label} | {fmt(r.get('step_ms'), 2)} "
                          f"| {fmt(100 * (r.get('gpu_busy_fraction') or 0), 1, '%')} "
                          f"| {fmt(r.get('cpu_gap_ms'), 1)} | {fmt(r.get('kernels_per_step'), 1)} "
@@ -301,6 +401,8 @@ def main(folder: str) -> None:
         if os.path.exists(os.path.join(folder, "timeline.png")):
             lines += ["", "![GPU kernel timeline, default settings](timeline.png)"]
         lines.append("")
+    lines += small_batch_profiles(sections)
+    lines += flashinfer_lines(sections, b06)
     lines += reading(sections, b06, b8, prof, bw)
     with open(os.path.join(folder, "REPORT.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
