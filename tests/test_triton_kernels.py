@@ -334,6 +334,37 @@ def test_store_kv_from_qkv_views(force_triton, dtype):
     assert torch.equal(bufs[0][loc], k) and torch.equal(bufs[1][loc], v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_rope_in_place_on_qkv_views(force_triton, dtype):
+    """Qwen3's per-head q/k norms and the rotation in one launch, on views into the qkv output."""
+    gen = torch.Generator().manual_seed(6)
+    t, hq, hkv, d, max_pos = 5, 4, 2, 64, 40
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cos_sin = torch.cat([torch.outer(torch.arange(max_pos).float(), inv_freq).cos(),
+                         torch.outer(torch.arange(max_pos).float(), inv_freq).sin()], dim=-1)
+    qkv = (3 * torch.randn(t, (hq + 2 * hkv) * d, generator=gen)).to(dtype)
+    wq = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype)
+    wk = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype)
+    positions = torch.randint(0, max_pos, (t,), generator=gen)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    q_ref, k_ref = ew.norm_and_rope_ref(q.clone(), k.clone(), positions, cos_sin, wq, wk, 1e-6)
+    # the three Triton kernels it replaces: per-head rms_norm of q and of k, then apply_rope
+    q_sep, k_sep = ew.rms_norm(q.clone(), wq, 1e-6), ew.rms_norm(k.clone(), wk, 1e-6)
+    ew.apply_rope(q_sep, k_sep, positions, cos_sin)
+    v_before = qkv[:, (hq + hkv) * d:].clone()
+    q_out, k_out = ew.norm_and_rope(q, k, positions, cos_sin, wq, wk, 1e-6)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # in place, in the qkv buffer
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -4  # the reference rotates in bf16 arithmetic, the kernel in fp32
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(k.float(), k_ref.float(), rtol=tol, atol=tol)
+    assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)  # v untouched
+    # same rounding points as the separate kernels; only the variance's summation order differs
+    sep_tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(q.float(), q_sep.float(), rtol=sep_tol, atol=sep_tol)
+    torch.testing.assert_close(k.float(), k_sep.float(), rtol=sep_tol, atol=sep_tol)
+
+
 def test_elementwise_cpu_path_without_force():
     """Without the flag, CPU tensors take the torch reference (what CI, which has no Triton, runs)."""
     x = torch.randn(3, 16)

@@ -1,5 +1,5 @@
-"""Elementwise ops of the decoder: RMSNorm (plain, fused with the residual add, per head), SiLU-and-mul, RoPE,
-and the K/V store into the paged pool.
+"""Elementwise ops of the decoder: RMSNorm (plain, fused with the residual add, per head), SiLU-and-mul, RoPE
+(alone, or after Qwen3's per-head q/k norms in the same pass), and the K/V store into the paged pool.
 
 Each op has a torch reference (`*_ref`, the semantics) and a fused Triton kernel. The public wrappers use
 Triton for CUDA tensors and the reference otherwise; setting MINISGL_FORCE_TRITON=1 sends CPU tensors to
@@ -21,7 +21,7 @@ except ImportError:  # CPU-only installs run the torch references
     triton = None
     tl = None
 
-__all__ = ["apply_rope", "fused_add_rms_norm", "rms_norm", "silu_and_mul", "store_kv"]
+__all__ = ["apply_rope", "fused_add_rms_norm", "norm_and_rope", "rms_norm", "silu_and_mul", "store_kv"]
 
 
 def _jit(fn=None, **options):
@@ -82,6 +82,11 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     q.copy_(rot(q))
     k.copy_(rot(k))
     return q, k
+
+
+def norm_and_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                      q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return apply_rope_ref(rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps), positions, cos_sin)
 
 
 def store_kv_ref(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
@@ -169,6 +174,43 @@ def _rope_kernel(
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     tl.store(p1, (x1 * cos - x2 * sin).to(K.dtype.element_ty), mask=mask)
     tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(K.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _norm_rope_heads(X, stride_h, W, cos, sin, offs_d, dmask, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
+                     HALF: tl.constexpr):
+    """RMSNorm over each head's 2 * HALF values, times the weight, then the rotation; in place."""
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h < H)[:, None] & dmask[None, :]
+    p1 = X + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    w1 = tl.load(W + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(W + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    dt = X.dtype.element_ty
+    # Rounded where rms_norm then apply_rope round: the normed value, then its product with the weight.
+    n1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    n2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(p1, (n1 * cos - n2 * sin).to(dt), mask=mask)
+    tl.store(p1 + HALF, (n2 * cos + n1 * sin).to(dt), mask=mask)
+
+
+@_jit
+def _norm_rope_kernel(
+    Q, K, Pos, CosSin, WQ, WK, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, eps,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One program per token: its q heads and k heads, each normalised and rotated where it lies.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    dmask = offs_d < HALF
+    cos = tl.load(CosSin + pos * stride_cs + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(CosSin + pos * stride_cs + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    _norm_rope_heads(Q + t * stride_qt, stride_qh, WQ, cos, sin, offs_d, dmask, eps, HQ, BLOCK_HQ, HALF)
+    _norm_rope_heads(K + t * stride_kt, stride_kh, WK, cos, sin, offs_d, dmask, eps, HKV, BLOCK_HKV, HALF)
 
 
 @_jit
@@ -284,6 +326,25 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         q, k, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
         HQ=hq, HKV=hkv, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
         BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+    )
+    return q, k
+
+
+def norm_and_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                  q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k, then NeoX RoPE: one launch instead of three. On a GPU q and k
+    (views into the qkv output) are updated in place and returned; the torch path returns new tensors."""
+    if (not _use_triton(q) or q.dtype != k.dtype or cos_sin.shape[-1] != q.shape[-1] or q.stride(-1) != 1
+            or k.stride(-1) != 1 or cos_sin.stride(-1) != 1 or q_weight.dtype != q.dtype):
+        return norm_and_rope_ref(q, k, positions, cos_sin, q_weight, k_weight, eps)
+    t, hq, d = q.shape
+    if t == 0:
+        return q, k
+    half = d // 2
+    _norm_rope_kernel[(t,)](
+        q, k, positions, cos_sin, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos_sin.stride(0), eps, HQ=hq, HKV=k.shape[1], HALF=half, BLOCK_HQ=triton.next_power_of_2(hq),
+        BLOCK_HKV=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
     )
     return q, k
 

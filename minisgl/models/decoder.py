@@ -42,9 +42,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_q_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, positions)
+        q, k = rotary(q, k, positions, self.q_norm, self.k_norm)  # Qwen3's q/k norms run inside, first
         o = attn.forward(q, k, v, self.layer_id)
         return self.o_proj(o.reshape(t, self.q_size))
 

@@ -54,8 +54,13 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        return ew.apply_rope(q, k, positions, self.cos_sin)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
+        """Rotate q and k by their positions. Qwen3 passes its per-head norms: they run first, in the same pass
+        over q and k on a GPU (one kernel instead of three)."""
+        if q_norm is None:
+            return ew.apply_rope(q, k, positions, self.cos_sin)
+        return ew.norm_and_rope(q, k, positions, self.cos_sin, q_norm.weight, k_norm.weight, q_norm.eps)
 
 
 class MLP(nn.Module):
