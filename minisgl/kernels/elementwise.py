@@ -147,70 +147,41 @@ def _silu_and_mul_kernel(GU, Out, stride_g, stride_o, inter, BLOCK: tl.constexpr
 
 
 @_jit
-def _rope_kernel(
-    Q, K, Pos, CosSin, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(Pos + t).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    dmask = offs_d < HALF
-    cos = tl.load(CosSin + pos * stride_cs + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(CosSin + pos * stride_cs + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-
-    offs_h = tl.arange(0, BLOCK_HQ)
-    mask = (offs_h < HQ)[:, None] & dmask[None, :]
-    p1 = Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(Q.dtype.element_ty), mask=mask)
-    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(Q.dtype.element_ty), mask=mask)
-
-    offs_h = tl.arange(0, BLOCK_HKV)
-    mask = (offs_h < HKV)[:, None] & dmask[None, :]
-    p1 = K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(K.dtype.element_ty), mask=mask)
-    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(K.dtype.element_ty), mask=mask)
-
-
-@_jit
-def _norm_rope_heads(X, stride_h, W, cos, sin, offs_d, dmask, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                     HALF: tl.constexpr):
-    """RMSNorm over each head's 2 * HALF values, times the weight, then the rotation; in place."""
+def _rope_heads(X, stride_h, W, cos, sin, offs_d, dmask, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
+                HALF: tl.constexpr, NORM: tl.constexpr):
+    """Rotate the H heads at X in place; with NORM, RMSNorm each head (times W) first."""
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h < H)[:, None] & dmask[None, :]
     p1 = X + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-    w1 = tl.load(W + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(W + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     dt = X.dtype.element_ty
-    # Rounded where rms_norm then apply_rope round: the normed value, then its product with the weight.
-    n1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    n2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    tl.store(p1, (n1 * cos - n2 * sin).to(dt), mask=mask)
-    tl.store(p1 + HALF, (n2 * cos + n1 * sin).to(dt), mask=mask)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(W + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        # Rounded where rms_norm then apply_rope round: the normed value, then its product with the weight.
+        x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(p1, (x1 * cos - x2 * sin).to(dt), mask=mask)
+    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(dt), mask=mask)
 
 
 @_jit
-def _norm_rope_kernel(
+def _rope_kernel(
     Q, K, Pos, CosSin, WQ, WK, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
 ):
-    # One program per token: its q heads and k heads, each normalised and rotated where it lies.
+    # One program per token: its q heads and k heads, (normalised and) rotated where they lie.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     dmask = offs_d < HALF
     cos = tl.load(CosSin + pos * stride_cs + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(CosSin + pos * stride_cs + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    _norm_rope_heads(Q + t * stride_qt, stride_qh, WQ, cos, sin, offs_d, dmask, eps, HQ, BLOCK_HQ, HALF)
-    _norm_rope_heads(K + t * stride_kt, stride_kh, WK, cos, sin, offs_d, dmask, eps, HKV, BLOCK_HKV, HALF)
+    _rope_heads(Q + t * stride_qt, stride_qh, WQ, cos, sin, offs_d, dmask, eps, HQ, BLOCK_HQ, HALF, NORM)
+    _rope_heads(K + t * stride_kt, stride_kh, WK, cos, sin, offs_d, dmask, eps, HKV, BLOCK_HKV, HALF, NORM)
 
 
 @_jit
@@ -309,24 +280,33 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*shape[:-1], inter)
 
 
+def _launch_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> None:
+    t, hq, d = q.shape
+    hkv, half = k.shape[1], d // 2
+    norm = q_weight is not None
+    _rope_kernel[(t,)](
+        q, k, positions, cos_sin, q_weight if norm else cos_sin, k_weight if norm else cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0), eps,
+        HQ=hq, HKV=hkv, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
+        BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, num_warps=4,
+    )
+
+
+def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> bool:
+    """The kernel's layout: full rotary width, last dims contiguous. Partial rotary / odd layouts take torch."""
+    return (cos_sin.shape[-1] == q.shape[-1] and q.stride(-1) == 1 and k.stride(-1) == 1
+            and cos_sin.stride(-1) == 1 and q.dtype == k.dtype)
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX-style rotary embedding in place. q: [T, Hq, D], k: [T, Hkv, D] (token/head strides free, last dim
     contiguous, e.g. slices of a fused qkv output); cos_sin: [max_pos, D] fp32 = [cos | sin]."""
-    if not _use_triton(q):
+    if not _use_triton(q) or not _rope_fits(q, k, cos_sin):
         return apply_rope_ref(q, k, positions, cos_sin)
-    T, hq, d = q.shape
-    hkv = k.shape[1]
-    if cos_sin.shape[-1] != d or q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin.stride(-1) != 1:
-        return apply_rope_ref(q, k, positions, cos_sin)  # partial rotary / odd layouts: rare, keep it simple
-    if T == 0:
-        return q, k
-    half = d // 2
-    _rope_kernel[(T,)](
-        q, k, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
-        HQ=hq, HKV=hkv, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
-    )
+    if q.shape[0]:
+        _launch_rope(q, k, positions, cos_sin, None, None, 0.0)
     return q, k
 
 
@@ -334,18 +314,10 @@ def norm_and_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
                   q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head RMSNorm of q and k, then NeoX RoPE: one launch instead of three. On a GPU q and k
     (views into the qkv output) are updated in place and returned; the torch path returns new tensors."""
-    if (not _use_triton(q) or q.dtype != k.dtype or cos_sin.shape[-1] != q.shape[-1] or q.stride(-1) != 1
-            or k.stride(-1) != 1 or cos_sin.stride(-1) != 1 or q_weight.dtype != q.dtype):
+    if not _use_triton(q) or not _rope_fits(q, k, cos_sin) or q_weight.dtype != q.dtype:
         return norm_and_rope_ref(q, k, positions, cos_sin, q_weight, k_weight, eps)
-    t, hq, d = q.shape
-    if t == 0:
-        return q, k
-    half = d // 2
-    _norm_rope_kernel[(t,)](
-        q, k, positions, cos_sin, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos_sin.stride(0), eps, HQ=hq, HKV=k.shape[1], HALF=half, BLOCK_HQ=triton.next_power_of_2(hq),
-        BLOCK_HKV=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
-    )
+    if q.shape[0]:
+        _launch_rope(q, k, positions, cos_sin, q_weight, k_weight, eps)
     return q, k
 
 
