@@ -237,18 +237,17 @@ def flashinfer_section() -> dict:
 def profile_small_batches(model: str) -> dict:
     """Decode at batch 1 and 64 (kernel time by kind: how much of a step is GEMMs), then one W2 request:
     the prefill's host launch time against its kernel time."""
-    import random
-
     from minisgl.bench.profile import profile_request, profile_w1_slice
     from minisgl.bench.runner import warm_up
+    from minisgl.bench.workloads import w2_latency
     llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
     warm_up(llm)
     out = {f"decode_bs{n}": profile_w1_slice(llm, num_requests=n, warm_steps=8, steps=30, keep_intervals=0)
            for n in (1, 64)}
-    random.seed(1)  # W2's first prompt
-    prompt = [random.randint(0, 9999) for _ in range(512)]
-    out["w2_request_unprofiled"] = [profile_request(llm, prompt, profiled=False) for _ in range(3)]
-    out["w2_request"] = profile_request(llm, prompt)
+    # W2's prompts, each used once: a repeated prompt would be served from the radix cache
+    prompts = w2_latency().prompts
+    out["w2_request_unprofiled"] = [profile_request(llm, p, profiled=False) for p in prompts[:3]]
+    out["w2_request"] = profile_request(llm, prompts[3])
     llm = None
     free_gpu()
     return out

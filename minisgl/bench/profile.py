@@ -117,7 +117,8 @@ def profile_request(llm, prompt: list[int], max_tokens: int = 2, profiled: bool 
         while engine.has_work:
             engine.step()
         torch.cuda.synchronize()
-    timing = {"prompt_tokens": len(prompt), "ttft_ms": 1e3 * (req.first_token_time - req.arrival_time),
+    timing = {"prompt_tokens": len(prompt), "cached_prompt_tokens": req.num_cached_prompt_tokens,
+              "ttft_ms": 1e3 * (req.first_token_time - req.arrival_time),
               "prefill_host_launch_ms": 1e3 * (t_launched - t0)}
     if not profiled:
         return timing
@@ -128,8 +129,10 @@ def profile_request(llm, prompt: list[int], max_tokens: int = 2, profiled: bool 
         entry = by_kind.setdefault(kernel_kind(e.name), [0, 0.0])
         entry[0] += 1
         entry[1] += e.time_range.end - e.time_range.start
+    host_ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:12]
     return {**timing,
         "gpu_busy_ms": _union_length(intervals) / 1e3,
+        "top_host_ops_ms": {a.key[:80]: a.self_cpu_time_total / 1e3 for a in host_ops},
         "kernels": len(kernels),
         "by_kind": {k: {"kernels": n, "ms": t / 1e3} for k, (n, t) in by_kind.items()},
     }
