@@ -49,6 +49,22 @@ def repo_root() -> Path:
     return Path(minisgl.__file__).resolve().parent.parent
 
 
+def h200_sections() -> dict[str, dict]:
+    """The H200 measurements in reports/h200/: for each section of scripts/h200_run.py, its newest result
+    across the results files, as {"result": ..., "file": ..., "environment": ...} (as the report reads them)."""
+    import json
+
+    found: dict[str, dict] = {}
+    for path in sorted((repo_root() / "reports" / "h200").glob("*.json")):
+        data = json.loads(path.read_text())
+        env = data.get("environment", {})
+        for name, sec in data.get("sections", {}).items():
+            stamp = env.get("time_utc", "")
+            if "result" in sec and (name not in found or stamp >= found[name]["environment"].get("time_utc", "")):
+                found[name] = {"result": sec["result"], "file": path.name, "environment": env}
+    return found
+
+
 def _has_weights(path: Path) -> bool:
     return (path / "config.json").exists() and any(path.glob("*.safetensors"))
 
