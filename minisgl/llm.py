@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from minisgl.config import EngineConfig
@@ -74,8 +75,9 @@ class LLM:
         Every request is checked before any runs: a bad one raises ValueError naming it, and the engine
         stays ready for the next call.
         """
+        # one prompt: text, or a flat list of token ids (Python or numpy integers)
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                              and isinstance(prompts[0], int))
+                                              and isinstance(prompts[0], numbers.Integral))
         prompt_list = [prompts] if single else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

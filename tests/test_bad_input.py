@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from helpers import PROMPTS, assert_all_pages_back, hf_greedy
 
@@ -80,6 +81,27 @@ def test_token_ids_out_of_vocab(bad, ctx_llm, qwen3_path):
     prompt = [5, 6, bad, 7]
     msg = refused(ctx_llm, [PROMPTS[0], prompt], OK, r"request 1: token id .* is out of the vocabulary \[0, 512\)")
     assert repr(bad) in msg
+    still_serves(ctx_llm, qwen3_path)
+
+
+@pytest.mark.parametrize("bad", [np.int64(-1), np.int32(512), np.float32(3.0), np.bool_(True)], ids=repr)
+def test_numpy_token_ids_out_of_vocab_or_not_integers(bad, ctx_llm, qwen3_path):
+    refused(ctx_llm, [[5, 6, bad, 7]], OK, r"token id .* is out of the vocabulary")
+    still_serves(ctx_llm, qwen3_path)
+
+
+def test_numpy_integer_token_ids_are_accepted(ctx_llm, qwen3_path):
+    """A tokenizer's numpy ids run like Python ints: one prompt as a list, several, and as an engine request."""
+    prompt = PROMPTS[0]
+    expect = hf_greedy(qwen3_path, [prompt], 8)[0]
+    as_np = [np.int64(t) for t in prompt]
+    assert ctx_llm.generate(as_np, OK)[0].token_ids == expect
+    assert [o.token_ids for o in ctx_llm.generate([as_np, list(np.asarray(prompt, dtype=np.int32))], OK)] \
+        == [expect, expect]
+    req = ctx_llm.engine.add_request(np.asarray(prompt, dtype=np.int32), OK)
+    assert all(type(t) is int for t in req.input_ids)
+    ctx_llm.engine.run([req])
+    assert req.output_ids == expect
     still_serves(ctx_llm, qwen3_path)
 
 

@@ -10,6 +10,7 @@ before it returns, so the overlap loop runs the same code with nothing to hide.
 
 from __future__ import annotations
 
+import numbers
 import random
 import time
 from collections.abc import Callable
@@ -49,9 +50,10 @@ class Engine:
         if len(input_ids) == 0:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        # the index, not the token: a None token must not read as "nothing bad found"
+        # the index, not the token: a None token must not read as "nothing bad found". Integral admits numpy
+        # integers (a tokenizer's arrays), not bools.
         bad = next((i for i, t in enumerate(input_ids)
-                    if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+                    if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {input_ids[bad]!r} is out of the vocabulary [0, {vocab})")
         params.validate()
@@ -70,6 +72,7 @@ class Engine:
                     stop_check: Callable[[Req], bool] | None = None) -> Req:
         input_ids = list(input_ids)
         self.check_request(input_ids, params)
+        input_ids = [int(t) for t in input_ids]  # numpy integers become plain ints once, here
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         req = Req(self._next_rid, input_ids, params, seed, stop_check=stop_check)
         self._next_rid += 1
