@@ -105,6 +105,30 @@ def test_numpy_integer_token_ids_are_accepted(ctx_llm, qwen3_path):
     still_serves(ctx_llm, qwen3_path)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
+def test_an_exception_inside_a_step_ends_every_request_and_the_engine_serves_on(overlap, qwen3_path):
+    """A request's stop check raises mid-run: the exception reaches the caller, every request (running, waiting,
+    in flight) ends with "error", every page and row comes back, and the next requests match HF (so the prefix
+    cache kept no KV from the failed steps)."""
+    llm = LLM(qwen3_path, page_size=4, overlap=overlap, max_running_requests=3)
+    engine = llm.engine
+
+    def broken_check(req):
+        if len(req.output_ids) >= 3:
+            raise RuntimeError("stop check failed")
+        return False
+
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    reqs = [engine.add_request(PROMPTS[i], long) for i in (0, 2)]
+    reqs.append(engine.add_request(PROMPTS[7], OK, stop_check=broken_check))
+    reqs.append(engine.add_request(PROMPTS[4], OK))  # waits: 3 running at most
+    with pytest.raises(RuntimeError, match="stop check failed"):
+        engine.run()
+    assert [r.finish_reason for r in reqs] == ["error"] * 4
+    assert not engine.has_work and all(r.row is None for r in reqs)
+    still_serves(llm, qwen3_path)
+
+
 BAD_PARAMS = [
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=math.nan), "temperature"),

@@ -91,7 +91,34 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """One iteration of the loop; returns the requests released (finished) by it."""
+        """One iteration of the loop; returns the requests released (finished) by it.
+
+        If anything in it raises (a request's stop check, the device), every request ends with finish_reason
+        "error" and gives its KV back before the exception propagates, so the engine serves the next ones."""
+        try:
+            return self._step()
+        except Exception:
+            self._fail_all()
+            raise
+
+    def _fail_all(self) -> None:
+        sched, now, p = self.scheduler, time.perf_counter(), self.config.page_size
+        for req in [*sched.waiting, *sched.running]:
+            if not req.finished:
+                req.status, req.finish_reason, req.finish_time = ReqStatus.FINISHED, "error", now
+        sched.waiting.clear()
+        for req in sched.running:  # KV past the cached prefix is the request's alone
+            self.allocator.free(req.pages[req.cached_len // p:])
+            self.cache.unlock(req.cache_node)
+            self.runner.req_pool.free(req.row)
+            req.pages, req.row, req.cache_node, req.cached_len, req.kv_len = [], None, None, 0, 0
+        sched.running.clear()
+        self._inflight = None
+        # A failed step may have left never-computed KV in the prefix cache (chunks are cached when scheduled):
+        # empty it rather than let a later request reuse it.
+        self.cache.evict(self.cache.cached_pages)
+
+    def _step(self) -> list[Req]:
         batch = self.scheduler.schedule()
         if batch is NEED_SYNC:  # a retraction needs the tokens of the step in flight
             self._resolve(self._inflight)
