@@ -424,6 +424,11 @@ def main(folder: str) -> None:
                          f"| {fmt(100 * (r.get('gpu_busy_fraction') or 0), 1, '%')} "
                          f"| {fmt(r.get('cpu_gap_ms'), 1)} | {fmt(r.get('kernels_per_step'), 1)} "
                          f"| {fmt(r.get('cuda_graph_hit_rate'), 3)} |")
+        host = get(prof, "default", "host_ms_per_step_unprofiled")
+        if host:
+            lines += ["", "Host time per step in the same steady state without the profiler (default settings): "
+                      + ", ".join(f"{k} {v:.3f} ms" for k, v in host.items())
+                      + ". Under the overlap loop `wait` is how far the device runs ahead of the host."]
         if os.path.exists(os.path.join(folder, "timeline.png")):
             lines += ["", "![GPU kernel timeline, default settings](timeline.png)"]
         lines.append("")

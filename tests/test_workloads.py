@@ -46,3 +46,28 @@ def test_bench_cli_writes_json(qwen3_path, tmp_path):
     assert data["settings"]["scale"] == 0.02 and data["environment"]["torch"]
     w1 = data["results"]["w1"]
     assert w1["output_tokens"] == w1["expected_output_tokens"] > 0 and w1["output_tok_per_s"] > 0
+
+
+def test_host_phases_times_steps_and_puts_the_methods_back(qwen3_path):
+    """The profile's undisturbed host timing: per-phase milliseconds that add up to the step, tokens unchanged,
+    and the engine's own methods restored afterwards."""
+    from helpers import PROMPTS, hf_greedy
+
+    from minisgl import LLM, SamplingParams
+    from minisgl.bench.profile import host_phases
+    from minisgl.engine.model_runner import StepOutput
+
+    llm = LLM(qwen3_path, page_size=4)
+    engine = llm.engine
+    wait = StepOutput.wait
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in PROMPTS[:3]]
+    engine.step()
+    phases = host_phases(engine, 4)
+    assert set(phases) == {"schedule", "launch", "wait", "other", "step"}
+    assert all(v >= 0 for k, v in phases.items() if k != "other") and phases["launch"] > 0
+    assert abs(sum(v for k, v in phases.items() if k != "step") - phases["step"]) < 1e-6
+    assert "schedule" not in vars(engine.scheduler) and "forward" not in vars(engine.runner)
+    assert StepOutput.wait is wait
+    engine.run(reqs)
+    assert [r.output_ids for r in reqs] == [t[:12] for t in hf_greedy(qwen3_path, PROMPTS[:3], 12)]

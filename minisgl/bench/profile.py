@@ -40,6 +40,43 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, frags in _KINDS if any(f in low for f in frags)), "other")
 
 
+def host_phases(engine, steps: int) -> dict:
+    """Host time per step by phase, timed without the profiler: scheduling, preparing and launching the step,
+    waiting for the device's tokens, and the rest (handing tokens to requests, releasing finished ones).
+    Under the overlap loop `wait` is the device's lead over the host: near zero means the host is the bottleneck."""
+    import time
+
+    from minisgl.engine.model_runner import StepOutput
+
+    totals = {"schedule": 0.0, "launch": 0.0, "wait": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - t0
+        return wrapper
+
+    sched, runner, original_wait = engine.scheduler, engine.runner, StepOutput.wait
+    sched.schedule = timed("schedule", sched.schedule)
+    runner.forward = timed("launch", runner.forward)
+    StepOutput.wait = timed("wait", original_wait)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = time.perf_counter() - t0
+    finally:  # back to the class's methods
+        del sched.schedule, runner.forward
+        StepOutput.wait = original_wait
+    per_step = {k: 1e3 * v / steps for k, v in totals.items()}
+    per_step["other"] = 1e3 * total / steps - sum(per_step.values())
+    per_step["step"] = 1e3 * total / steps
+    return per_step
+
+
 def profile_w1_slice(llm, num_requests: int = 64, warm_steps: int = 40, steps: int = 30,
                      keep_intervals: int = 3000) -> dict:
     from torch.profiler import ProfilerActivity, profile
@@ -56,6 +93,7 @@ def profile_w1_slice(llm, num_requests: int = 64, warm_steps: int = 40, steps: i
             engine.step()
         torch.cuda.synchronize()
     after = dict(engine.stats)
+    host = host_phases(engine, steps)  # the same steady state, without the profiler's overhead
     for r in reqs:
         engine.abort(r)
     while engine.has_work:
@@ -87,6 +125,7 @@ def profile_w1_slice(llm, num_requests: int = 64, warm_steps: int = 40, steps: i
         "kernels_per_step": len(kernels) / n_steps if n_steps else None,
         "step_ms": window / 1e3 / n_steps if n_steps else None,
         "cuda_graph_hit_rate": n_graph / n_decode if n_decode else None,
+        "host_ms_per_step_unprofiled": host,
         # per step: kernel count and summed kernel time (ms) of each kind, e.g. how much of a step is GEMMs
         "by_kind_per_step": {k: {"kernels": n / per_step, "ms": t / 1e3 / per_step} for k, (n, t) in by_kind.items()},
         "top_kernels_ms_per_step": {k: t / 1e3 / per_step
