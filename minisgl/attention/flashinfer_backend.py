@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from minisgl.attention.base import AttentionBackend, AttentionMetadata
-from minisgl.kernels.elementwise import store_kv
 
 # FlashInfer's split-k scratch (it suggests 128 MB; long contexts want more)
 _WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -113,11 +112,6 @@ class FlashInferAttentionBackend(AttentionBackend):
                                   sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
         self._after_plan()
         self._active = self.prefill_wrapper
-
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> None:
-        # one fused launch for K and V (the base class does two index-puts)
-        store_kv(self.kv_cache.k_buffers[layer_id], self.kv_cache.v_buffers[layer_id], self.meta.out_cache_loc,
-                 k, v)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.store_kv(k, v, layer_id)

@@ -17,7 +17,6 @@ from minisgl.kernels.attention import (
     decode_workspace_numel,
     extend_attention,
 )
-from minisgl.kernels.elementwise import store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -51,11 +50,6 @@ class TritonAttentionBackend(AttentionBackend):
         if self._eager_workspace is None or self._eager_workspace.numel() < need:
             self._eager_workspace = torch.empty(need, dtype=torch.float32, device=device)
         return self._eager_workspace
-
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> None:
-        # one fused launch for K and V (the base class does two index-puts)
-        store_kv(self.kv_cache.k_buffers[layer_id], self.kv_cache.v_buffers[layer_id], self.meta.out_cache_loc,
-                 k, v)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         self.store_kv(k, v, layer_id)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from minisgl.kernels import elementwise as ew
+
 
 class KVCache:
     """K and V for every layer: one tensor `[2, layers, num_pages, page_size, kv_heads, head_dim]`.
@@ -29,8 +31,8 @@ class KVCache:
         return self.num_pages * self.page_size
 
     def store(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id][loc] = k.to(self.dtype)
-        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+        # k_buffers[layer_id][loc] = k and the same for v (read `store_kv_ref`); on a GPU one Triton launch
+        ew.store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], loc, k, v)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
