@@ -41,6 +41,19 @@ MAX_CONTEXT = 32768
 NUM_SMS = torch.cuda.get_device_properties(DEV).multi_processor_count if torch.cuda.is_available() else 132
 
 
+def capture(fn):
+    """Run fn once on a side stream (compiles, lazy initialisation), then capture it: (graph, fn's output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def make_cache(lens: list[int], page_size: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
     """A pool with room for every request's pages plus slack, K/V filled with N(0,1)."""
     num_pages = sum((n + page_size - 1) // page_size for n in lens) + 8
@@ -131,14 +144,7 @@ def check_decode_graph(gen: torch.Generator, results: list) -> None:
     scale = d ** -0.5
     run = lambda: decode_attention(q, k_buf, v_buf, table, rows, seq_lens, out, scale,  # noqa: E731
                                    max_seq_len=MAX_CONTEXT, workspace=ws, num_splits=splits)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()  # compile + warm up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph, _ = capture(run)
     worst, ok = 0.0, True
     for trial in range(3):
         rows.copy_(torch.randperm(16, generator=gen, device=DEV)[:bs])
@@ -208,14 +214,7 @@ def check_backend(backend: str, model: str, page_size: int, gen: torch.Generator
     sk = torch.zeros(bs, hkv, d, device=DEV, dtype=torch.bfloat16)
     sv = torch.zeros_like(sk)
     gpu_be.prepare_for_capture(static)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        [gpu_be.forward(sq, sk, sv, layer) for layer in range(layers)]
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [gpu_be.forward(sq, sk, sv, layer) for layer in range(layers)]
+    graph, outs = capture(lambda: [gpu_be.forward(sq, sk, sv, layer) for layer in range(layers)])
     # the warm-up and capture wrote garbage K/V at the first decode slots; the steps below overwrite them
     for _ in range(3):
         m = meta_for(lens, [1] * bs, True)
@@ -276,14 +275,7 @@ def time_backends(backends: list[str], gen: torch.Generator, results: list) -> N
                 if is_decode:  # as the engine runs it: captured through the backend's graph hooks
                     be.init_cuda_graph_state(bs)
                     be.prepare_for_capture(meta)
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        fn()
-                    torch.cuda.current_stream().wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        out = fn()
+                    graph, out = capture(fn)
                     be.prepare_for_replay(meta)
                     graph.replay()
                     run = graph.replay

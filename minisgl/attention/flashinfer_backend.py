@@ -77,22 +77,19 @@ class FlashInferAttentionBackend(AttentionBackend):
         indices = torch.div(self.req_to_token[rows, page_no * ps], ps, rounding_mode="floor").to(torch.int32)
         return indptr, indices, last_page_len
 
-    def _before_plan(self) -> None:
+    def _plan(self, wrapper, *args, **kwargs) -> None:
         # plan() fills a pinned host buffer and queues its copy to the device. Under the overlap loop the
         # previous step's copy may still be queued behind the running step: wait for it before refilling.
         if self._planned is not None:
             self._planned.synchronize()
-
-    def _after_plan(self) -> None:
+        wrapper.plan(*args, **kwargs)
         self._planned = torch.cuda.Event()
         self._planned.record()
 
     def _plan_decode(self, wrapper, meta: AttentionMetadata) -> None:
         indptr, indices, last_page_len = self._page_table(meta)
-        self._before_plan()
-        wrapper.plan(indptr, indices, last_page_len, self.num_q_heads, self.num_kv_heads, self.head_dim,
-                     self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
-        self._after_plan()
+        self._plan(wrapper, indptr, indices, last_page_len, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                   self.page_size, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -106,11 +103,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         ext = meta.extend_lens_cpu if meta.extend_lens_cpu is not None else meta.extend_lens.tolist()
         qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int32)
         qo_indptr[1:] = torch.tensor(ext, dtype=torch.int32).cumsum(0)
-        self._before_plan()
-        self.prefill_wrapper.plan(qo_indptr, indptr, indices, last_page_len, self.num_q_heads,
-                                  self.num_kv_heads, self.head_dim, self.page_size, causal=True,
-                                  sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
-        self._after_plan()
+        self._plan(self.prefill_wrapper, qo_indptr, indptr, indices, last_page_len, self.num_q_heads,
+                   self.num_kv_heads, self.head_dim, self.page_size, causal=True,
+                   sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype)
         self._active = self.prefill_wrapper
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:

@@ -40,6 +40,16 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, frags in _KINDS if any(f in low for f in frags)), "other")
 
 
+def _time_by_kind(kernels) -> dict[str, list]:
+    """{kind: [kernel count, summed kernel time in us]} of profiler kernel events."""
+    by_kind: dict[str, list] = {}
+    for e in kernels:
+        entry = by_kind.setdefault(kernel_kind(e.name), [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.end - e.time_range.start
+    return by_kind
+
+
 def host_phases(engine, steps: int) -> dict:
     """Host time per step by phase, timed without the profiler: scheduling, preparing and launching the step,
     waiting for the device's tokens, and the rest (handing tokens to requests, releasing finished ones).
@@ -105,14 +115,10 @@ def profile_w1_slice(llm, num_requests: int = 64, warm_steps: int = 40, steps: i
     n_steps = after["steps"] - before["steps"]
     n_decode = after["decode_steps"] - before["decode_steps"]
     n_graph = after["graph_steps"] - before["graph_steps"]
-    by_kind: dict[str, list[float]] = {}
+    by_kind = _time_by_kind(kernels)
     by_name: dict[str, float] = {}
     for e in kernels:
-        dur = e.time_range.end - e.time_range.start
-        entry = by_kind.setdefault(kernel_kind(e.name), [0, 0.0])
-        entry[0] += 1
-        entry[1] += dur
-        by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + dur
+        by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + e.time_range.end - e.time_range.start
     per_step = max(n_steps, 1)
     t0 = min((s for s, _ in intervals), default=0.0)
     timeline = [[round(e.time_range.start - t0, 2), round(e.time_range.end - e.time_range.start, 2), e.name[:60]]
@@ -163,11 +169,7 @@ def profile_request(llm, prompt: list[int], max_tokens: int = 2, profiled: bool 
         return timing
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
-    by_kind: dict[str, list[float]] = {}
-    for e in kernels:
-        entry = by_kind.setdefault(kernel_kind(e.name), [0, 0.0])
-        entry[0] += 1
-        entry[1] += e.time_range.end - e.time_range.start
+    by_kind = _time_by_kind(kernels)
     host_ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:12]
     return {**timing,
         "gpu_busy_ms": _union_length(intervals) / 1e3,
