@@ -52,17 +52,9 @@ def repo_root() -> Path:
 def h200_sections() -> dict[str, dict]:
     """The H200 measurements in reports/h200/: for each section of scripts/h200_run.py, its newest result
     across the results files, as {"result": ..., "file": ..., "environment": ...} (as the report reads them)."""
-    import json
+    from minisgl.bench.runner import newest_sections
 
-    found: dict[str, dict] = {}
-    for path in sorted((repo_root() / "reports" / "h200").glob("*.json")):
-        data = json.loads(path.read_text())
-        env = data.get("environment", {})
-        for name, sec in data.get("sections", {}).items():
-            stamp = env.get("time_utc", "")
-            if "result" in sec and (name not in found or stamp >= found[name]["environment"].get("time_utc", "")):
-                found[name] = {"result": sec["result"], "file": path.name, "environment": env}
-    return found
+    return newest_sections(repo_root() / "reports" / "h200")
 
 
 def _has_weights(path: Path) -> bool:

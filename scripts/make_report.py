@@ -9,7 +9,6 @@ bandwidth and the workloads' own token counts.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import statistics
@@ -18,6 +17,7 @@ import sys
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)
 
+from minisgl.bench.runner import newest_sections  # noqa: E402
 from minisgl.bench.workloads import w1_offline, w2_latency  # noqa: E402
 
 MODELS = {  # bytes of one decode step's weight read at batch 1 and KV bytes per token (bf16)
@@ -56,18 +56,9 @@ def w2_tpot_floor_ms(m: dict, bw: float) -> float:
 
 def load_sections(folder: str) -> tuple[dict, dict]:
     """The newest result of each section across the folder's results files, and their environments."""
-    sections, envs = {}, {}
-    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
-        with open(path) as f:
-            data = json.load(f)
-        if "sections" not in data:
-            continue
-        stamp = data["environment"].get("time_utc", "")
-        for name, sec in data["sections"].items():
-            if "result" in sec and (name not in sections or stamp >= sections[name][0]):
-                sections[name] = (stamp, sec["result"], os.path.basename(path))
-                envs[os.path.basename(path)] = data["environment"]
-    return {k: (v[1], v[2]) for k, v in sections.items()}, envs
+    found = newest_sections(folder)
+    return ({name: (sec["result"], sec["file"]) for name, sec in found.items()},
+            {sec["file"]: sec["environment"] for sec in found.values()})
 
 
 def fmt(x, digits=0, unit=""):

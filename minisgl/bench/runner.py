@@ -177,6 +177,22 @@ def environment() -> dict:
     return env
 
 
+def newest_sections(folder) -> dict[str, dict]:
+    """For each section of the results files in `folder` (scripts/h200_run.py's JSON), its newest result across
+    the files: {section: {"result": ..., "file": file name, "environment": that file's environment}}."""
+    from pathlib import Path
+
+    found: dict[str, dict] = {}
+    for path in sorted(Path(folder).glob("*.json")):
+        data = json.loads(path.read_text())
+        env = data.get("environment", {})
+        stamp = env.get("time_utc", "")
+        for name, sec in data.get("sections", {}).items():
+            if "result" in sec and (name not in found or stamp >= found[name]["environment"].get("time_utc", "")):
+                found[name] = {"result": sec["result"], "file": path.name, "environment": env}
+    return found
+
+
 def write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, default=str)
