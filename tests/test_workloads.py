@@ -6,7 +6,15 @@ import json
 import subprocess
 import sys
 
-from minisgl.bench.workloads import w1_offline, w2_latency, w3_shared_prefix, w4_interference
+from minisgl.bench.workloads import (
+    sweep_cells,
+    sweep_workload,
+    w1_offline,
+    w1_top_k_p,
+    w2_latency,
+    w3_shared_prefix,
+    w4_interference,
+)
 
 
 def test_w1_matches_the_published_convention():
@@ -34,6 +42,41 @@ def test_w2_w3_w4_shapes():
 def test_workloads_are_deterministic():
     assert w1_offline().prompts == w1_offline().prompts
     assert w3_shared_prefix(scale=0.1).prompts == w3_shared_prefix(scale=0.1).prompts
+
+
+def test_w1_top_k_p_is_w1_with_top_k_and_top_p():
+    w1, w = w1_offline(), w1_top_k_p()
+    assert w.prompts == w1.prompts and [p.max_tokens for p in w.params] == [p.max_tokens for p in w1.params]
+    assert all(p.temperature == 0.6 and p.top_k == 50 and p.top_p == 0.95 and p.ignore_eos for p in w.params)
+
+
+def test_sweep_cells_cover_counts_lengths_and_sampling():
+    cells = sweep_cells()
+    assert {c.requests for c in cells} == {64, 256, 512, 1024}
+    assert max(c.prompt_hi for c in cells) == 4096 and {c.sampling for c in cells} == {"greedy", "topkp"}
+    assert len({c.name for c in cells}) == len(cells)
+    for cell in cells[:4]:
+        w = sweep_workload(cell)
+        assert len(w.prompts) == cell.requests
+        assert all(cell.prompt_lo <= len(p) <= cell.prompt_hi and max(p) < 10000 for p in w.prompts)
+        assert all(cell.out_lo <= p.max_tokens <= cell.out_hi and p.ignore_eos for p in w.params)
+        assert all((p.top_k == 50) == (cell.sampling == "topkp") for p in w.params)
+    greedy, topkp = cells[0], cells[1]  # one mix, two samplings: the same requests
+    assert sweep_workload(greedy).prompts == sweep_workload(topkp).prompts == sweep_workload(greedy).prompts
+
+
+def test_run_sweep_on_a_tiny_model(qwen3_path):
+    from minisgl import LLM
+    from minisgl.bench.runner import run_sweep
+    from minisgl.bench.workloads import SweepCell
+
+    llm = LLM(qwen3_path)
+    cells = [SweepCell(3, 5, 9, 2, 4, "greedy"), SweepCell(3, 5, 9, 2, 4, "topkp")]
+    res = run_sweep(llm, cells)
+    assert list(res) == [c.name for c in cells]
+    for r in res.values():
+        assert r["output_tokens"] == r["expected_output_tokens"] > 0
+        assert r["cached_prompt_tokens"] == 0  # the cache is emptied between cells sharing their prompts
 
 
 def test_bench_cli_writes_json(qwen3_path, tmp_path):

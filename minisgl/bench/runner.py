@@ -139,7 +139,25 @@ def run_interference(llm, w: Workload) -> dict:
     }
 
 
-RUNNERS = {"w1": run_throughput, "w2": run_latency, "w3": run_throughput, "w4": run_interference}
+RUNNERS = {"w1": run_throughput, "w1_topkp": run_throughput, "w2": run_latency, "w3": run_throughput,
+           "w4": run_interference}
+
+
+def flush_prefix_cache(llm) -> None:
+    """Empty the prefix cache, so the next workload finds none of the previous one's prompts."""
+    cache = llm.engine.cache
+    cache.evict(cache.cached_pages)
+
+
+def run_sweep(llm, cells=None) -> dict:
+    """Every cell of the batch-mix sweep (workloads.sweep_cells), each from an empty prefix cache."""
+    from minisgl.bench.workloads import sweep_cells, sweep_workload
+    vocab = llm.engine.model_config.vocab_size
+    results = {}
+    for cell in cells or sweep_cells():
+        flush_prefix_cache(llm)
+        results[cell.name] = {"cell": vars(cell), **run_throughput(llm, sweep_workload(cell, vocab))}
+    return results
 
 
 def run_workload(llm, name: str, scale: float = 1.0) -> dict:

@@ -92,4 +92,52 @@ def w4_interference(scale: float = 1.0, vocab: int = 10000) -> Workload:
         late_prompts=long, late_params=[SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 8)
 
 
-WORKLOADS = {"w1": w1_offline, "w2": w2_latency, "w3": w3_shared_prefix, "w4": w4_interference}
+TOP_K_P = {"temperature": 0.6, "top_k": 50, "top_p": 0.95}  # the sampling settings of W1's top-k/top-p variant
+
+
+def w1_top_k_p(scale: float = 1.0, vocab: int = 10000) -> Workload:
+    """W1's requests sampled with top_k=50 and top_p=0.95 (temperature 0.6): what users of a chat API send."""
+    w = w1_offline(scale, vocab)
+    params = [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, **TOP_K_P) for p in w.params]
+    return Workload("W1-topkp", w.prompts, params)
+
+
+@dataclass(frozen=True)
+class SweepCell:
+    """One request mix of the sweep: `requests` prompts of [prompt_lo, prompt_hi] random ids, outputs of
+    [out_lo, out_hi] tokens, all submitted at once, sampled greedily or with top-k/top-p."""
+
+    requests: int
+    prompt_lo: int
+    prompt_hi: int
+    out_lo: int
+    out_hi: int
+    sampling: str  # "greedy" | "topkp"
+
+    @property
+    def name(self) -> str:
+        return f"n{self.requests}_in{self.prompt_lo}-{self.prompt_hi}_out{self.out_lo}-{self.out_hi}_{self.sampling}"
+
+
+def sweep_cells() -> list[SweepCell]:
+    """The batch-mix sweep: request counts 64..1024 with W1-like prompts, and 64/256 requests with 1k-4k prompts;
+    each greedy and with top-k/top-p. Outputs are shorter than W1's so the whole sweep stays a few minutes."""
+    mixes = [(n, 100, 1024, 64, 512) for n in (64, 256, 512, 1024)] + [(n, 1024, 4096, 64, 256) for n in (64, 256)]
+    return [SweepCell(*mix, sampling) for mix in mixes for sampling in ("greedy", "topkp")]
+
+
+def sweep_workload(cell: SweepCell, vocab: int = 10000) -> Workload:
+    """The requests of one sweep cell; the same ids on every machine and for every engine (seeded per mix, so
+    the greedy and top-k/top-p cells of one mix share their prompts)."""
+    rng = random.Random(f"{cell.requests}:{cell.prompt_lo}:{cell.prompt_hi}:{cell.out_lo}:{cell.out_hi}")
+    hi = min(vocab, 10000) - 1
+    prompts = [[rng.randint(0, hi) for _ in range(rng.randint(cell.prompt_lo, cell.prompt_hi))]
+               for _ in range(cell.requests)]
+    outs = [rng.randint(cell.out_lo, cell.out_hi) for _ in range(cell.requests)]
+    extra = TOP_K_P if cell.sampling == "topkp" else {"temperature": 0.0}
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, **extra) for m in outs]
+    return Workload(cell.name, prompts, params)
+
+
+WORKLOADS = {"w1": w1_offline, "w1_topkp": w1_top_k_p, "w2": w2_latency, "w3": w3_shared_prefix,
+             "w4": w4_interference}
