@@ -15,6 +15,11 @@ Sections (comma separated):
   flashinfer FlashInfer backend: kernel checks/timings vs Triton and torch, bf16 parity, W2 and W1 on Qwen3-0.6B
   w1_repeat  W1 on Qwen3-0.6B, twice per engine, default / no radix / no chunking, interleaved
   w2_8b      W2 on Qwen3-8B with defaults only
+  sample06   W1, W1 with top-k/top-p and W2 on Qwen3-0.6B, defaults (one engine)
+  sample8    the same on Qwen3-8B
+  sweep06    the batch-mix sweep (64-1024 requests, prompts up to 4k, greedy and top-k/top-p) on Qwen3-0.6B
+  ab06       W2 then W1 on Qwen3-0.6B, defaults: run once with MINISGL_ROOT=<older package> for an A/B
+  sampling_check, prefill_check   the GPU self-checks of the fused sampler and the prefill graphs
 Each section's result (or its traceback) is written as soon as it ends, so a timeout keeps what finished.
 """
 
@@ -31,7 +36,8 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# MINISGL_ROOT runs another copy of the package (e.g. an older commit's, for an A/B in the same lease)
+sys.path.insert(0, os.environ.get("MINISGL_ROOT") or os.path.join(os.path.dirname(__file__), ".."))
 
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.bench.runner import environment, run_workload, write_json  # noqa: E402
@@ -175,6 +181,28 @@ def bench(model: str, runs: list[tuple[str, list[str], dict]]) -> dict:
     return res
 
 
+def sweep(model: str) -> dict:
+    from minisgl.bench.runner import run_sweep
+    llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
+    res = {"kv_pool_tokens": llm.engine.runner.kv_capacity_tokens,
+           "max_running_requests": llm.config.max_running_requests, "cells": {}}
+    from minisgl.bench.workloads import sweep_cells
+    for cell in sweep_cells():
+        res["cells"].update(run_sweep(llm, [cell]))
+        r = res["cells"][cell.name]
+        log("sweep", cell.name, round(r["output_tok_per_s"]), r["engine"])
+    llm = None
+    free_gpu()
+    return res
+
+
+def script_main(name: str) -> dict:
+    """Another script's self-check: scripts/NAME.py main(out_dir) -> dict."""
+    import importlib
+    sys.path.insert(0, os.path.dirname(__file__))
+    return importlib.import_module(name).main("/tmp/" + name)
+
+
 def hf_peer(model: str, n_requests: int = 2) -> dict:
     import random
 
@@ -289,6 +317,12 @@ SECTIONS = {
     "w1_repeat": w1_repeat,
     "w2_8b": lambda: bench("qwen3-8b", [("default", ["w2"], {})]),
     "profile8": lambda: profile_small_batches("qwen3-8b"),
+    "sample06": lambda: bench("qwen3-0.6b", [("default", ["w1", "w1_topkp", "w2"], {})]),
+    "sample8": lambda: bench("qwen3-8b", [("default", ["w1", "w1_topkp", "w2"], {})]),
+    "sweep06": lambda: sweep("qwen3-0.6b"),
+    "ab06": lambda: bench("qwen3-0.6b", [("default", ["w2", "w1"], {})]),
+    "sampling_check": lambda: script_main("gpu_sampling_check"),
+    "prefill_check": lambda: script_main("gpu_prefill_check"),
 }
 
 
