@@ -125,7 +125,6 @@ def test_padded_forward_matches_eager_and_hf(switches, qwen3_path, make_llm):
     assert_parity(outs, hf_greedy(qwen3_path, PROMPTS), PROMPTS)  # tokens through the padded path == HF
     assert_all_pages_back(llm)
     assert seen and graphs.replays == 2 * len(seen)  # the spy's comparison run, then the step itself
-    assert llm.engine.stats["prefill_graph_steps"] == len(seen)
     for shape, n_tok, n_req, _, eager, padded in seen:
         assert n_tok <= shape[0] and n_req <= shape[1]
         assert padded.shape == eager.shape

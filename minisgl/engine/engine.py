@@ -40,7 +40,7 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._next_rid = 0
         self._inflight: StepOutput | None = None
-        self.stats = {"steps": 0, "decode_steps": 0, "graph_steps": 0, "prefill_graph_steps": 0}
+        self.stats = {"steps": 0, "decode_steps": 0, "graph_steps": 0}
 
     # --- requests ------------------------------------------------------------------------------------
     def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
@@ -141,13 +141,9 @@ class Engine:
         self.stats["steps"] += 1
         if batch.is_decode:
             self.stats["decode_steps"] += 1
-        prefill_graph = self.runner.prefill_graph
-        replays = prefill_graph.replays if prefill_graph is not None else 0
         out = self.runner.forward(batch)
         if self.runner.graph_runner is not None and self.runner.graph_runner.last_run_used_graph:
             self.stats["graph_steps"] += 1
-        if prefill_graph is not None and prefill_graph.replays > replays:  # engine/prefill_graph.py
-            self.stats["prefill_graph_steps"] += 1
         return out
 
     def _resolve(self, out: StepOutput) -> None:
