@@ -167,3 +167,13 @@ def test_capture_failure_falls_back_to_eager(qwen3_path, make_llm, monkeypatch, 
     assert "prefill CUDA graphs disabled" in caplog.text
     outs = llm.generate(PROMPTS[:3], GREEDY)  # the engine keeps serving, eagerly
     assert_parity(outs, hf_greedy(qwen3_path, PROMPTS[:3]), PROMPTS[:3])
+
+
+def test_graph_pool_of_decode_runner():
+    class FakeGraph:
+        def pool(self):
+            return (0, 7)
+
+    assert pg.graph_pool_of(type("R", (), {"graphs": {8: FakeGraph(), 1: FakeGraph()}})()) == (0, 7)
+    assert pg.graph_pool_of(type("R", (), {"graphs": {}})()) is None  # no decode graph: a pool of our own
+    assert pg.graph_pool_of(None) is None

@@ -77,10 +77,10 @@ class ModelRunner:
         self.prefill_graph = None
         if (self.graph_runner is not None and config.prefill_graph_max_tokens > 0
                 and getattr(self.attn, "supports_extend_cuda_graph", False)):
-            from minisgl.engine.prefill_graph import build_prefill_graphs
-            pool = next(iter(self.graph_runner.graphs.values())).pool() if self.graph_runner.graphs else None
+            from minisgl.engine.prefill_graph import build_prefill_graphs, graph_pool_of
             self.prefill_graph = build_prefill_graphs(self, config.prefill_graph_max_tokens,
-                                                      config.prefill_graph_max_reqs, pool=pool)
+                                                      config.prefill_graph_max_reqs,
+                                                      pool=graph_pool_of(self.graph_runner))
         # --- end prefill graphs ---
 
     def _auto_num_pages(self) -> int:

@@ -198,6 +198,13 @@ class PrefillGraphRunner:
         return self.logits[:num_rows]
 
 
+def graph_pool_of(graph_runner) -> object | None:
+    """The memory pool of the decode graphs (any of them: they share one), to capture ours into it."""
+    for graph in (getattr(graph_runner, "graphs", None) or {}).values():
+        return graph.pool()
+    return None
+
+
 def build_prefill_graphs(runner, max_tokens: int, max_reqs: int, pool=None,
                          capture: bool | None = None) -> PrefillGraphRunner | None:
     """The engine's entry point: capture on the GPU; on any failure log once and return None (eager)."""
