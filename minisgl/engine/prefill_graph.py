@@ -122,6 +122,7 @@ class PrefillGraphRunner:
         self.extend_start = torch.zeros(r, dtype=torch.int32, device=dev)
         self.logit_idx = torch.zeros(r, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(r, runner.model_config.vocab_size, dtype=torch.float32, device=dev)
+        self.metas = {shape: self._meta(shape) for shape in self.shapes}  # built once: no per-step host work
         self.graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
         self.replays = 0  # steps served by this runner (graph replays, or padded eager runs on a CPU)
         self.capture_seconds = 0.0
@@ -150,7 +151,7 @@ class PrefillGraphRunner:
 
     def _forward(self, shape: Shape) -> None:
         t, r = shape
-        self.attn.prepare(self._meta(shape))
+        self.attn.prepare(self.metas[shape])
         out = self.model(self.input_ids[:t], self.positions[:t], self.attn, self.logit_idx[:r])
         self.logits[:r].copy_(out)
 
@@ -191,7 +192,7 @@ class PrefillGraphRunner:
         self.logit_idx[:r].copy_(logit_idx)
         self.replays += 1
         if self.captured:
-            self.attn.prepare(self._meta(shape))  # the backend's meta must not point at a freed step's tensors
+            self.attn.prepare(self.metas[shape])  # the backend's meta must not point at a freed step's tensors
             self.graphs[shape].replay()
         else:
             self._forward(shape)
