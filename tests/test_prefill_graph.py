@@ -177,3 +177,24 @@ def test_graph_pool_of_decode_runner():
     assert pg.graph_pool_of(type("R", (), {"graphs": {8: FakeGraph(), 1: FakeGraph()}})()) == (0, 7)
     assert pg.graph_pool_of(type("R", (), {"graphs": {}})()) is None  # no decode graph: a pool of our own
     assert pg.graph_pool_of(None) is None
+
+
+def test_gpu_check_script_smoke_on_cpu(tmp_path):
+    """scripts/gpu_prefill_check.py end to end on a CPU (uncaptured twin, small model, tiny W2)."""
+    import importlib.util
+    import json
+    import os
+
+    from helpers import REPO, TINY_QWEN3_ASSET
+
+    spec = importlib.util.spec_from_file_location("gpu_prefill_check",
+                                                  os.path.join(REPO, "scripts", "gpu_prefill_check.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    cases = {"1x7": ([7], {}), "decode+prefill": ([3, 4, 70], {"chunked_prefill_size": 32})}
+    res = script.main(str(tmp_path), model=TINY_QWEN3_ASSET, cases=cases, w2=True, w2_scale=0.02)
+    assert res["ok"] and not res["errors"]
+    assert any(s["mixed"] for s in res["cases"]["decode+prefill"]["steps"])
+    assert all(n > 0 for n in res["w2"]["on"]["prefill_graph_steps"])
+    assert res["w2"]["off"]["prefill_graph_steps"] == [0, 0, 0]
+    assert json.loads((tmp_path / "prefill_check.json").read_text())["ok"] is True
