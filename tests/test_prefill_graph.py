@@ -198,3 +198,10 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
     assert all(n > 0 for n in res["w2"]["on"]["prefill_graph_steps"])
     assert res["w2"]["off"]["prefill_graph_steps"] == [0, 0, 0]
     assert json.loads((tmp_path / "prefill_check.json").read_text())["ok"] is True
+
+
+def test_build_caps_requests_at_max_running(qwen3_path, make_llm):
+    llm = make_llm(qwen3_path, dtype="float32", max_running_requests=3)
+    graphs = pg.build_prefill_graphs(llm.engine.runner, 64, 16, capture=False)
+    assert graphs.token_buckets == [16, 32, 64] and graphs.request_buckets == [1, 3]
+    assert graphs.shapes == [(16, 1), (16, 3), (32, 1), (32, 3), (64, 1), (64, 3)] and not graphs.graphs

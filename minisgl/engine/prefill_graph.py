@@ -209,6 +209,7 @@ def graph_pool_of(graph_runner) -> object | None:
 def build_prefill_graphs(runner, max_tokens: int, max_reqs: int, pool=None,
                          capture: bool | None = None) -> PrefillGraphRunner | None:
     """The engine's entry point: capture on the GPU; on any failure log once and return None (eager)."""
+    max_reqs = min(max_reqs, runner.config.max_running_requests)  # no step holds more: no graph for more
     try:
         graphs = PrefillGraphRunner(runner, max_tokens, max_reqs, pool=pool, capture=capture)
     except Exception as exc:  # a capture failure must cost speed, never the engine
