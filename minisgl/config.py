@@ -28,8 +28,9 @@ class EngineConfig:
     overlap: bool = True
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
-    # prefill/extend steps as CUDA Graphs too (with cuda_graph on): token buckets 16, 32, ... up to this many
-    # tokens, request buckets 1, 4, ... up to prefill_graph_max_reqs; larger steps run eagerly. 0 = off.
+    # prefill/extend steps as CUDA Graphs too (with cuda_graph on, Triton attention; engine/prefill_graph.py):
+    # token buckets 16, 32, ... up to this many tokens, request buckets 1, 4, ... up to prefill_graph_max_reqs;
+    # larger steps run eagerly. 0 = off.
     prefill_graph_max_tokens: int = 4096
     prefill_graph_max_reqs: int = 16
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
