@@ -25,6 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-overlap-schedule", action="store_true")
     g.add_argument("--disable-cuda-graph", action="store_true")
     g.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    g.add_argument("--prefill-graph-max-tokens", type=int, default=4096,
+                   help="largest prefill/extend step replayed as a CUDA graph; 0: off")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"])
 
 
@@ -35,7 +37,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_running_requests=a.max_running_requests, chunked_prefill_size=a.chunked_prefill_size,
                 chunked_prefill=a.chunked_prefill_size > 0, radix_cache=not a.disable_radix_cache,
                 overlap=not a.disable_overlap_schedule, cuda_graph=not a.disable_cuda_graph,
-                cuda_graph_max_bs=a.cuda_graph_max_bs, attention_backend=a.attention_backend)
+                cuda_graph_max_bs=a.cuda_graph_max_bs, prefill_graph_max_tokens=a.prefill_graph_max_tokens,
+                attention_backend=a.attention_backend)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

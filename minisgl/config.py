@@ -28,6 +28,11 @@ class EngineConfig:
     overlap: bool = True
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
+    # prefill/extend steps as CUDA Graphs too (with cuda_graph on, Triton attention; engine/prefill_graph.py):
+    # token buckets 16, 32, ... up to this many tokens, request buckets 1, 4, ... up to prefill_graph_max_reqs;
+    # larger steps run eagerly. 0 = off.
+    prefill_graph_max_tokens: int = 4096
+    prefill_graph_max_reqs: int = 16
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
     progress: bool = False
 
@@ -43,5 +48,7 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
+        if self.prefill_graph_max_tokens < 0 or self.prefill_graph_max_reqs < 1:
+            raise ValueError("prefill_graph_max_tokens must be >= 0 (0 = off) and prefill_graph_max_reqs >= 1")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")

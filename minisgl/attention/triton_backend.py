@@ -22,6 +22,9 @@ from minisgl.kernels.attention import (
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    # Extend steps capture too (engine/prefill_graph.py): the extend kernel's grid comes from the host
+    # max_extend_len (fixed per graph) and it masks each request on the device.
+    supports_extend_cuda_graph = True
 
     def __init__(self, kv_cache, req_to_token: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, scale: float, max_context_len: int | None = None) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from minisgl.attention import AttentionMetadata, create_backend
 from minisgl.config import EngineConfig
+from minisgl.engine.prefill_graph import pad_extend_step
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.kvcache import KVCache, ReqToTokenPool
 from minisgl.loader import DTYPES, load_model
@@ -72,6 +73,15 @@ class ModelRunner:
         if config.cuda_graph and self.device.type == "cuda" and self.attn.supports_cuda_graph:
             from minisgl.engine.cuda_graph import CudaGraphRunner
             self.graph_runner = CudaGraphRunner(self, config.cuda_graph_max_bs)
+        # --- prefill graphs (engine/prefill_graph.py): extend steps replayed per token bucket ---
+        self.prefill_graph = None
+        if (self.graph_runner is not None and config.prefill_graph_max_tokens > 0
+                and getattr(self.attn, "supports_extend_cuda_graph", False)):
+            from minisgl.engine.prefill_graph import build_prefill_graphs, graph_pool_of
+            self.prefill_graph = build_prefill_graphs(self, config.prefill_graph_max_tokens,
+                                                      config.prefill_graph_max_reqs,
+                                                      pool=graph_pool_of(self.graph_runner))
+        # --- end prefill graphs ---
 
     def _auto_num_pages(self) -> int:
         mc, cfg = self.model_config, self.config
@@ -96,8 +106,9 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
-                                              SamplingTensors]:
+    def prepare(self, batch: Batch, pad_to: tuple[int, int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, SamplingTensors]:
+        """Device tensors of one step; `pad_to` = (tokens, requests) pads them to a prefill graph's shape."""
         b, t = batch.size, batch.num_tokens
         prefix = np.asarray(batch.prefix_lens, dtype=np.int64)
         extend = np.asarray(batch.extend_lens, dtype=np.int64)
@@ -112,9 +123,13 @@ class ModelRunner:
         seeds = np.asarray([r.seed for r in reqs], dtype=np.int64)
         steps = np.asarray([r.num_outputs_scheduled for r in reqs], dtype=np.int64)
         top_ks = np.asarray([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], dtype=np.int64)
+        ids, loc = np.asarray(batch.input_ids, dtype=np.int64), np.asarray(batch.out_cache_loc, np.int64)
+        rows = np.asarray([r.row for r in batch.reqs], dtype=np.int64)
+        if pad_to is not None:  # prefill graph: padded on the host, so the one upload has the graph's shapes
+            ids, positions, loc, rows, prefix, extend, start, logit_idx = pad_extend_step(
+                pad_to, ids, positions, loc, rows, prefix, extend, start, logit_idx)
         parts = [
-            np.asarray(batch.input_ids, dtype=np.int64), positions, np.asarray(batch.out_cache_loc, np.int64),
-            np.asarray([r.row for r in batch.reqs], dtype=np.int64), prefix + extend, prefix, extend, start,
+            ids, positions, loc, rows, prefix + extend, prefix, extend, start,
             logit_idx, np.asarray(batch.pending_dst, np.int64), np.asarray(batch.pending_src, np.int64),
             seeds, steps, top_ks]
         # Each part starts on a 16-byte boundary: Triton compiles a kernel variant per pointer alignment, and
@@ -137,8 +152,8 @@ class ModelRunner:
             is_decode=batch.is_decode, req_pool_indices=rows, seq_lens=seq_lens.int(),
             prefix_lens=prefix_d.int(), extend_lens=extend_d.int(), extend_start=start_d.int(),
             out_cache_loc=out_loc, max_seq_len=int((prefix + extend).max()), max_extend_len=int(extend.max()),
-            seq_lens_cpu=(prefix + extend).tolist(), prefix_lens_cpu=batch.prefix_lens,
-            extend_lens_cpu=batch.extend_lens)
+            seq_lens_cpu=(prefix + extend).tolist(), prefix_lens_cpu=prefix.tolist(),
+            extend_lens_cpu=extend.tolist())
         sampling = SamplingTensors(
             temperatures=dev_floats[0, :s], top_ps=dev_floats[1, :s], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
             all_greedy=all(x == 0 for x in temps),
@@ -147,10 +162,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> StepOutput:
-        input_ids, positions, meta, logit_idx, sampling = self.prepare(batch)
+        shape = self.prefill_graph.shape_for(batch) if self.prefill_graph is not None else None
+        input_ids, positions, meta, logit_idx, sampling = self.prepare(batch, pad_to=shape)
         self.req_pool.flush()
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.run(input_ids, positions, meta, len(batch.sample_rows))
+        elif shape is not None:  # prefill graph (engine/prefill_graph.py)
+            logits = self.prefill_graph.run(shape, input_ids, positions, meta, logit_idx, len(batch.sample_rows))
         else:
             self.attn.prepare(meta)
             logits = self.model(input_ids, positions, self.attn, logit_idx)
