@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisgl.server import ServerThread, add_serve_args, build_state, engine_kwargs_from_args
+from minisgl.server import ServerThread, build_state, engine_kwargs_from_args
 from minisgl.server.testing import tiny_model_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -389,11 +389,10 @@ def test_non_stream_disconnect_aborts(http, server):
 
 # --- command line --------------------------------------------------------------------------------------
 def test_serve_args():
-    import argparse
-    p = argparse.ArgumentParser()
-    add_serve_args(p)
-    args = p.parse_args(["--model", "m", "--port", "8001", "--page-size", "4", "--no-overlap",
-                         "--max-model-len", "256"])
+    """`python -m minisgl.server` and `python -m minisgl serve` share one parser's flags (SGLang's names)."""
+    from minisgl.server import build_parser
+    args = build_parser().parse_args(["--model", "m", "--port", "8001", "--page-size", "4",
+                                      "--disable-overlap-schedule", "--context-length", "256"])
     assert (args.model, args.host, args.port) == ("m", "127.0.0.1", 8001)
     assert engine_kwargs_from_args(args) == {"page_size": 4, "overlap": False, "max_model_len": 256}
 
@@ -404,7 +403,8 @@ def _serve_cmd(model: str, port: int) -> list[str]:
     module = ["-m", "minisgl", "serve"] if main.exists() and "serve" in main.read_text() else \
         ["-m", "minisgl.server"]
     return [sys.executable, *module, "--model", model, "--port", str(port), "--served-model-name", "tiny",
-            "--shutdown-timeout", "1", "--kv-cache-tokens", "4096", "--log-level", "warning"]
+            "--shutdown-timeout", "1", "--kv-cache-tokens", "4096", "--log-level", "warning",
+            "--disable-overlap-schedule", "--chunked-prefill-size", "64"]
 
 
 def _free_port() -> int:
