@@ -22,6 +22,10 @@ from minisgl.stop_strings import first_stop, partial_stop_len, trim_at_stop
 __all__ = ["IncrementalDetokenizer", "TextStream", "first_stop", "partial_stop_len", "trim_at_stop"]
 
 REPLACEMENT = "\ufffd"
+# A UTF-8 character spans at most 4 bytes, so at most 4 byte tokens: text still unsettled after this many
+# tokens is a genuinely invalid sequence (U+FFFD in the full decode too). Releasing it then keeps every
+# decode window short, so a stream never re-decodes a growing tail on the event loop.
+MAX_HELD_TOKENS = 16
 
 
 class IncrementalDetokenizer:
@@ -45,8 +49,13 @@ class IncrementalDetokenizer:
         if len(self.ids) == self._released:
             return ""
         window = self._decode(self.ids[self._window_start:])
-        if window.endswith(REPLACEMENT) or not window.startswith(self._window_text):
+        unsettled = window.endswith(REPLACEMENT) or not window.startswith(self._window_text)
+        if unsettled and len(self.ids) - self._released < MAX_HELD_TOKENS:
             return ""  # an unfinished character (or a decode that still rewrites its left context)
+        if not window.startswith(self._window_text):  # held too long: restart the window here
+            self._window_start = self._released = len(self.ids)
+            self._window_text = ""
+            return ""
         piece = window[len(self._window_text):]
         self._window_start, self._released = self._released, len(self.ids)
         self._window_text = self._decode(self.ids[self._window_start:self._released])
