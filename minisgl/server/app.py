@@ -53,7 +53,8 @@ from minisgl.stop_strings import make_stop_check
 logger = logging.getLogger("minisgl.server")
 
 MAX_BODY_BYTES = 8 << 20
-TOKENIZER_THREADS = 2  # tokenization / chat template / final decode of concurrent requests
+TOKENIZER_THREADS = 2  # tokenization / chat template / final decode / large bodies of concurrent requests
+PARSE_INLINE_BYTES = 64 << 10  # bodies up to this size are parsed on the event loop (well under a millisecond)
 
 
 def max_chars_per_token(tokenizer) -> int:
@@ -136,11 +137,15 @@ def check_prompt_size(state: ServerState, body: dict, schema) -> None:
             raise _prompt_too_long(state, n, "characters", limit, why, "messages")
 
 
-def parse_request(state: ServerState, raw: bytes, schema):
+def _body_too_large() -> APIError:
+    return APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+
+
+def parse_request(state: ServerState, raw: bytes, schema, yield_gil: bool = False):
     """The request body as a checked CompletionRequest / ChatCompletionRequest, or APIError."""
     if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
-    body = parse_json_object(raw)
+        raise _body_too_large()
+    body = parse_json_object(raw, yield_gil)
     check_prompt_size(state, body, schema)
     try:
         req = schema.model_validate(body)
@@ -349,9 +354,16 @@ async def respond(state: ServerState, request: Request, req, ids: list[int], par
 
 
 async def read_request(state: ServerState, request: Request, schema):
+    """Read, parse and check the body; a large one is parsed on the tokenizer threads."""
     if state.shutting_down:
         raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-    return parse_request(state, await request.body(), schema)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise _body_too_large()  # before reading it
+    raw = await request.body()
+    if len(raw) < PARSE_INLINE_BYTES:
+        return parse_request(state, raw, schema)
+    return await state.run_blocking(parse_request, state, raw, schema, True)
 
 
 async def completions(state: ServerState, request: Request):

@@ -41,12 +41,18 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json_object(raw: bytes) -> dict:
-    """The request body as a JSON object, or APIError(400)."""
+def _parse_int(text: str) -> int:
+    return int(text)  # Python code, so a thread parsing a long list of numbers lets others run (the GIL)
+
+
+def parse_json_object(raw: bytes, yield_gil: bool = False) -> dict:
+    """The request body as a JSON object, or APIError(400). yield_gil: parse numbers through Python code, which
+    is slower but lets other threads run while a worker thread parses a long list of token ids (the C decoder
+    otherwise holds the GIL, and with it the event loop, for the whole parse)."""
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        body = json.loads(raw, parse_constant=_reject_constant, parse_int=_parse_int if yield_gil else None)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     # JSON may spell unpaired UTF-16 surrogates (\ud800), which are not text and break tokenizers; and a body
