@@ -79,19 +79,24 @@ class HealthPoller:
         self.latencies, self.failures = data["latencies"], data["failures"]
 
 
-def _bodies(model: str, max_model_len: int) -> dict[str, tuple[str, bytes]]:
-    """The oversized requests, encoded once: (endpoint, raw body)."""
+def _bodies(model: str) -> dict[str, tuple[str, bytes, int, str, str]]:
+    """The oversized and malformed requests, encoded once: name -> (endpoint, raw body, the status, error code
+    and param expected)."""
     big = "lorem ipsum dolor sit amet " * (BIG_TEXT_CHARS // 27)
     mid = "the engine batches requests " * (TOKENIZED_TEXT_CHARS // 28)
     enc = lambda d: json.dumps(d).encode()  # noqa: E731
+    ctx = "context_length_exceeded"
     return {
-        "big_text": ("/v1/completions", enc({"model": model, "prompt": big, "max_tokens": 4})),
-        "big_chat": ("/v1/chat/completions", enc({"model": model, "max_tokens": 4,
-                                                  "messages": [{"role": "user", "content": big}]})),
-        "big_ids": ("/v1/completions", enc({"model": model, "prompt": [7] * 1_000_000, "max_tokens": 4})),
-        "tokenized_text": ("/v1/completions", enc({"model": model, "prompt": mid, "max_tokens": 4})),
-        "over_body_limit": ("/v1/completions", b'{"model": "' + b"x" * (9 << 20) + b'"}'),
-        "bad_json": ("/v1/completions", b'{"model": ' + b"[" * 50_000),
+        "big_text": ("/v1/completions", enc({"model": model, "prompt": big, "max_tokens": 4}), 400, ctx, "prompt"),
+        "big_chat": ("/v1/chat/completions", enc({"model": model, "max_tokens": 4, "messages": [
+            {"role": "user", "content": big}]}), 400, ctx, "messages"),
+        "big_ids": ("/v1/completions", enc({"model": model, "prompt": [7] * 1_000_000, "max_tokens": 4}), 400, ctx,
+                    "prompt"),
+        "tokenized_text": ("/v1/completions", enc({"model": model, "prompt": mid, "max_tokens": 4}), 400, ctx,
+                           "prompt"),
+        "over_body_limit": ("/v1/completions", b'{"model": "' + b"x" * (9 << 20) + b'"}', 413, "request_too_large",
+                            None),
+        "bad_json": ("/v1/completions", b'{"model": ' + b"[" * 50_000, 400, "invalid_json", None),
     }
 
 
@@ -121,11 +126,13 @@ async def _stream(client: httpx.AsyncClient, model: str, i: int, hang_up_after: 
     raise AssertionError("the stream ended without [DONE]")
 
 
-async def _oversized(client: httpx.AsyncClient, endpoint: str, raw: bytes) -> str:
+async def _oversized(client: httpx.AsyncClient, endpoint: str, raw: bytes, status: int, code: str,
+                     param: str | None) -> str:
     r = await client.post(endpoint, content=raw, headers={"content-type": "application/json"})
-    assert 400 <= r.status_code < 500, (r.status_code, r.text[:200])
+    assert r.status_code == status, (r.status_code, r.text[:300])
     err = r.json()["error"]  # an OpenAI error body, from our app
     assert set(err) == {"message", "type", "param", "code"}, err
+    assert (err["code"], err["param"]) == (code, param), err
     return f"refused_{r.status_code}"
 
 
@@ -138,9 +145,9 @@ async def _round(url: str, model: str, bodies: dict, round_id: int) -> dict[str,
             jobs.append(_stream(client, model, 100 * round_id + i, None))
         for i in range(4):
             jobs.append(_stream(client, model, 100 * round_id + 50 + i, hang_up_after=3))
-        for name, (endpoint, raw) in bodies.items():
+        for name, spec in bodies.items():
             for _ in range(3 if name == "big_text" else 2 if name != "bad_json" else 1):
-                jobs.append(_oversized(client, endpoint, raw))
+                jobs.append(_oversized(client, *spec))
         outcomes = await asyncio.gather(*jobs)
     counts: dict[str, int] = {}
     for o in outcomes:
@@ -182,8 +189,7 @@ def run_soak(model_path: str, rounds: int = 5, extra_args: tuple[str, ...] = (),
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start (exit status {proc.poll()})")
             time.sleep(0.2)
-        max_model_len = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["max_model_len"]
-        bodies = _bodies("tiny", max_model_len)
+        bodies = _bodies("tiny")
         result: dict = {"rss_mb_start": round(rss_mb(proc.pid), 1), "rss_mb_per_round": [], "rounds": [],
                         "worst_health_s_per_round": []}
         totals: dict[str, int] = {}
