@@ -94,8 +94,13 @@ class ServerState:
         return self.engine.max_model_len
 
     async def run_blocking(self, fn: Callable, *args):
-        """fn(*args) on the tokenizer threads, so the event loop keeps serving meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+        """fn(*args) on the tokenizer threads, so the event loop keeps serving meanwhile (inline once the pool
+        has been shut down, at the very end of a shutdown)."""
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+        except RuntimeError:  # cannot schedule new futures after shutdown
+            return fn(*args)
+        return await future
 
 
 # --- checking a request (no HTTP needed) -----------------------------------------------------------------
