@@ -7,6 +7,7 @@ otherwise a tiny random Qwen3 built on the spot (see minisgl.server.testing).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -414,12 +415,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _started_or_failed(proc, url: str, timeout: float = 120) -> str:
+    """Wait until the server answers or exits; "address in use" when it could not bind its port."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return "up"
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    if proc.poll() is not None:
+        out = proc.stdout.read().decode(errors="replace")
+        proc.stdout = io.BytesIO(out.encode())  # the test reads it again for its assertion message
+        return "address in use" if "address already in use" in out else "exited"
+    return "timeout"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_signal_mid_stream_exits_cleanly(model_path, sig):
-    port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(_serve_cmd(model_path, port), cwd=REPO, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for _attempt in range(3):  # a free port can be taken (by any process's outgoing connection) before we bind
+        port = _free_port()
+        proc = subprocess.Popen(_serve_cmd(model_path, port), cwd=REPO, env=env, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if _started_or_failed(proc, f"http://127.0.0.1:{port}") != "address in use":
+            break
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

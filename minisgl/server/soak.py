@@ -170,25 +170,35 @@ def _wait_idle(url: str, timeout: float = 60.0) -> dict:
         time.sleep(0.05)
 
 
+def _wait_started(proc: subprocess.Popen, url: str, timeout: float = 180) -> bool:
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    return False
+
+
 def run_soak(model_path: str, rounds: int = 5, extra_args: tuple[str, ...] = (), env: dict | None = None) -> dict:
     """Start the server, run the rounds, stop it; returns the figures (see the module docstring)."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "minisgl", "serve", "--model", model_path, "--served-model-name", "tiny",
-           "--port", str(port), "--log-level", "warning", "--kv-cache-tokens", "4096", *extra_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    proc = subprocess.Popen(cmd, env=env, cwd=Path(__file__).resolve().parents[2])
+    for _attempt in range(3):  # a free port can be taken by another process before the server binds it
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "minisgl", "serve", "--model", model_path, "--served-model-name", "tiny",
+               "--port", str(port), "--log-level", "warning", "--kv-cache-tokens", "4096", *extra_args]
+        proc = subprocess.Popen(cmd, env=env, cwd=Path(__file__).resolve().parents[2])
+        if _wait_started(proc, url):
+            break
+    else:
+        raise RuntimeError(f"the server did not start (exit status {proc.poll()})")
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start (exit status {proc.poll()})")
-            time.sleep(0.2)
         bodies = _bodies("tiny")
         result: dict = {"rss_mb_start": round(rss_mb(proc.pid), 1), "rss_mb_per_round": [], "rounds": [],
                         "worst_health_s_per_round": []}
