@@ -1,10 +1,11 @@
 """minisgl: a small, fast LLM inference engine, built module by module in a Jupyter course."""
 
 from minisgl.config import EngineConfig
+from minisgl.errors import RequestError
 from minisgl.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "__version__"]
+__all__ = ["LLM", "EngineConfig", "RequestError", "SamplingParams", "__version__"]
 
 
 def __getattr__(name):

@@ -1,40 +1,79 @@
-"""Engine settings. Every optimisation is a named switch, so an ablation is a flag, not an edit."""
+"""Engine settings. Every optimisation is a named switch, so an ablation is a flag, not an edit.
+
+Each field also carries its command-line flag (SGLang's name where SGLang has the setting), so the one flag
+set of `python -m minisgl {generate,bench,serve}` is generated from this class: `add_engine_args` adds the
+flags to a parser, `engine_kwargs_from_args` reads back the ones given (unset flags keep the defaults here).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, replace
+
+
+def _opt(default, flag: str | tuple[str, ...], help: str, *, disable: bool = False, choices=None):
+    """A field with its command-line flag(s). disable=True: a bool switch that is on by default, turned off
+    by `--disable-...` (SGLang's spelling)."""
+    flags = (flag,) if isinstance(flag, str) else flag
+    return field(default=default, metadata={"flags": flags, "help": help, "disable": disable, "choices": choices})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
+    model: str = field(metadata={"flags": ("--model-path", "--model"), "help": "model folder (HF layout) or hub id"})
     # weights and numerics
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 ; auto = bf16 on GPU, fp32 on CPU
-    device: str = "auto"  # auto | cpu | cuda
-    load_format: str = "auto"  # auto (safetensors) | dummy
-    seed: int = 0
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    dtype: str = _opt("auto", "--dtype", "auto = bf16 on a GPU, fp32 on a CPU",
+                      choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "--device", "auto | cpu | cuda")
+    load_format: str = _opt("auto", "--load-format", "auto (safetensors) | dummy (seeded random weights)",
+                            choices=("auto", "safetensors", "dummy"))
+    seed: int = _opt(0, ("--random-seed", "--seed"), "engine seed (requests without a seed draw theirs from it)")
+    max_model_len: int | None = _opt(None, ("--context-length", "--max-model-len"),
+                                     "context in tokens (default: the model's max_position_embeddings)")
     # KV cache
-    page_size: int = 1
-    num_pages: int | None = None  # default: sized from kv_memory_fraction (GPU) or kv_cache_tokens (CPU)
-    kv_memory_fraction: float = 0.85  # share of free GPU memory after weights given to the KV pool
-    kv_cache_tokens: int = 16384  # KV pool size on a CPU, in tokens
+    page_size: int = _opt(1, "--page-size", "tokens per KV page")
+    num_pages: int | None = _opt(None, "--num-pages", "KV pool pages (default: sized from --kv-memory-fraction "
+                                 "on a GPU, --kv-cache-tokens on a CPU)")
+    kv_memory_fraction: float = _opt(0.85, "--kv-memory-fraction",
+                                     "share of the GPU memory left free after the weights given to the KV pool "
+                                     "(not SGLang's --mem-fraction-static, which counts the weights too)")
+    kv_cache_tokens: int = _opt(16384, "--kv-cache-tokens", "KV pool size on a CPU, in tokens")
     # scheduler
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 8192  # token budget per step; <= 0 disables chunking
-    # the four switches of the ablation table
-    radix_cache: bool = True
-    chunked_prefill: bool = True
-    overlap: bool = True
-    cuda_graph: bool = True
-    cuda_graph_max_bs: int = 256
-    # prefill/extend steps as CUDA Graphs too (with cuda_graph on, Triton attention; engine/prefill_graph.py):
-    # token buckets 16, 32, ... up to this many tokens, request buckets 1, 4, ... up to prefill_graph_max_reqs;
-    # larger steps run eagerly. 0 = off.
-    prefill_graph_max_tokens: int = 4096
-    prefill_graph_max_reqs: int = 16
-    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
-    progress: bool = False
+    max_running_requests: int = _opt(256, "--max-running-requests", "requests decoding at once, at most")
+    chunked_prefill_size: int = _opt(8192, "--chunked-prefill-size",
+                                     "prefill tokens per step, long prompts cut into chunks of this size; "
+                                     "<= 0 turns chunked prefill off")
+    max_prefill_tokens: int = _opt(16384, "--max-prefill-tokens",
+                                   "prefill tokens per step at most, chunked or not (a longer prompt that "
+                                   "cannot be cut runs alone)")
+    # the switches of the ablation table (chunked prefill is chunked_prefill_size <= 0)
+    radix_cache: bool = _opt(True, "--disable-radix-cache", "no prefix reuse (the naive cache)", disable=True)
+    overlap: bool = _opt(True, "--disable-overlap-schedule", "resolve each step before scheduling the next",
+                         disable=True)
+    cuda_graph: bool = _opt(True, "--disable-cuda-graph", "launch decode steps eagerly", disable=True)
+    cuda_graph_max_bs: int = _opt(256, "--cuda-graph-max-bs", "largest decode batch captured in a CUDA Graph")
+    # prefill/extend steps as CUDA Graphs too (with cuda_graph on, Triton attention; engine/prefill_graph.py)
+    prefill_graph_max_tokens: int = _opt(4096, "--prefill-graph-max-tokens",
+                                         "largest prefill/extend step (tokens) replayed as a CUDA graph; token "
+                                         "buckets 16, 32, ... up to it; 0 = off")
+    prefill_graph_max_reqs: int = _opt(16, "--prefill-graph-max-reqs",
+                                       "most requests in a prefill/extend step replayed as a CUDA graph")
+    attention_backend: str = _opt("auto", "--attention-backend", "attention kernels",
+                                  choices=("auto", "torch", "triton", "flashinfer"))
+    progress: bool = False  # a progress bar in LLM.generate (no flag: `bench --quiet` sets it)
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether long prompts are cut into chunks (the ablation switch, read-only)."""
+        return self.chunked_prefill_size > 0
+
+    @property
+    def prefill_budget(self) -> int:
+        """Prefill tokens one step may hold: the chunk size when chunking, else max_prefill_tokens."""
+        if self.chunked_prefill_size > 0:
+            return min(self.chunked_prefill_size, self.max_prefill_tokens)
+        return self.max_prefill_tokens
 
     def with_(self, **kw) -> EngineConfig:
         return replace(self, **kw)
@@ -52,3 +91,45 @@ class EngineConfig:
             raise ValueError("prefill_graph_max_tokens must be >= 0 (0 = off) and prefill_graph_max_reqs >= 1")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+
+
+RENAMED = {"chunked_prefill": "chunked_prefill was folded into chunked_prefill_size: pass chunked_prefill_size=0 "
+                              "(command line: --chunked-prefill-size 0) to turn chunked prefill off"}
+
+
+def make_config(model: str, **switches) -> EngineConfig:
+    """EngineConfig(model, **switches), with a clear error for a switch that was renamed."""
+    for old, message in RENAMED.items():
+        if old in switches:
+            raise TypeError(message)
+    return EngineConfig(model=model, **switches)
+
+
+# --- the command line, generated from the fields above ---------------------------------------------------
+def _flag_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(EngineConfig) if "flags" in f.metadata]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (SGLang's names: --disable-overlap-schedule, --chunked-prefill-size,
+    ...). Flags left out stay None, so EngineConfig's defaults are the only defaults."""
+    group = parser.add_argument_group("engine")
+    for f in _flag_fields():
+        meta = f.metadata
+        if f.name == "model":
+            group.add_argument(*meta["flags"], dest="model", required=True, help=meta["help"])
+        elif meta["disable"]:
+            group.add_argument(*meta["flags"], dest=f.name, action="store_const", const=False, default=None,
+                               help=meta["help"])
+        else:
+            kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
+            group.add_argument(*meta["flags"], dest=f.name, type=kind, default=None, choices=meta["choices"],
+                               help=f"{meta['help']} (default: {f.default})")
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
+    """The EngineConfig keyword arguments (all but `model`) given on the command line."""
+    return {f.name: getattr(args, f.name) for f in _flag_fields()
+            if f.name != "model" and getattr(args, f.name, None) is not None}

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from minisgl.config import EngineConfig
+from minisgl.config import make_config
 from minisgl.engine import Engine
+from minisgl.errors import RequestError
 from minisgl.sampling_params import SamplingParams
-from minisgl.scheduler import Req
+from minisgl.stop_strings import make_stop_check, trim_at_stop
 
 
 @dataclass
@@ -34,7 +35,9 @@ def load_tokenizer(path: str):
 
 class LLM:
     def __init__(self, model: str, **switches) -> None:
-        self.config = EngineConfig(model=model, **switches)
+        """switches: EngineConfig's fields (overlap=False, chunked_prefill_size=0, ...). The old
+        `chunked_prefill=False` is refused with a TypeError that names its new spelling."""
+        self.config = make_config(model, **switches)
         self.engine = Engine(self.config)
         self.tokenizer = load_tokenizer(self.engine.runner.model_path)
 
@@ -42,30 +45,16 @@ class LLM:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+                raise RequestError("this model has no tokenizer; pass token ids instead of text", "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
     def decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _stop_check(self, params: SamplingParams):
-        if not params.stop:
-            return None
-        if self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none")
-        window = 8 + 4 * max(len(s) for s in params.stop)  # a stop string spans at most this many tokens
-
-        def check(req: Req) -> bool:
-            tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=True)
-            return any(s in tail for s in params.stop)
-        return check
-
-    def _trim_stop(self, text: str | None, params: SamplingParams) -> str | None:
-        if text is None or not params.stop:
-            return text
-        cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-        return text if cut < 0 else text[:cut]
+    def _text(self, ids: list[int], params: SamplingParams) -> str | None:
+        text = self.decode(ids)
+        return text if text is None or not params.stop else trim_at_stop(text, params.stop)[0]
 
     # --- the API -------------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -89,7 +78,9 @@ class LLM:
             try:
                 ids = self.encode(prompt)
                 self.engine.check_request(ids, p)
-                stop_check = self._stop_check(p)
+                stop_check = make_stop_check(self.tokenizer, p.stop)
+            except RequestError as e:
+                raise e.prefixed(f"request {i}: ") from None
             except (ValueError, TypeError) as e:
                 raise type(e)(f"request {i}: {e}") from None
             encoded.append((ids, p, stop_check))
@@ -106,7 +97,7 @@ class LLM:
         for r, (_, p, _) in zip(reqs, encoded):
             outs.append(RequestOutput(
                 prompt_token_ids=r.input_ids, token_ids=list(r.output_ids),
-                text=self._trim_stop(self.decode(r.output_ids), p), finish_reason=r.finish_reason,
+                text=self._text(r.output_ids, p), finish_reason=r.finish_reason,
                 num_cached_prompt_tokens=r.num_cached_prompt_tokens,
                 ttft=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
                 latency=(r.finish_time or r.arrival_time) - r.arrival_time))

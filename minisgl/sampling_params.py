@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minisgl.errors import RequestError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -37,23 +39,23 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, max_tokens_limit: int | None = None) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise RequestError (a ValueError) naming the first bad field in its message and `param`."""
         t = self.temperature
         if not isinstance(t, (int, float)) or t != t or t < 0 or t > 100:
-            raise ValueError(f"temperature must be a number in [0, 100], got {t!r}")
+            raise RequestError(f"temperature must be a number in [0, 100], got {t!r}", "temperature")
         if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k == 0:
-            raise ValueError(f"top_k must be a positive integer or -1 (off), got {self.top_k!r}")
+            raise RequestError(f"top_k must be a positive integer or -1 (off), got {self.top_k!r}", "top_k")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be a positive integer or -1 (off), got {self.top_k!r}")
+            raise RequestError(f"top_k must be a positive integer or -1 (off), got {self.top_k!r}", "top_k")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
         if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
-            raise ValueError(f"max_tokens={self.max_tokens} exceeds the limit {max_tokens_limit}")
+            raise RequestError(f"max_tokens={self.max_tokens} exceeds the limit {max_tokens_limit}", "max_tokens")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            raise RequestError(f"seed must be a non-negative integer, got {self.seed!r}", "seed")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+            raise RequestError("stop strings must be non-empty strings", "stop")
         if any(not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+            raise RequestError("stop_token_ids must be non-negative integers", "stop_token_ids")

@@ -238,7 +238,7 @@ def w1_repeat() -> dict:
     then default and no-radix again: separates warm-up effects and run-to-run spread from real costs."""
     rows = []
     plan = [("default", {}), ("no_radix_cache", {"radix_cache": False}),
-            ("no_chunked_prefill", {"chunked_prefill": False}), ("default", {}),
+            ("no_chunked_prefill", {"chunked_prefill_size": 0}), ("default", {}),
             ("no_radix_cache", {"radix_cache": False})]
     for i, (label, kw) in enumerate(plan):
         llm = LLM(CONFIGS["qwen3-0.6b"], load_format="dummy", dtype="bfloat16", **kw)
@@ -298,7 +298,7 @@ ABLATIONS_06 = [
     ("no_overlap", ["w1", "w2"], {"overlap": False}),
     ("no_cuda_graph", ["w1", "w2"], {"cuda_graph": False}),
     ("no_radix_cache", ["w1", "w3"], {"radix_cache": False}),
-    ("no_chunked_prefill", ["w1", "w4"], {"chunked_prefill": False}),
+    ("no_chunked_prefill", ["w1", "w4"], {"chunked_prefill_size": 0}),
 ]
 ABLATIONS_8 = [
     ("default", ["w1", "w2"], {}),

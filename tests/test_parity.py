@@ -30,7 +30,7 @@ ARCH_SWITCHES = {
     "default": {},
     "page4-chunk7": dict(page_size=4, chunked_prefill_size=7),
     "page16-no-overlap-no-radix-no-chunked": dict(page_size=16, overlap=False, radix_cache=False,
-                                                  chunked_prefill=False),
+                                                  chunked_prefill_size=0),
 }
 
 
@@ -59,11 +59,11 @@ QWEN3_SWITCHES = {
     "no-radix": dict(radix_cache=False),
     "no-radix-page4-chunk7": dict(radix_cache=False, page_size=4, chunked_prefill_size=7),
     "no-radix-no-overlap-page16": dict(radix_cache=False, overlap=False, page_size=16),
-    "no-chunked": dict(chunked_prefill=False),
-    "no-chunked-budget16-page4": dict(chunked_prefill=False, chunked_prefill_size=16, page_size=4),
+    "no-chunked": dict(chunked_prefill_size=0),
+    "no-chunked-budget16-page4": dict(chunked_prefill_size=0, max_prefill_tokens=16, page_size=4),
     "chunk-size-0": dict(chunked_prefill_size=0),
     "max-running-3": dict(max_running_requests=3),
-    "all-off": dict(radix_cache=False, chunked_prefill=False, overlap=False, cuda_graph=False),
+    "all-off": dict(radix_cache=False, chunked_prefill_size=0, overlap=False, cuda_graph=False),
 }
 
 
@@ -139,7 +139,7 @@ RETRACT = {
     "page16-chunk7": dict(page_size=16, kv_cache_tokens=128, chunked_prefill_size=7),
     "page4-no-radix-no-overlap-chunk7": dict(page_size=4, kv_cache_tokens=120, radix_cache=False,
                                              overlap=False, chunked_prefill_size=7),
-    "page4-no-chunked": dict(page_size=4, kv_cache_tokens=120, chunked_prefill=False),
+    "page4-no-chunked": dict(page_size=4, kv_cache_tokens=120, chunked_prefill_size=0),
 }
 
 

@@ -7,6 +7,7 @@ otherwise a tiny random Qwen3 built on the spot (see minisgl.server.testing).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisgl.server import ServerThread, add_serve_args, build_state, engine_kwargs_from_args
+from minisgl.server import ServerThread, build_state, engine_kwargs_from_args
 from minisgl.server.testing import tiny_model_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -389,11 +390,10 @@ def test_non_stream_disconnect_aborts(http, server):
 
 # --- command line --------------------------------------------------------------------------------------
 def test_serve_args():
-    import argparse
-    p = argparse.ArgumentParser()
-    add_serve_args(p)
-    args = p.parse_args(["--model", "m", "--port", "8001", "--page-size", "4", "--no-overlap",
-                         "--max-model-len", "256"])
+    """`python -m minisgl.server` and `python -m minisgl serve` share one parser's flags (SGLang's names)."""
+    from minisgl.server import build_parser
+    args = build_parser().parse_args(["--model", "m", "--port", "8001", "--page-size", "4",
+                                      "--disable-overlap-schedule", "--context-length", "256"])
     assert (args.model, args.host, args.port) == ("m", "127.0.0.1", 8001)
     assert engine_kwargs_from_args(args) == {"page_size": 4, "overlap": False, "max_model_len": 256}
 
@@ -404,7 +404,8 @@ def _serve_cmd(model: str, port: int) -> list[str]:
     module = ["-m", "minisgl", "serve"] if main.exists() and "serve" in main.read_text() else \
         ["-m", "minisgl.server"]
     return [sys.executable, *module, "--model", model, "--port", str(port), "--served-model-name", "tiny",
-            "--shutdown-timeout", "1", "--kv-cache-tokens", "4096", "--log-level", "warning"]
+            "--shutdown-timeout", "1", "--kv-cache-tokens", "4096", "--log-level", "warning",
+            "--disable-overlap-schedule", "--chunked-prefill-size", "64"]
 
 
 def _free_port() -> int:
@@ -414,12 +415,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _started_or_failed(proc, url: str, timeout: float = 120) -> str:
+    """Wait until the server answers or exits; "address in use" when it could not bind its port."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return "up"
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    if proc.poll() is not None:
+        out = proc.stdout.read().decode(errors="replace")
+        proc.stdout = io.BytesIO(out.encode())  # the test reads it again for its assertion message
+        return "address in use" if "address already in use" in out else "exited"
+    return "timeout"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_signal_mid_stream_exits_cleanly(model_path, sig):
-    port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(_serve_cmd(model_path, port), cwd=REPO, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for _attempt in range(3):  # a free port can be taken (by any process's outgoing connection) before we bind
+        port = _free_port()
+        proc = subprocess.Popen(_serve_cmd(model_path, port), cwd=REPO, env=env, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if _started_or_failed(proc, f"http://127.0.0.1:{port}") != "address in use":
+            break
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

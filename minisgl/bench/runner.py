@@ -24,7 +24,7 @@ def warm_up(llm, n: int = 8, out: int = 16) -> None:
     """Compile every kernel variant a workload will use before the clock starts: short and chunk-sized
     prompts (mixed prefill + decode steps), greedy and temperature sampling (the fused sampler)."""
     vocab = llm.engine.model_config.vocab_size
-    chunk = llm.config.chunked_prefill_size if llm.config.chunked_prefill_size > 0 else 8192
+    chunk = llm.config.prefill_budget
     longest = llm.engine.max_model_len - out - 1
     # the first length is a real prefill, so warm_up(n=1) also compiles the extend kernels
     lengths = [min(n, longest) for n in (64, 1, 17, 200, 513, chunk + 100)]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from minisgl.config import EngineConfig
 from minisgl.engine.model_runner import ModelRunner, StepOutput
+from minisgl.errors import RequestError
 from minisgl.kvcache import NaiveCache, PageAllocator, RadixCache
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler import NEED_SYNC, Req, ReqStatus, Scheduler
@@ -32,10 +33,9 @@ class Engine:
         self.allocator = PageAllocator(self.runner.num_pages)
         cache_cls = RadixCache if config.radix_cache else NaiveCache
         self.cache = cache_cls(self.allocator, config.page_size)
-        chunk = config.chunked_prefill_size if config.chunked_prefill_size > 0 else 8192
         self.scheduler = Scheduler(self.allocator, self.runner.req_pool, self.cache, config.page_size,
-                                   config.max_running_requests, chunk,
-                                   chunked=config.chunked_prefill and config.chunked_prefill_size > 0)
+                                   config.max_running_requests, config.prefill_budget,
+                                   chunked=config.chunked_prefill)
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._next_rid = 0
@@ -44,29 +44,30 @@ class Engine:
 
     # --- requests ------------------------------------------------------------------------------------
     def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming what is wrong with a request; accept it otherwise."""
+        """Raise RequestError (a ValueError) naming what is wrong with a request and which parameter."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if len(input_ids) == 0:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
         # the index, not the token: a None token must not read as "nothing bad found". Integral admits numpy
         # integers (a tokenizer's arrays), not bools.
         bad = next((i for i, t in enumerate(input_ids)
                     if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"token id {input_ids[bad]!r} is out of the vocabulary [0, {vocab})")
+            raise RequestError(f"token id {input_ids[bad]!r} is out of the vocabulary [0, {vocab})", "prompt")
         params.validate()
         n, ctx = len(input_ids), self.max_model_len
         if n >= ctx:
-            raise ValueError(f"the prompt has {n} tokens, longer than the context of {ctx} tokens")
+            raise RequestError(f"the prompt has {n} tokens, longer than the context of {ctx} tokens", "prompt",
+                               "context_length_exceeded")
         if n + params.max_tokens > ctx:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                             f"of {ctx} tokens")
+            raise RequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                               f"of {ctx} tokens", "max_tokens", "context_length_exceeded")
         cap = self.runner.kv_capacity_tokens
         if n + params.max_tokens > cap:
-            raise ValueError(f"the request needs up to {n + params.max_tokens} KV slots but the whole KV pool "
-                             f"holds {cap}; it cannot run even alone")
+            raise RequestError(f"the request needs up to {n + params.max_tokens} KV slots but the whole KV pool "
+                               f"holds {cap}; it cannot run even alone", "max_tokens", "context_length_exceeded")
 
     def add_request(self, input_ids: list[int], params: SamplingParams,
                     stop_check: Callable[[Req], bool] | None = None) -> Req:

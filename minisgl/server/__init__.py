@@ -10,6 +10,7 @@ from minisgl.server.launch import (
     ServerThread,
     add_engine_args,
     add_serve_args,
+    build_parser,
     build_state,
     engine_kwargs_from_args,
     main,
@@ -17,5 +18,5 @@ from minisgl.server.launch import (
     serve,
 )
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "ServerThread", "add_engine_args", "add_serve_args", "build_state",
-           "engine_kwargs_from_args", "main", "run_serve", "serve"]
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "ServerThread", "add_engine_args", "add_serve_args", "build_parser",
+           "build_state", "engine_kwargs_from_args", "main", "run_serve", "serve"]

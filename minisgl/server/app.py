@@ -1,14 +1,26 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health.
 
-Every request is checked on the asyncio side before the engine sees it (JSON, schema, model name, context
-length, sampling ranges), so a bad request is a 4xx with an OpenAI-style error body and never reaches the
-engine thread. A request the engine accepts is streamed back as its tokens resolve; a client that goes
-away has its request aborted at once, which frees its KV pages on the engine's next loop iteration.
+Every request is checked before the engine sees it (JSON, schema, model name, prompt size, context length,
+sampling ranges), so a bad request is a 4xx with an OpenAI-style error body and never reaches the engine
+thread. A request the engine accepts is streamed back as its tokens resolve; a client that goes away has its
+request aborted at once, which frees its KV pages on the engine's next loop iteration.
+
+The event loop never does work that grows with the size of a request's text: a prompt longer than the
+context could possibly hold is refused by its length in characters before it is tokenized, and the chat
+template, tokenization and the final detokenization run on a small thread pool (`ServerState.executor`;
+the Rust tokenizer releases the GIL while it works), so `/health` and other streams keep being answered
+while a large prompt is encoded.
+
+The pieces are module-level functions of a `ServerState` (parse_request, sampling_params_for, render_chat,
+to_api_error, ...), testable without HTTP; `create_app` only wires them to routes and error handlers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import ctypes
+import functools
 import json
 import logging
 import time
@@ -25,6 +37,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from minisgl.errors import RequestError
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.detokenizer import TextStream
 from minisgl.server.protocol import (
@@ -36,22 +49,41 @@ from minisgl.server.protocol import (
     validation_error,
 )
 from minisgl.server.worker import Delta, EngineWorker, RequestHandle
+from minisgl.stop_strings import make_stop_check
 
 logger = logging.getLogger("minisgl.server")
 
 MAX_BODY_BYTES = 8 << 20
+TOKENIZER_THREADS = 2  # tokenization / chat template / final decode / large bodies of concurrent requests
+PARSE_INLINE_BYTES = 64 << 10  # bodies up to this size are parsed on the event loop (well under a millisecond)
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """At most how many characters of text one token stands for: the longest token string of the vocabulary
+    (byte-level and SentencePiece token strings have at least one character per character of text they
+    cover), doubled when the tokenizer normalizes text first (NFC can fold several characters into one)."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return longest * (1 if backend is not None and backend.normalizer is None else 2)
 
 
 @dataclass
 class ServerState:
     worker: EngineWorker
-    tokenizer: Any  # used on the asyncio side (encode, chat template, detokenize); None: token ids only
+    tokenizer: Any  # read-only use on the event loop and the executor's threads; None: token ids only
     stop_tokenizer: Any  # a second copy, used on the engine thread for stop strings
     model_name: str
     model_aliases: frozenset = frozenset()
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
     bad_requests: int = 0
+    max_prompt_chars: int | None = None  # None: the context times max_chars_per_token (a sure refusal)
+    executor: concurrent.futures.ThreadPoolExecutor = field(default_factory=lambda: (
+        concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="minisgl-tokenize")))
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_chars is None and self.tokenizer is not None:
+            self.max_prompt_chars = self.max_model_len * max_chars_per_token(self.tokenizer)
 
     @property
     def engine(self):
@@ -61,12 +93,178 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    async def run_blocking(self, fn: Callable, *args):
+        """fn(*args) on the tokenizer threads, so the event loop keeps serving meanwhile (inline once the pool
+        has been shut down, at the very end of a shutdown)."""
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+        except RuntimeError:  # cannot schedule new futures after shutdown
+            return fn(*args)
+        return await future
 
-# --- helpers ---------------------------------------------------------------------------------------------
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+
+# --- checking a request (no HTTP needed) -----------------------------------------------------------------
+def check_model(state: ServerState, name: str) -> None:
+    if name != state.model_name and name not in state.model_aliases:
+        raise APIError(404, f"the model '{name}' does not exist; this server serves '{state.model_name}'",
+                       param="model", code="model_not_found")
 
 
+def _prompt_too_long(state: ServerState, n: int, unit: str, limit: int, why: str, param: str) -> APIError:
+    return APIError(400, f"the prompt is {n:,} {unit} long; this model's maximum context length is "
+                         f"{state.max_model_len:,} tokens, so at most {limit:,} {unit} are accepted{why}",
+                    param=param, code="context_length_exceeded")
+
+
+def _text_length(content) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):  # text parts
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
+
+
+def check_prompt_size(state: ServerState, body: dict, schema) -> None:
+    """Refuse a prompt that cannot fit in the context by its raw size, before it is validated or tokenized:
+    a token-id list of max_model_len or more ids, or text longer than max_prompt_chars characters."""
+    ctx, limit = state.max_model_len, state.max_prompt_chars
+    why = f" (the context times {limit // ctx} characters per token at most)" if limit else ""
+    if schema is CompletionRequest:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and len(prompt) >= ctx and not any(isinstance(t, (str, list)) for t in prompt[:2]):
+            raise _prompt_too_long(state, len(prompt), "tokens", ctx - 1, "", "prompt")
+        if isinstance(prompt, str) and limit and len(prompt) > limit:
+            raise _prompt_too_long(state, len(prompt), "characters", limit, why, "prompt")
+    elif limit and isinstance(body.get("messages"), list):
+        n = sum(_text_length(m.get("content")) for m in body["messages"] if isinstance(m, dict))
+        if n > limit:
+            raise _prompt_too_long(state, n, "characters", limit, why, "messages")
+
+
+def _body_too_large() -> APIError:
+    return APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+
+
+def parse_request(state: ServerState, raw: bytes, schema, yield_gil: bool = False):
+    """The request body as a checked CompletionRequest / ChatCompletionRequest, or APIError."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise _body_too_large()
+    body = parse_json_object(raw, yield_gil)
+    check_prompt_size(state, body, schema)
+    try:
+        req = schema.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    check_model(state, req.model)
+    return req
+
+
+def to_api_error(err: RequestError, prompt_param: str = "prompt", max_tokens_param: str = "max_tokens"
+                 ) -> APIError:
+    """An engine RequestError as a 400, its parameter named as this endpoint names it."""
+    param = {"prompt": prompt_param, "max_tokens": max_tokens_param}.get(err.param, err.param)
+    return APIError(400, err.message, param=param, code=err.code)
+
+
+def sampling_params_for(state: ServerState, req, ids: list[int], max_tokens: int | None, default_max: int | None,
+                        prompt_param: str, max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """The request's SamplingParams, checked by the engine (without running anything), or APIError(400)."""
+    n, ctx = len(ids), state.max_model_len
+    if n >= ctx:
+        raise APIError(400, f"this model's maximum context length is {ctx} tokens, but the prompt has "
+                            f"{n} tokens", param=prompt_param, code="context_length_exceeded")
+    room = min(ctx, state.engine.runner.kv_capacity_tokens) - n
+    if max_tokens is None:
+        max_tokens = room if default_max is None else max(1, min(default_max, room))
+    elif max_tokens > ctx - n:
+        raise APIError(400, f"max_tokens={max_tokens} is too large: the prompt has {n} tokens and the "
+                            f"context holds {ctx}, so at most {ctx - n} new tokens fit",
+                       param=max_tokens_param, code="context_length_exceeded")
+    vocab = state.engine.model_config.vocab_size
+    top_k = req.top_k
+    if top_k is None or top_k in (0, -1) or top_k >= vocab:
+        top_k = -1
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k, max_tokens=max_tokens,
+        ignore_eos=bool(req.ignore_eos), stop=tuple(req.stop or ()), seed=req.seed)
+    try:
+        state.engine.check_request(ids, params)
+    except RequestError as e:
+        raise to_api_error(e, prompt_param, max_tokens_param) from None
+    return params
+
+
+def engine_error(delta: Delta) -> APIError:
+    """The error a Delta carries (the engine refused or failed the request) as an APIError."""
+    if delta.error_kind == "invalid":
+        return APIError(400, delta.error, param=delta.error_param, code=delta.error_code)
+    if delta.error_kind == "unavailable":
+        return APIError(503, delta.error, type="server_error", code="unavailable")
+    return APIError(500, delta.error or "internal error", type="server_error", code="internal_error")
+
+
+# --- text <-> tokens (blocking: run them with state.run_blocking) ---------------------------------------
+TRIM_AFTER_CHARS = 256 << 10  # after encoding this much text, hand freed heap memory back to the OS
+
+
+def _load_malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Return the heap's free pages to the OS (glibc's malloc_trim; nothing elsewhere).
+
+    Why: encoding a long text makes about a million small allocations (the Rust tokenizer's per-token data,
+    Python's int objects). Once freed they sit in holes of the malloc heap that glibc never gives back, so
+    the server's RSS rose with every large prompt (372 MB -> 1,041 MB in issue 15); MALLOC_ARENA_MAX and
+    a fixed mmap threshold do not help (these are small blocks), malloc_trim does. It costs a few ms,
+    paid only after a large input, on the tokenizer thread."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if len(text) >= TRIM_AFTER_CHARS:
+        release_freed_memory()
+    return ids
+
+
+def render_chat(tokenizer, req: ChatCompletionRequest) -> list[int]:
+    """The conversation through the chat template, tokenized; APIError when the template refuses it."""
+    try:
+        prompt = tokenizer.apply_chat_template(req.conversation(), tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the template rejects the conversation (e.g. roles out of order)
+        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    return encode_text(tokenizer, prompt)
+
+
+class _NoTokenizerStream:
+    """For a model without a tokenizer: no text, only token counts."""
+
+    stopped = False
+
+    def __init__(self) -> None:
+        self.num_tokens = 0
+
+    def push(self, ids) -> str:
+        self.num_tokens += len(ids)
+        return ""
+
+    def finish(self) -> str:
+        return ""
+
+
+# --- responses -------------------------------------------------------------------------------------------
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -74,18 +272,6 @@ def _sse(obj) -> str:
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-def make_stop_check(tokenizer, stops: tuple[str, ...]):
-    """A stop check for the engine thread: is a stop string in the decoded tail of the output?"""
-    if not stops or tokenizer is None:
-        return None
-    window = 8 + 4 * max(len(s) for s in stops)  # a byte-level token holds at least one byte
-
-    def check(req) -> bool:
-        tail = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=True)
-        return any(s in tail for s in stops)
-    return check
 
 
 class EventStreamResponse(Response):
@@ -134,22 +320,14 @@ async def _watch_disconnect(request: Request, handle: RequestHandle) -> None:
             return
 
 
-def _engine_error(delta: Delta) -> APIError:
-    if delta.error_kind == "invalid":
-        return APIError(400, delta.error)
-    if delta.error_kind == "unavailable":
-        return APIError(503, delta.error, type="server_error", code="unavailable")
-    return APIError(500, delta.error or "internal error", type="server_error", code="internal_error")
-
-
-async def _generate(state: ServerState, handle: RequestHandle, ts: TextStream):
+async def generate(state: ServerState, handle: RequestHandle, ts):
     """Run one request: yields (text piece, None) as text settles, then (tail, finish_reason) once."""
     state.worker.submit(handle)
     reason = None
     try:
         async for delta in handle.events():
             if delta.error is not None:
-                raise _engine_error(delta)
+                raise engine_error(delta)
             piece = ts.push(delta.token_ids)
             if piece:
                 yield piece, None
@@ -160,12 +338,174 @@ async def _generate(state: ServerState, handle: RequestHandle, ts: TextStream):
             if delta.finish_reason is not None:
                 reason = delta.finish_reason
                 break
-        tail = ts.finish()
+        tail = await state.run_blocking(ts.finish)  # decodes the whole output once
         if ts.stopped:
             reason = "stop"
         yield tail, reason or "abort"
     finally:
         handle.cancel()  # no-op once the request has finished
+
+
+async def respond(state: ServerState, request: Request, req, ids: list[int], params: SamplingParams, chunk, full,
+                  first: dict | None = None):
+    """Submit the request and answer it: one JSON body, or server-sent events when req.stream."""
+    try:
+        stop_check = make_stop_check(state.stop_tokenizer, params.stop)
+    except RequestError as e:
+        raise to_api_error(e) from None
+    handle = RequestHandle(ids, params, stop_check)
+    ts = TextStream(state.tokenizer, params.stop) if state.tokenizer is not None else _NoTokenizerStream()
+    if not req.stream:
+        watcher = asyncio.ensure_future(_watch_disconnect(request, handle))
+        try:
+            parts, reason = [], None
+            async for piece, finish in generate(state, handle, ts):
+                parts.append(piece)
+                reason = finish or reason
+        finally:
+            watcher.cancel()
+        return JSONResponse(full("".join(parts), reason, _usage(len(ids), ts.num_tokens)))
+
+    include_usage = req.include_usage
+
+    async def events():
+        try:
+            if first is not None:
+                yield _sse(first)
+            async for piece, reason in generate(state, handle, ts):
+                if piece or reason:
+                    yield _sse(chunk(piece, reason))
+            if include_usage:
+                last = chunk("", None)
+                last["choices"] = []
+                last["usage"] = _usage(len(ids), ts.num_tokens)
+                yield _sse(last)
+        except APIError as e:
+            yield _sse(e.body())
+        yield "data: [DONE]\n\n"
+
+    return EventStreamResponse(events(), handle.cancel)
+
+
+async def read_request(state: ServerState, request: Request, schema):
+    """Read, parse and check the body; a large one is parsed on the tokenizer threads."""
+    if state.shutting_down:
+        raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise _body_too_large()  # before reading it
+    raw = await request.body()
+    if len(raw) < PARSE_INLINE_BYTES:
+        return parse_request(state, raw, schema)
+    try:
+        return await state.run_blocking(parse_request, state, raw, schema, True)
+    finally:
+        await state.run_blocking(release_freed_memory)
+
+
+async def completions(state: ServerState, request: Request):
+    req: CompletionRequest = await read_request(state, request, CompletionRequest)
+    if isinstance(req.prompt, str):
+        if state.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids",
+                           param="prompt")
+        ids = await state.run_blocking(encode_text, state.tokenizer, req.prompt)
+    else:
+        ids = list(req.prompt)
+    if not ids:
+        raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+    params = sampling_params_for(state, req, ids, req.max_tokens, 16, "prompt")
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(text: str, reason: str | None) -> dict:
+        return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+
+    return await respond(state, request, req, ids, params, chunk,
+                         lambda text, reason, usage: {**chunk(text, reason), "usage": usage})
+
+
+async def chat_completions(state: ServerState, request: Request):
+    req: ChatCompletionRequest = await read_request(state, request, ChatCompletionRequest)
+    tok = state.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    ids = await state.run_blocking(render_chat, tok, req)
+    if req.max_completion_tokens is not None:
+        max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, max_param = req.max_tokens, "max_tokens"
+    params = sampling_params_for(state, req, ids, max_tokens, None, "messages", max_param)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(text: str | None, reason: str | None, role: bool = False) -> dict:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+    def full(text: str, reason: str, usage: dict) -> dict:
+        return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": reason}],
+                "usage": usage}
+
+    return await respond(state, request, req, ids, params, chunk, full, first=chunk(None, None, role=True))
+
+
+def health(state: ServerState) -> dict:
+    if not state.worker.alive or not state.worker.healthy:
+        raise APIError(503, state.worker.fatal_error or "the engine is not running", "server_error",
+                       code="engine_unavailable")
+    if state.shutting_down:
+        raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+    return {"status": "ok"}
+
+
+def model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "minisgl",
+            "max_model_len": state.max_model_len}
+
+
+# --- errors: every one in the OpenAI shape ---------------------------------------------------------------
+def _state_of(request: Request) -> ServerState:
+    return request.app.state.minisgl
+
+
+async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    if 400 <= exc.status < 500:
+        _state_of(request).bad_requests += 1
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    _state_of(request).bad_requests += 1
+    errs = exc.errors()
+    first = errs[0] if errs else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return JSONResponse(error_body(f"invalid value for '{param}': {first.get('msg', 'invalid request')}",
+                                   param=param, code=first.get("type")), status_code=400)
+
+
+async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    return JSONResponse(error_body(message, kind, None, str(exc.status_code)),
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def on_client_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+    return Response(status_code=499)  # the client left while sending its body; nobody reads this
+
+
+async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error")
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None,
+                                   "internal_error"), status_code=500)
 
 
 # --- the app ---------------------------------------------------------------------------------------------
@@ -175,235 +515,40 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.shutting_down = True
         await asyncio.to_thread(state.worker.stop)
+        state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan)
     app.state.minisgl = state
+    for exc_type, handler in ((APIError, on_api_error), (RequestValidationError, on_validation_error),
+                              (StarletteHTTPException, on_http_error), (ClientDisconnect, on_client_disconnect),
+                              (Exception, on_internal_error)):
+        app.add_exception_handler(exc_type, handler)
 
-    # -- errors: every one in the OpenAI shape --
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        if 400 <= exc.status < 500:
-            state.bad_requests += 1
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        state.bad_requests += 1
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        return JSONResponse(error_body(f"invalid value for '{param}': {first.get('msg', 'invalid request')}",
-                                       param=param, code=first.get("type")), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}"
-        elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
-        return JSONResponse(error_body(message, kind, None, str(exc.status_code)),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(ClientDisconnect)
-    async def _gone(request: Request, exc: ClientDisconnect):
-        return Response(status_code=499)  # the client left while sending its body; nobody reads this
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        logger.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None,
-                                       "internal_error"), status_code=500)
-
-    # -- plain routes --
     @app.get("/health")
-    async def health():
-        if not state.worker.alive or not state.worker.healthy:
-            raise APIError(503, state.worker.fatal_error or "the engine is not running", "server_error",
-                           code="engine_unavailable")
-        if state.shutting_down:
-            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-        return {"status": "ok"}
-
-    def _model_card() -> dict:
-        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "minisgl",
-                "max_model_len": state.max_model_len}
+    async def _health():
+        return health(state)
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [_model_card()]}
+    async def _models():
+        return {"object": "list", "data": [model_card(state)]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        _check_model(model_id)
-        return _model_card()
+    async def _model(model_id: str):
+        check_model(state, model_id)
+        return model_card(state)
 
     @app.get("/v1/internal/stats")
-    async def internal_stats():
+    async def _internal_stats():
         """Debugging and tests only: KV page accounting and request counters, read on the engine thread."""
         stats = await asyncio.wrap_future(state.worker.stats())
         return {**stats, "bad_requests": state.bad_requests}
 
-    # -- request checking --
-    def _check_model(name: str) -> None:
-        if name != state.model_name and name not in state.model_aliases:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                                f"'{state.model_name}'", param="model", code="model_not_found")
-
-    async def _parse(request: Request, schema):
-        if state.shutting_down:
-            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                           code="request_too_large")
-        body = parse_json_object(raw)
-        try:
-            req = schema.model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e) from None
-        _check_model(req.model)
-        return req
-
-    def _params(req, ids: list[int], max_tokens: int | None, default_max: int | None, param: str
-                ) -> SamplingParams:
-        n, ctx = len(ids), state.max_model_len
-        if n >= ctx:
-            raise APIError(400, f"this model's maximum context length is {ctx} tokens, but the prompt has "
-                                f"{n} tokens", param=param, code="context_length_exceeded")
-        room = min(ctx, state.engine.runner.kv_capacity_tokens) - n
-        if max_tokens is None:
-            max_tokens = room if default_max is None else max(1, min(default_max, room))
-        elif max_tokens > ctx - n:
-            raise APIError(400, f"max_tokens={max_tokens} is too large: the prompt has {n} tokens and the "
-                                f"context holds {ctx}, so at most {ctx - n} new tokens fit",
-                           param="max_tokens", code="context_length_exceeded")
-        vocab = state.engine.model_config.vocab_size
-        top_k = req.top_k
-        if top_k is None or top_k in (0, -1) or top_k >= vocab:
-            top_k = -1
-        params = SamplingParams(
-            temperature=1.0 if req.temperature is None else float(req.temperature),
-            top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k, max_tokens=max_tokens,
-            ignore_eos=bool(req.ignore_eos), stop=tuple(req.stop or ()), seed=req.seed)
-        if params.stop and state.tokenizer is None:
-            raise APIError(400, "stop strings need a tokenizer; this model has none", param="stop")
-        try:
-            state.engine.check_request(ids, params)
-        except (ValueError, TypeError) as e:
-            msg = str(e)
-            code = "context_length_exceeded" if "context" in msg or "KV" in msg else None
-            raise APIError(400, msg, param=param if "token id" in msg or "prompt" in msg else None,
-                           code=code) from None
-        return params
-
-    def _encode(text: str) -> list[int]:
-        return list(state.tokenizer.encode(text, add_special_tokens=False))
-
-    # -- the two generation endpoints --
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        req: CompletionRequest = await _parse(request, CompletionRequest)
-        if isinstance(req.prompt, str):
-            if state.tokenizer is None:
-                raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids",
-                               param="prompt")
-            ids = _encode(req.prompt)
-        else:
-            ids = list(req.prompt)
-        if not ids:
-            raise APIError(400, "the prompt encodes to no tokens", param="prompt")
-        params = _params(req, ids, req.max_tokens, 16, "prompt")
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def chunk(text: str, reason: str | None) -> dict:
-            return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
-
-        return await _respond(request, req, ids, params, chunk, lambda text, reason, usage: {
-            **chunk(text, reason), "usage": usage})
+    async def _completions(request: Request):
+        return await completions(state, request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-        tok = state.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        try:
-            prompt = tok.apply_chat_template(req.conversation(), tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # the template rejects the conversation (e.g. roles out of order)
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        ids = _encode(prompt)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = _params(req, ids, max_tokens, None, "messages")
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def chunk(text: str | None, reason: str | None, role: bool = False) -> dict:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
-
-        def full(text: str, reason: str, usage: dict) -> dict:
-            return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": reason}],
-                    "usage": usage}
-
-        return await _respond(request, req, ids, params, chunk, full, first=chunk(None, None, role=True))
-
-    async def _respond(request: Request, req, ids: list[int], params: SamplingParams, chunk, full,
-                       first: dict | None = None):
-        handle = RequestHandle(ids, params, make_stop_check(state.stop_tokenizer, params.stop))
-        ts = TextStream(state.tokenizer, params.stop) if state.tokenizer is not None else None
-        if ts is None:
-            ts = _NoTokenizerStream()
-        if not req.stream:
-            watcher = asyncio.ensure_future(_watch_disconnect(request, handle))
-            try:
-                parts, reason = [], None
-                async for piece, finish in _generate(state, handle, ts):
-                    parts.append(piece)
-                    reason = finish or reason
-            finally:
-                watcher.cancel()
-            return JSONResponse(full("".join(parts), reason, _usage(len(ids), ts.num_tokens)))
-
-        include_usage = req.include_usage
-
-        async def events():
-            try:
-                if first is not None:
-                    yield _sse(first)
-                async for piece, reason in _generate(state, handle, ts):
-                    if piece or reason:
-                        yield _sse(chunk(piece, reason))
-                if include_usage:
-                    last = chunk("", None)
-                    last["choices"] = []
-                    last["usage"] = _usage(len(ids), ts.num_tokens)
-                    yield _sse(last)
-            except APIError as e:
-                yield _sse(e.body())
-            yield "data: [DONE]\n\n"
-
-        return EventStreamResponse(events(), handle.cancel)
+    async def _chat_completions(request: Request):
+        return await chat_completions(state, request)
 
     return app
-
-
-class _NoTokenizerStream:
-    """For a model without a tokenizer: no text, only token counts."""
-
-    stopped = False
-
-    def __init__(self) -> None:
-        self.num_tokens = 0
-
-    def push(self, ids) -> str:
-        self.num_tokens += len(ids)
-        return ""
-
-    def finish(self) -> str:
-        return ""

@@ -8,15 +8,24 @@ Two layers:
   character is ever cut in two. Each decode covers a short window that starts one settled stretch back:
   tokenizers that drop a leading space when a slice starts at a word (SentencePiece) see the same
   left context in both decodes that are compared, so the pieces agree with a decode of everything.
-* `TextStream` adds stop strings on top: text is emitted only up to the first stop string, and a tail that
-  could still grow into a stop string is held back until the next token settles it. `finish()` returns the
-  rest, so the concatenation of every piece equals `final_text()`: the full decode cut at the first stop
-  string, the same text a non-streamed request returns.
+* `TextStream` adds stop strings on top (the cuts live in `minisgl.stop_strings`): text is emitted only up
+  to the first stop string, and a tail that could still grow into a stop string is held back until the
+  next token settles it. `finish()` returns the rest, so the concatenation of every piece equals
+  `final_text()`: the full decode cut at the first stop string, the same text a non-streamed request
+  returns.
 """
 
 from __future__ import annotations
 
+from minisgl.stop_strings import first_stop, partial_stop_len, trim_at_stop
+
+__all__ = ["IncrementalDetokenizer", "TextStream", "first_stop", "partial_stop_len", "trim_at_stop"]
+
 REPLACEMENT = "\ufffd"
+# A UTF-8 character spans at most 4 bytes, so at most 4 byte tokens: text still unsettled after this many
+# tokens is a genuinely invalid sequence (U+FFFD in the full decode too). Releasing it then keeps every
+# decode window short, so a stream never re-decodes a growing tail on the event loop.
+MAX_HELD_TOKENS = 16
 
 
 class IncrementalDetokenizer:
@@ -40,8 +49,13 @@ class IncrementalDetokenizer:
         if len(self.ids) == self._released:
             return ""
         window = self._decode(self.ids[self._window_start:])
-        if window.endswith(REPLACEMENT) or not window.startswith(self._window_text):
+        unsettled = window.endswith(REPLACEMENT) or not window.startswith(self._window_text)
+        if unsettled and len(self.ids) - self._released < MAX_HELD_TOKENS:
             return ""  # an unfinished character (or a decode that still rewrites its left context)
+        if not window.startswith(self._window_text):  # held too long: restart the window here
+            self._window_start = self._released = len(self.ids)
+            self._window_text = ""
+            return ""
         piece = window[len(self._window_text):]
         self._window_start, self._released = self._released, len(self.ids)
         self._window_text = self._decode(self.ids[self._window_start:self._released])
@@ -51,33 +65,6 @@ class IncrementalDetokenizer:
     def full_text(self) -> str:
         """The decode of every token at once (what a non-streamed request returns, before stop strings)."""
         return self._decode(self.ids)
-
-
-def first_stop(text: str, stops, start: int = 0) -> int:
-    """Index of the earliest occurrence of any stop string in text[start:], or -1."""
-    best = -1
-    for s in stops:
-        i = text.find(s, start)
-        if i >= 0 and (best < 0 or i < best):
-            best = i
-    return best
-
-
-def trim_at_stop(text: str, stops) -> tuple[str, bool]:
-    """text cut before its first stop string, and whether one was found."""
-    cut = first_stop(text, stops)
-    return (text, False) if cut < 0 else (text[:cut], True)
-
-
-def partial_stop_len(text: str, stops) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 class TextStream:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -18,7 +17,7 @@ import socket
 import threading
 import time
 
-from minisgl.config import EngineConfig
+from minisgl.config import add_engine_args, engine_kwargs_from_args, make_config
 
 logger = logging.getLogger("minisgl.server")
 
@@ -30,42 +29,9 @@ _MISSING_DEPS = ("the HTTP server needs fastapi and uvicorn: pip install 'minisg
 
 
 # --- command line ----------------------------------------------------------------------------------------
-def _engine_fields():
-    return [f for f in dataclasses.fields(EngineConfig) if f.name != "model"]
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (--page-size, --no-overlap, ...); unset flags keep the defaults."""
-    group = parser.add_argument_group("engine (EngineConfig)")
-    for f in _engine_fields():
-        flag = "--" + f.name.replace("_", "-")
-        kind = str(f.type)
-        help_ = f"default: {f.default!r}"
-        if kind == "bool":
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                               help=help_)
-        elif kind.startswith("int"):
-            group.add_argument(flag, dest=f.name, type=int, default=None, help=help_)
-        elif kind.startswith("float"):
-            group.add_argument(flag, dest=f.name, type=float, default=None, help=help_)
-        else:
-            group.add_argument(flag, dest=f.name, type=str, default=None, help=help_)
-
-
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
-    """The EngineConfig keyword arguments given on the command line (flags left unset are omitted)."""
-    return {f.name: getattr(args, f.name) for f in _engine_fields()
-            if getattr(args, f.name, None) is not None}
-
-
-def add_serve_args(parser: argparse.ArgumentParser, engine_args: bool | None = None) -> argparse.ArgumentParser:
-    """Add the `serve` flags (--host, --port, ...). Engine flags (--model and one per EngineConfig field)
-    are added too unless the parser already has --model (the caller then passes its own engine keyword
-    arguments to run_serve(args, engine_kwargs)); engine_args=True/False forces the choice."""
-    if engine_args is None:
-        engine_args = "--model" not in parser._option_string_actions
-    if engine_args:
-        parser.add_argument("--model", required=True, help="model folder (Hugging Face layout) or hub id")
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `serve` flags (--host, --port, ...). The engine flags (--model and the rest) come from
+    `minisgl.config.add_engine_args`, the one set every subcommand uses."""
     group = parser.add_argument_group("server")
     group.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}; "
                        "use 0.0.0.0 to accept other machines)")
@@ -77,12 +43,10 @@ def add_serve_args(parser: argparse.ArgumentParser, engine_args: bool | None = N
                             "are aborted (default 5)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
-    if engine_args:
-        add_engine_args(parser)
     return parser
 
 
-def run_serve(args: argparse.Namespace, engine_kwargs: dict | None = None) -> int:
+def run_serve(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGINT/SIGTERM, shut down cleanly; returns the exit status."""
     try:
         import fastapi  # noqa: F401
@@ -90,30 +54,22 @@ def run_serve(args: argparse.Namespace, engine_kwargs: dict | None = None) -> in
     except ImportError:
         print(f"error: {_MISSING_DEPS}")
         return 2
-    if engine_kwargs is None:
-        engine_kwargs = engine_kwargs_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state = build_state(args.model, args.served_model_name, **engine_kwargs)
+    state = build_state(args.model, args.served_model_name, **engine_kwargs_from_args(args))
     return serve(state, args.host, args.port, args.shutdown_timeout, args.log_level)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`minisgl serve ...` as a standalone entry point (`python -m minisgl.server ...`). Uses the engine
-    flags of the package's command line when it has them, so both spellings take the same flags."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `serve` parser: the engine flags plus the server's."""
     parser = argparse.ArgumentParser(prog="minisgl serve",
                                      description="Serve a model over an OpenAI-compatible HTTP API.")
-    try:
-        from minisgl.__main__ import add_engine_args as cli_engine_args
-        from minisgl.__main__ import engine_kwargs as cli_engine_kwargs
-    except ImportError:
-        cli_engine_args = cli_engine_kwargs = None
-    if cli_engine_args is not None:
-        cli_engine_args(parser)
-        add_serve_args(parser, engine_args=False)
-        args = parser.parse_args(argv)
-        return run_serve(args, cli_engine_kwargs(args))
-    add_serve_args(parser)
-    return run_serve(parser.parse_args(argv))
+    add_engine_args(parser)
+    return add_serve_args(parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m minisgl.server ...`: the same flags as `python -m minisgl serve ...`."""
+    return run_serve(build_parser().parse_args(argv))
 
 
 # --- building and running --------------------------------------------------------------------------------
@@ -124,7 +80,7 @@ def build_state(model: str, served_model_name: str | None = None, **engine_kwarg
     from minisgl.server.app import ServerState
     from minisgl.server.worker import EngineWorker
 
-    engine = Engine(EngineConfig(model=model, **engine_kwargs))
+    engine = Engine(make_config(model, **engine_kwargs))
     path = engine.runner.model_path
     tokenizer = load_tokenizer(path)
     stop_tokenizer = load_tokenizer(path) if tokenizer is not None else None  # one per thread

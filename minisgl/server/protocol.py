@@ -9,6 +9,7 @@ client that sends `n: 1` or `presence_penalty: 0` works and one that asks for `n
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_SEED = 2**63 - 1
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")  # \ud800-\udfff spelled in JSON
 
 
 class APIError(Exception):
@@ -39,25 +41,39 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json_object(raw: bytes) -> dict:
-    """The request body as a JSON object, or APIError(400)."""
+def _parse_int(text: str) -> int:
+    return int(text)  # Python code, so a thread parsing a long list of numbers lets others run (the GIL)
+
+
+def parse_json_object(raw: bytes, yield_gil: bool = False) -> dict:
+    """The request body as a JSON object, or APIError(400). yield_gil: parse numbers through Python code, which
+    is slower but lets other threads run while a worker thread parses a long list of token ids (the C decoder
+    otherwise holds the GIL, and with it the event loop, for the whole parse)."""
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        body = json.loads(raw, parse_constant=_reject_constant, parse_int=_parse_int if yield_gil else None)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    try:  # JSON may spell unpaired UTF-16 surrogates (\ud800), which are not text and break tokenizers
+    # JSON may spell unpaired UTF-16 surrogates (\ud800), which are not text and break tokenizers; and a body
+    # nested deeper than json.dumps manages is refused too. Both checks re-encode the body, so they run only
+    # when the raw bytes could hold such a thing (a cheap scan): an 8 MB list of token ids skips them.
+    if _SURROGATE_ESCAPE.search(raw) is not None or raw.count(b"[") + raw.count(b"{") >= 64:
+        _check_encodable(body)
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}",
+                       code="invalid_json")
+    return body
+
+
+def _check_encodable(body) -> None:
+    try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise APIError(400, "the request body holds an unpaired UTF-16 surrogate (such as \\ud800); "
                             "strings must be valid Unicode", code="invalid_json") from None
     except (ValueError, RecursionError):
         raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}",
-                       code="invalid_json")
-    return body
 
 
 def validation_error(err: ValidationError) -> APIError:

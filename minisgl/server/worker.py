@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from minisgl.errors import RequestError
 from minisgl.sampling_params import SamplingParams
 
 logger = logging.getLogger("minisgl.server")
@@ -32,7 +33,9 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # set when the engine refused or failed the request
-    error_kind: str | None = None  # "invalid" (a ValueError of add_request) | "internal"
+    error_kind: str | None = None  # "invalid" (add_request refused it) | "unavailable" | "internal"
+    error_param: str | None = None  # for "invalid": the RequestError's parameter and code
+    error_code: str | None = None
 
 
 class RequestHandle:
@@ -204,6 +207,10 @@ class EngineWorker:
             return
         try:
             req = self.engine.add_request(handle.input_ids, handle.params, handle.stop_check)
+        except RequestError as e:
+            self.counters["rejected"] += 1
+            self._send(handle, Delta([], "error", e.message, "invalid", e.param, e.code))
+            return
         except (ValueError, TypeError) as e:
             self.counters["rejected"] += 1
             self._send(handle, Delta([], "error", str(e), "invalid"))

@@ -1,0 +1,170 @@
+"""The server's pieces without HTTP (issue 13.4): typed engine errors with their parameter, the mapping to
+OpenAI error bodies, the raw-size bound before tokenizing (issue 15), request parsing, the detokenizer's bound
+on held-back tokens, and the one stop-string module."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minisgl import LLM, SamplingParams
+from minisgl.config import make_config
+from minisgl.engine import Engine
+from minisgl.errors import RequestError
+from minisgl.llm import load_tokenizer
+from minisgl.server.app import (
+    ServerState,
+    check_model,
+    engine_error,
+    max_chars_per_token,
+    parse_request,
+    sampling_params_for,
+    to_api_error,
+)
+from minisgl.server.detokenizer import MAX_HELD_TOKENS, TextStream
+from minisgl.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from minisgl.server.testing import build_tokenizer, tiny_model_path
+from minisgl.server.worker import Delta
+from minisgl.stop_strings import make_stop_check
+
+KV_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory):
+    path = tiny_model_path(tmp_path_factory.getbasetemp() / "server-tests")
+    engine = Engine(make_config(path, kv_cache_tokens=KV_TOKENS))
+    tok = load_tokenizer(engine.runner.model_path)
+    s = ServerState(worker=SimpleNamespace(engine=engine), tokenizer=tok, stop_tokenizer=tok, model_name="tiny")
+    yield s
+    s.executor.shutdown()
+
+
+def completion(**kw) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "tiny", "prompt": [1, 2, 3], **kw})
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                 **kw})
+
+
+# --- typed errors ----------------------------------------------------------------------------------------
+def test_check_request_names_the_parameter(state):
+    engine, ctx, vocab = state.engine, state.max_model_len, state.engine.model_config.vocab_size
+    ok = SamplingParams(max_tokens=4)
+    cases = [([], ok, "prompt", None), ([vocab], ok, "prompt", None), ([1] * ctx, ok, "prompt",
+             "context_length_exceeded"), ([1] * 10, SamplingParams(max_tokens=ctx), "max_tokens",
+             "context_length_exceeded"), ([1] * 10, SamplingParams(max_tokens=KV_TOKENS), "max_tokens",
+             "context_length_exceeded"), ([1], SamplingParams(temperature=-1), "temperature", None),
+             ([1], SamplingParams(top_p=0), "top_p", None), ([1], SamplingParams(top_k=0), "top_k", None),
+             ([1], SamplingParams(seed=-2), "seed", None), ([1], SamplingParams(stop=[""]), "stop", None)]
+    for ids, params, param, code in cases:
+        with pytest.raises(RequestError) as info:
+            engine.check_request(ids, params)
+        assert (info.value.param, info.value.code) == (param, code), (ids[:3], params, info.value)
+        assert isinstance(info.value, ValueError)  # callers that catch ValueError keep working
+
+
+def test_llm_keeps_the_parameter_and_names_the_request(state):
+    llm = LLM(state.engine.runner.model_path, kv_cache_tokens=KV_TOKENS)
+    with pytest.raises(RequestError, match=r"^request 1: temperature") as info:
+        llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=2), SamplingParams(temperature=-1)])
+    assert info.value.param == "temperature"
+
+
+def test_engine_errors_map_to_openai_bodies_without_reading_the_message():
+    err = to_api_error(RequestError("whatever words", "prompt", "context_length_exceeded"), "messages")
+    assert (err.status, err.param, err.code) == (400, "messages", "context_length_exceeded")
+    err = to_api_error(RequestError("x", "max_tokens"), "messages", "max_completion_tokens")
+    assert err.param == "max_completion_tokens"
+    assert to_api_error(RequestError("x", "top_p")).param == "top_p"
+    body = engine_error(Delta([], "error", "too long", "invalid", "prompt", "context_length_exceeded")).body()
+    assert body == {"error": {"message": "too long", "type": "invalid_request_error", "param": "prompt",
+                              "code": "context_length_exceeded"}}
+    assert engine_error(Delta([], "error", "boom", "internal")).status == 500
+
+
+def test_sampling_params_for_names_the_endpoint_parameters(state):
+    ctx = state.max_model_len
+    with pytest.raises(APIError) as info:
+        sampling_params_for(state, chat(), [1] * ctx, None, None, "messages")
+    assert (info.value.param, info.value.code) == ("messages", "context_length_exceeded")
+    # fits the context but not the KV pool: the engine's RequestError, named as the chat endpoint names it
+    req = chat(max_completion_tokens=KV_TOKENS)
+    with pytest.raises(APIError) as info:
+        sampling_params_for(state, req, [1] * 10, KV_TOKENS, None, "messages", "max_completion_tokens")
+    assert (info.value.param, info.value.code) == ("max_completion_tokens", "context_length_exceeded")
+    assert "KV pool" in info.value.message
+    params = sampling_params_for(state, completion(temperature=0, top_k=0), [1, 2, 3], None, 16, "prompt")
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.0, -1, 16)
+
+
+def test_stop_strings_without_a_tokenizer_name_stop():
+    assert make_stop_check(None, ()) is None
+    with pytest.raises(RequestError) as info:
+        make_stop_check(None, ("\n",))
+    assert info.value.param == "stop"
+
+
+# --- parsing and the raw-size bound ----------------------------------------------------------------------
+def test_parse_request_refuses_by_raw_size_before_tokenizing(state):
+    limit, ctx = state.max_prompt_chars, state.max_model_len
+    assert limit == ctx * max_chars_per_token(state.tokenizer)
+    enc = lambda d: json.dumps({"model": "tiny", **d}).encode()  # noqa: E731
+    for body, schema, param, unit in [
+            ({"prompt": "a" * (limit + 1)}, CompletionRequest, "prompt", "characters"),
+            ({"prompt": ["a" * (limit + 1)]}, CompletionRequest, "prompt", "characters"),
+            ({"prompt": [5] * ctx}, CompletionRequest, "prompt", "tokens"),
+            ({"messages": [{"role": "system", "content": "a" * limit},
+                           {"role": "user", "content": [{"type": "text", "text": "b"}]}]}, ChatCompletionRequest,
+             "messages", "characters")]:
+        with pytest.raises(APIError) as info:
+            parse_request(state, enc(body), schema)
+        e = info.value
+        assert (e.status, e.param, e.code) == (400, param, "context_length_exceeded"), e.message
+        assert f"{ctx:,} tokens" in e.message and unit in e.message, e.message
+    assert parse_request(state, enc({"prompt": "a" * limit}), CompletionRequest).prompt == "a" * limit
+    with pytest.raises(APIError) as info:
+        parse_request(state, enc({"model": "other", "prompt": "x"}), CompletionRequest)
+    assert info.value.status == 404
+    with pytest.raises(APIError):
+        check_model(state, "nope")
+
+
+def test_large_body_parse_yielding_the_gil_gives_the_same_request(state):
+    raw = json.dumps({"model": "tiny", "prompt": list(range(1000)), "max_tokens": 3, "seed": 12}).encode()
+    a = parse_request(state, raw, CompletionRequest)
+    b = parse_request(state, raw, CompletionRequest, yield_gil=True)
+    assert a == b and b.prompt == list(range(1000))
+    with pytest.raises(APIError) as info:  # a bool where an int belongs is still refused
+        parse_request(state, raw.replace(b'"seed": 12', b'"seed": true'), CompletionRequest, yield_gil=True)
+    assert info.value.param == "seed"
+
+
+TOK = build_tokenizer()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.text(min_size=1, max_size=300))
+def test_the_raw_bound_never_refuses_a_text_that_fits(text):
+    """Every token stands for at most max_chars_per_token characters, so a text of more than
+    context x that many characters cannot fit: the bound refuses nothing that would."""
+    ids = TOK.encode(text, add_special_tokens=False)
+    assert len(text) <= len(ids) * max_chars_per_token(TOK)
+
+
+# --- the detokenizer holds back a bounded tail -----------------------------------------------------------
+def test_invalid_utf8_is_released_after_a_bounded_hold():
+    lone = [i for i in range(len(TOK)) if TOK.decode([i]) == "\ufffd"]
+    assert lone, "the byte-level vocabulary has lone continuation bytes"
+    ts = TextStream(TOK)
+    ids = [lone[0]] * (4 * MAX_HELD_TOKENS)
+    pieces = [ts.push([t]) for t in ids]
+    assert "".join(pieces), "text of an invalid sequence is released, not held (and re-decoded) forever"
+    assert len(ts.detok.ids) - ts.detok._window_start <= MAX_HELD_TOKENS  # the decode window stays short
+    assert "".join(pieces) + ts.finish() == TOK.decode(ids, skip_special_tokens=True)
