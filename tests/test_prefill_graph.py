@@ -111,7 +111,7 @@ SWITCHES = {
     "chunk7": dict(chunked_prefill_size=7),  # chunks mixed into decode steps
     "chunk7-page4": dict(chunked_prefill_size=7, page_size=4),
     "no-overlap-page16-max5": dict(overlap=False, page_size=16, max_running_requests=5),
-    "no-chunked-max3": dict(chunked_prefill=False, max_running_requests=3),
+    "no-chunked-max3": dict(chunked_prefill_size=0, max_running_requests=3),
 }
 
 
@@ -138,7 +138,7 @@ def test_padded_forward_matches_eager_and_hf(switches, qwen3_path, make_llm):
 
 def test_steps_too_large_run_eagerly(qwen3_path, make_llm):
     """Steps beyond the largest buckets take the eager path and still give HF's tokens."""
-    llm = make_llm(qwen3_path, dtype="float32", chunked_prefill=False)
+    llm = make_llm(qwen3_path, dtype="float32", chunked_prefill_size=0)
     graphs = attach_graph_shaped_runner(llm, max_tokens=16, max_reqs=1)
     outs = llm.generate(PROMPTS, GREEDY)
     assert_parity(outs, hf_greedy(qwen3_path, PROMPTS), PROMPTS)
