@@ -1,4 +1,5 @@
 # generated from notebooks/07_overlap.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/07_overlap.ipynb, cell 3 (id c07-003) ---
 """The engine loop: schedule, run, sample, resolve.
 
 Two loops behind one switch. The plain loop runs a step and waits for its tokens before scheduling the
@@ -22,6 +23,7 @@ from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler import NEED_SYNC, Req, ReqStatus, Scheduler
 
 
+# --- notebooks/07_overlap.ipynb, cell 6 (id c07-006) ---
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()

@@ -1,4 +1,5 @@
 # generated from notebooks/02_kv_pool.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/02_kv_pool.ipynb, cell 3 (id c02-003) ---
 """KV storage by pages, the page allocator and the request→token table."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import torch
 from minisgl.kernels import elementwise as ew
 
 
+# --- notebooks/02_kv_pool.ipynb, cell 5 (id c02-005) ---
 class KVCache:
     """K and V for every layer: one tensor `[2, layers, num_pages, page_size, kv_heads, head_dim]`.
 
@@ -39,6 +41,7 @@ class KVCache:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
+# --- notebooks/02_kv_pool.ipynb, cell 10 (id c02-010) ---
 class PageAllocator:
     """Hands out whole pages. Page 0 is reserved (see KVCache)."""
 
@@ -79,6 +82,7 @@ class PageAllocator:
             self._free.append(p)
 
 
+# --- notebooks/02_kv_pool.ipynb, cell 14 (id c02-014) ---
 class ReqToTokenPool:
     """`table[row, pos]` = KV slot of token `pos` of the request in `row`, kept on the device.
 

@@ -1,4 +1,5 @@
 # generated from notebooks/05_scheduler.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/05_scheduler.ipynb, cell 4 (id c05-004) ---
 """One step's work, as the scheduler hands it to the model runner."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from minisgl.scheduler.req import Req
 
 
+# --- notebooks/05_scheduler.ipynb, cell 12 (id c05-012) ---
 @dataclass
 class Batch:
     """A flat batch: request i computes `extend_lens[i]` tokens at positions `prefix_lens[i]:...`.

@@ -1,4 +1,5 @@
 # generated from notebooks/05_scheduler.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/05_scheduler.ipynb, cell 3 (id c05-003) ---
 """A request as the scheduler sees it."""
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from dataclasses import dataclass, field
 from minisgl.sampling_params import SamplingParams
 
 
+# --- notebooks/05_scheduler.ipynb, cell 8 (id c05-008) ---
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
+# --- notebooks/05_scheduler.ipynb, cell 9 (id c05-009) ---
 @dataclass(eq=False)
 class Req:
     """One generation request and its KV bookkeeping.

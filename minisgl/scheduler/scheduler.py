@@ -1,4 +1,5 @@
 # generated from notebooks/05_scheduler.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/05_scheduler.ipynb, cell 6 (id c05-006) ---
 """Continuous batching with chunked prefill, prefix reuse and retraction.
 
 Every step the scheduler builds one flat batch:
@@ -22,6 +23,7 @@ from minisgl.scheduler.req import Req, ReqStatus
 NEED_SYNC = object()  # schedule() needs the in-flight step resolved first (retraction of a pending request)
 
 
+# --- notebooks/05_scheduler.ipynb, cell 29 (id c05-029) ---
 class Scheduler:
     def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, cache: PrefixCache,
                  page_size: int, max_running: int, chunk_size: int, chunked: bool = True) -> None:
