@@ -14,24 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK32 = 0xFFFFFFFF
-
-
-# --- notebooks/05_scheduler.ipynb, cell 14 (id c05-014) ---
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (xor-shift-multiply); int64 lanes hold the 32-bit values."""
-    x = x & _MASK32
-    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
-    x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+from minisgl.kernels.hashing import row_hash, token_bits
 
 
 # --- notebooks/05_scheduler.ipynb, cell 15 (id c05-015) ---
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """U(0,1) `[B, vocab]`, a pure function of (seed, step, token id)."""
-    row = _mix32(_mix32(seeds.long() * 0x9E3779B1 + steps.long()) + 0x632BE5AB)  # [B]
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = _mix32(row[:, None] ^ (idx[None, :] * 0x85EBCA77))
+    bits = token_bits(row_hash(seeds, steps), idx)  # [B, vocab]
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
