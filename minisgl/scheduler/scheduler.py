@@ -14,13 +14,16 @@ returns to the front of the queue, to be resumed by a prefill of everything it h
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from minisgl.kvcache import PageAllocator, PrefixCache, ReqToTokenPool
 from minisgl.scheduler.batch import Batch
 from minisgl.scheduler.req import Req, ReqStatus
 
-NEED_SYNC = object()  # schedule() needs the in-flight step resolved first (retraction of a pending request)
+# schedule() needs the step in flight resolved first: a request to retract has a token the host has not read,
+# and it can be re-admitted only with all its token ids known (its row, and the token there, are given back)
+NEED_SYNC = object()
 
 
 # --- notebooks/05_scheduler.ipynb, cell 29 (id c05-029) ---
@@ -67,13 +70,19 @@ class Scheduler:
             return pages[start:end]
         return [pages[i // p] * p + i % p for i in range(start, end)]
 
-    def release(self, req: Req) -> None:
-        """Give back a request's KV: the page-aligned prefix to the prefix cache, the rest to the pool."""
+    def release(self, req: Req, cache_kv: bool = True) -> None:
+        """Give back a request's KV: the page-aligned prefix to the prefix cache, the rest to the pool.
+
+        `cache_kv=False` (after a failed step) puts nothing new in the cache: the KV may cover a token the
+        host never received, or a chunk that was never computed."""
         p = self.page_size
-        aligned = req.kv_len // p * p
-        n_dup, _ = self.cache.insert(req.known_ids(aligned), req.pages[:aligned // p])
-        self.allocator.free(req.pages[req.cached_len // p:n_dup // p])  # ours, but cached already
-        self.allocator.free(req.pages[aligned // p:])  # the partial last page
+        if cache_kv:
+            aligned = req.kv_len // p * p
+            n_dup, _ = self.cache.insert(req.known_ids(aligned), req.pages[:aligned // p])
+            self.allocator.free(req.pages[req.cached_len // p:n_dup // p])  # ours, but cached already
+            self.allocator.free(req.pages[aligned // p:])  # the partial last page
+        else:  # past the prefix it borrowed from the cache, every page is the request's alone
+            self.allocator.free(req.pages[req.cached_len // p:])
         self.cache.unlock(req.cache_node)
         self.req_pool.free(req.row)
         req.pages, req.row, req.cache_node, req.cached_len, req.kv_len = [], None, None, 0, 0
@@ -104,19 +113,43 @@ class Scheduler:
         self.num_retractions += 1
         self.waiting.appendleft(req)
 
+    # --- the end of a request ------------------------------------------------------------------------
     def release_finished(self, in_flight: set[int]) -> list[Req]:
         """Release finished requests that no launched step still uses; returns them."""
         done = [r for r in self.running if r.finished and id(r) not in in_flight]
         for r in done:
             self.release(r)
             self.running.remove(r)
+            r.status = ReqStatus.RELEASED
         return done
 
     def abort(self, req: Req) -> None:
-        if req.status is ReqStatus.WAITING and req in self.waiting:
+        """End a request now with finish_reason "abort" (a finished one is left as it is). A waiting request is
+        released at once; a running one at the next `release_finished` that no launched step prevents."""
+        if req.finished:
+            return
+        req.status, req.finish_reason, req.finish_time = ReqStatus.FINISHED, "abort", time.perf_counter()
+        if req in self.waiting:
             self.waiting.remove(req)
-        req.status = ReqStatus.FINISHED
-        req.finish_reason = req.finish_reason or "abort"
+            req.status = ReqStatus.RELEASED
+
+    def fail_all(self) -> list[Req]:
+        """After a failed step: end every request (finish_reason "error" unless it had finished), give back
+        every page and row, and return them. Nothing enters the prefix cache (see `release(cache_kv=False)`),
+        and the cache is emptied: chunks are cached when scheduled, so it may hold KV never computed."""
+        now, reqs = time.perf_counter(), [*self.waiting, *self.running]
+        for req in reqs:
+            if not req.finished:
+                req.status, req.finish_reason, req.finish_time = ReqStatus.FINISHED, "error", now
+        for req in self.running:
+            self.release(req, cache_kv=False)
+        for req in reqs:
+            req.status = ReqStatus.RELEASED
+        self.waiting.clear()
+        self.running.clear()
+        self.req_pool.discard_writes()  # queued for rows just given back
+        self.cache.evict(self.cache.cached_pages)
+        return reqs
 
     # --- the step ------------------------------------------------------------------------------------
     def _wants_step(self, req: Req) -> bool:
@@ -177,6 +210,8 @@ class Scheduler:
             if req.num_retractions == 0:
                 req.num_cached_prompt_tokens = min(matched, len(req.input_ids))
             self.req_pool.write(req.row, 0, self._slots(req, 0, matched))
+            # the ids of every token it will compute: all are known here (nothing of it is in flight)
+            self.req_pool.write_tokens(req.row, matched, req.ids_between(matched, req.num_tokens))
             req.pages += self.allocator.alloc(need)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
@@ -196,7 +231,7 @@ class Scheduler:
 
     def _build(self, plan: list[tuple[Req, int]]) -> Batch:
         self.step_id += 1
-        batch = Batch(self.step_id, [], [], [], [], [], [])
+        batch = Batch(self.step_id, [], [], [], [], [])
         for i, (req, n) in enumerate(plan):
             start = req.kv_len
             slots = self._slots(req, start, start + n)
@@ -205,16 +240,8 @@ class Scheduler:
             batch.prefix_lens.append(start)
             batch.extend_lens.append(n)
             batch.out_cache_loc.extend(slots)
-            n_known = min(start + n, req.num_tokens - req.num_pending)
-            batch.input_ids.extend(req.ids_between(start, n_known))
-            if n_known < start + n:  # the last token is still on the device, sampled by the previous step
-                assert req.pending_src is not None and req.pending_src[0] == self.step_id - 1
-                batch.pending_dst.append(len(batch.input_ids))
-                batch.pending_src.append(req.pending_src[1])
-                batch.input_ids.append(0)
             req.kv_len = start + n
-            if req.kv_len == req.num_tokens:
-                req.pending_src = (self.step_id, len(batch.sample_rows))
+            if req.kv_len == req.num_tokens:  # its last token is computed: it samples the next one
                 batch.sample_rows.append(i)
                 req.num_pending += 1
             if n > 1 and self.cache.keeps_pages:
