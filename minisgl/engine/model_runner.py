@@ -103,9 +103,10 @@ class ModelRunner:
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
                                               SamplingTensors, torch.Tensor]:
         """Device inputs of a step: (input ids, positions, attention metadata, logit indices, sampling settings,
-        token_dst). The queued table writes are applied first, since the input ids are read from the token
-        table; `token_dst` is where `store_tokens` puts the step's sampled tokens in it."""
-        self.req_pool.flush()
+        token_dst). The table writes the scheduler queued travel in the same copy and are applied first, since
+        the input ids are read from the token table; `token_dst` is where `store_tokens` puts the step's
+        sampled tokens in it."""
+        writes, n_slot_writes = self.req_pool.take_writes()
         b, t = batch.size, batch.num_tokens
         prefix = np.asarray(batch.prefix_lens, dtype=np.int64)
         extend = np.asarray(batch.extend_lens, dtype=np.int64)
@@ -127,7 +128,7 @@ class ModelRunner:
         steps = np.asarray([r.num_outputs_scheduled for r in reqs], dtype=np.int64)
         top_ks = np.asarray([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], dtype=np.int64)
         parts = [token_src, positions, np.asarray(batch.out_cache_loc, np.int64), rows, prefix + extend, prefix,
-                 extend, start, logit_idx, token_dst, seeds, steps, top_ks]
+                 extend, start, logit_idx, token_dst, seeds, steps, top_ks, writes.ravel()]
         # Each part starts on a 16-byte boundary: Triton compiles a kernel variant per pointer alignment, and
         # unaligned views would make the variant depend on the batch's token count.
         padded = [n + n % 2 for n in map(len, parts)]
@@ -140,7 +141,8 @@ class ModelRunner:
         floats[0, :s], floats[1, :s] = temps, [r.params.top_p for r in reqs]
         dev_ints, dev_floats = self._to_device(ints), self._to_device(floats)
         (src_d, pos, out_loc, rows_d, seq_lens, prefix_d, extend_d, start_d, logit_d, dst_d, seeds_d, steps_d,
-         topk_d) = (chunk[:len(part)] for chunk, part in zip(dev_ints.split(padded), parts))
+         topk_d, writes_d) = (chunk[:len(part)] for chunk, part in zip(dev_ints.split(padded), parts))
+        self.req_pool.apply_writes(writes_d.view(3, writes.shape[1]), n_slot_writes)
         input_ids = self.req_pool.token_ids.view(-1)[src_d]
         meta = AttentionMetadata(
             is_decode=batch.is_decode, req_pool_indices=rows_d, seq_lens=seq_lens.int(),

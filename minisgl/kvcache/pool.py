@@ -130,12 +130,11 @@ class ReqToTokenPool:
         """Forget the queued writes (after a failed step: the rows they were for are given back)."""
         self._rows, self._cols, self._vals, self._token_runs = [], [], [], []
 
-    def flush(self) -> None:
-        """Apply the queued writes: one host-to-device copy, one scatter per table."""
+    def take_writes(self) -> tuple[np.ndarray, int]:
+        """The queued writes as one array `[3, n + m]` of (row, position, value), the n slot writes first and
+        then the m token ids, and n. The queues are emptied."""
         n, m = len(self._rows), sum(len(ids) for _, _, ids in self._token_runs)
-        if n + m == 0:
-            return
-        packed = np.empty((3, n + m), dtype=np.int64)  # (row, position, value): slots first, then token ids
+        packed = np.empty((3, n + m), dtype=np.int64)
         packed[:, :n] = self._rows, self._cols, self._vals
         at = n
         for row, start, ids in self._token_runs:
@@ -144,10 +143,22 @@ class ReqToTokenPool:
             packed[2, at:at + len(ids)] = ids
             at += len(ids)
         self.discard_writes()
+        return packed, n
+
+    def apply_writes(self, packed: torch.Tensor, n: int) -> None:
+        """Scatter writes from `take_writes`, already on the device, into the two tables."""
+        if n:
+            self.table[packed[0, :n], packed[1, :n]] = packed[2, :n].to(torch.int32)
+        if packed.shape[1] > n:
+            self.token_ids[packed[0, n:], packed[1, n:]] = packed[2, n:]
+
+    def flush(self) -> None:
+        """Apply the queued writes: one host-to-device copy, one scatter per table. (The model runner instead
+        sends them in the step's own copy: `take_writes` there, `apply_writes` on the device.)"""
+        packed, n = self.take_writes()
+        if packed.shape[1] == 0:
+            return
         dev = torch.from_numpy(packed)
         if self.device.type == "cuda":
             dev = dev.pin_memory().to(self.device, non_blocking=True)
-        if n:
-            self.table[dev[0, :n], dev[1, :n]] = dev[2, :n].to(torch.int32)
-        if m:
-            self.token_ids[dev[0, n:], dev[1, n:]] = dev[2, n:]
+        self.apply_writes(dev, n)
