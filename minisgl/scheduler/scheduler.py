@@ -10,6 +10,10 @@ Decodes and prefill chunks share the batch, so a long prompt delays the decoders
 not by its whole prefill. When a decode cannot get a KV page even after evicting the prefix cache, the
 newest running request is retracted: its KV goes back (to the prefix cache when there is one) and it
 returns to the front of the queue, to be resumed by a prefill of everything it has so far.
+
+The scheduler owns a request's state from queue to release: `release_finished`, `abort`, and `fail_all`
+after a step that raised. It never handles a sampled token's value: the model runner puts it in the token
+table on the device, and the scheduler only counts it (`Req.num_pending`).
 """
 
 from __future__ import annotations
