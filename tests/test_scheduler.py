@@ -301,3 +301,23 @@ def test_release_without_caching_adds_nothing_to_the_prefix_cache(cache_kv, qwen
     else:
         assert engine.cache.cached_pages == cached and engine.allocator.num_free == free + held
     assert r.row is None and r.pages == [] and r.cache_node is None
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_one_table_write_per_position_when_a_chunk_joins_a_cached_prefix(page_size, qwen3_path, make_llm):
+    """Two requests with the same prompt prefilled in the same step: the second's new positions are pointed at
+    the first's pages as soon as the first caches them, and no (row, position) is written twice in the step
+    (a scatter that writes an index twice has no defined winner on a GPU; on a CPU the last one wins)."""
+    llm = make_llm(qwen3_path, page_size=page_size, overlap=False)
+    engine, pool = llm.engine, llm.engine.runner.req_pool
+    prompt = PROMPTS[12]
+    a, b = (engine.add_request(prompt, GREEDY) for _ in range(2))
+    batch = engine.scheduler.schedule()
+    assert batch.reqs == [a, b] and batch.extend_lens == [len(prompt)] * 2
+    full = (len(prompt) // page_size) * page_size
+    assert b.pages[:full // page_size] == a.pages[:full // page_size], "b points at a's pages"
+    writes = list(zip(pool._rows, pool._cols))
+    assert len(writes) == len(set(writes)), "a position written twice in one step"
+    engine._resolve(engine._launch(batch))
+    engine.run()
+    assert a.output_ids == b.output_ids == hf_greedy(qwen3_path, [prompt])[0]

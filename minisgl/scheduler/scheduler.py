@@ -91,12 +91,13 @@ class Scheduler:
         self.req_pool.free(req.row)
         req.pages, req.row, req.cache_node, req.cached_len, req.kv_len = [], None, None, 0, 0
 
-    def _cache_prefix(self, req: Req) -> None:
-        """Put a running request's computed prefix in the cache now, so requests admitted later reuse it."""
+    def _cache_prefix(self, req: Req) -> int:
+        """Put a running request's computed prefix in the cache now, so requests admitted later reuse it.
+        Returns the end of the positions it pointed at someone else's pages (0: none)."""
         p = self.page_size
         aligned = req.kv_len // p * p
         if aligned <= req.cached_len:
-            return
+            return 0
         n_dup, result = self.cache.insert(req.known_ids(aligned), req.pages[:aligned // p])
         lo, hi = req.cached_len // p, n_dup // p
         if hi > lo:  # someone cached the same tokens first: use their pages, free ours
@@ -106,6 +107,7 @@ class Scheduler:
         self.cache.lock(result.node)
         self.cache.unlock(req.cache_node)
         req.cache_node, req.cached_len = result.node, aligned
+        return hi * p if hi > lo else 0
 
     # --- retraction ----------------------------------------------------------------------------------
     def _retract(self, req: Req) -> None:
@@ -239,7 +241,6 @@ class Scheduler:
         for i, (req, n) in enumerate(plan):
             start = req.kv_len
             slots = self._slots(req, start, start + n)
-            self.req_pool.write(req.row, start, slots)
             batch.reqs.append(req)
             batch.prefix_lens.append(start)
             batch.extend_lens.append(n)
@@ -248,6 +249,10 @@ class Scheduler:
             if req.kv_len == req.num_tokens:  # its last token is computed: it samples the next one
                 batch.sample_rows.append(i)
                 req.num_pending += 1
-            if n > 1 and self.cache.keeps_pages:
-                self._cache_prefix(req)
+            # The table points the new positions at their slots, except those that _cache_prefix has just
+            # pointed at another request's pages holding the same tokens: one write per position, since a
+            # scatter that writes a position twice has no defined winner on a GPU.
+            shared_end = self._cache_prefix(req) if n > 1 and self.cache.keeps_pages else 0
+            first = max(start, shared_end)
+            self.req_pool.write(req.row, first, slots[first - start:])
         return batch
