@@ -58,27 +58,35 @@ def notebook_paths(nb_dir: Path = NOTEBOOKS, names=None) -> list[Path]:
     return paths
 
 
-def export_cells(nb_path: Path) -> dict[str, list[str]]:
-    """module path -> the sources of its export cells, in order, marker line removed."""
+def export_cells(nb_path: Path) -> dict[str, list[tuple[str, str]]]:
+    """module path -> (cell marker, source) of its export cells, in order, export line removed."""
     nb = nbformat.read(nb_path, as_version=4)
-    cells: dict[str, list[str]] = {}
-    for cell in nb.cells:
+    cells: dict[str, list[tuple[str, str]]] = {}
+    for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code" or not cell.source.startswith(EXPORT_MARK):
             continue
         first, _, rest = cell.source.partition("\n")
         module = first[len(EXPORT_MARK):].strip()
         if not re.fullmatch(r"minisgl/[\w/]+\.py", module):
             raise ValueError(f"{nb_path.name}: bad export target {module!r}")
-        cells.setdefault(module, []).append(rest)
+        cells.setdefault(module, []).append((cell_marker(nb_path.name, index, cell.get("id")), rest))
     return cells
 
 
-def render_module(nb_name: str, sources: list[str]) -> str:
-    """Header + cells (solution marker lines dropped), two blank lines between cells, one final newline."""
+def cell_marker(nb_name: str, index: int, cell_id: str | None) -> str:
+    """The comment that opens each exported cell in a generated module, so a traceback leads to its cell:
+    the notebook, the cell's position (0-based, as in the .ipynb's list of cells) and its id."""
+    where = f"cell {index}" + (f" (id {cell_id})" if cell_id else "")
+    return f"# --- notebooks/{nb_name}, {where} ---"
+
+
+def render_module(nb_name: str, cells: list[tuple[str, str]]) -> str:
+    """Header + cells (solution marker lines dropped), each opened by its cell marker, two blank lines between
+    cells, one final newline."""
     parts = []
-    for src in sources:
+    for marker, src in cells:
         lines = [ln for ln in src.split("\n") if ln.strip() not in SOLUTION_LINES]
-        parts.append("\n".join(lines).lstrip("\n").rstrip())
+        parts.append(marker + "\n" + "\n".join(lines).lstrip("\n").rstrip())
     return HEADER.format(nb=nb_name) + "\n\n\n".join(parts) + "\n"
 
 

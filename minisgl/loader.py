@@ -1,4 +1,5 @@
 # generated from notebooks/01_model.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/01_model.ipynb, cell 6 (id c01-006) ---
 """Build a model from a folder (or hub id) in Hugging Face layout and load its weights.
 
 `load_format="dummy"` needs only config.json: it fills the weights with seeded random values of a sane
@@ -27,6 +28,7 @@ _FUSED = {
 }
 
 
+# --- notebooks/01_model.ipynb, cell 29 (id c01-029) ---
 @dataclass
 class LoadedModel:
     model: DecoderLM
@@ -35,6 +37,7 @@ class LoadedModel:
     path: str
 
 
+# --- notebooks/01_model.ipynb, cell 30 (id c01-030) ---
 def resolve_model_path(model: str) -> str:
     """A local folder as is; anything else is taken as a hub id and downloaded (needs the network)."""
     if os.path.isdir(model):
@@ -49,6 +52,7 @@ def resolve_model_path(model: str) -> str:
         raise ValueError(f"model {model!r} is not a local folder and could not be fetched from the hub: {e}") from e
 
 
+# --- notebooks/01_model.ipynb, cell 31 (id c01-031) ---
 def read_eos_ids(path: str, hf_config) -> tuple[int, ...]:
     """Every EOS id: generation_config.json's (often a list) wins over config.json's."""
     for source in (os.path.join(path, "generation_config.json"), None):
@@ -63,6 +67,7 @@ def read_eos_ids(path: str, hf_config) -> tuple[int, ...]:
     return ()
 
 
+# --- notebooks/01_model.ipynb, cell 32 (id c01-032) ---
 def _fused_slice(param: torch.Tensor, cfg: ModelConfig, fused: str, part: int) -> torch.Tensor:
     if fused == "qkv_proj":
         q, kv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -73,6 +78,7 @@ def _fused_slice(param: torch.Tensor, cfg: ModelConfig, fused: str, part: int) -
     return param.narrow(0, start, size)
 
 
+# --- notebooks/01_model.ipynb, cell 34 (id c01-034) ---
 def load_safetensors(model: DecoderLM, cfg: ModelConfig, path: str) -> None:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -119,6 +125,7 @@ def load_safetensors(model: DecoderLM, cfg: ModelConfig, path: str) -> None:
         raise ValueError(f"checkpoint in {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+# --- notebooks/01_model.ipynb, cell 35 (id c01-035) ---
 @torch.no_grad()
 def init_dummy(model: DecoderLM, seed: int) -> None:
     """Seeded random weights at a scale that keeps activations finite in bf16."""
@@ -133,6 +140,7 @@ def init_dummy(model: DecoderLM, seed: int) -> None:
             p.normal_(0.0, std, generator=gen)
 
 
+# --- notebooks/01_model.ipynb, cell 36 (id c01-036) ---
 def load_model(model: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
                seed: int = 0, max_positions: int | None = None) -> LoadedModel:
     from transformers import AutoConfig
@@ -156,6 +164,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, load_format
     return LoadedModel(net, cfg, hf_config, path)
 
 
+# --- notebooks/01_model.ipynb, cell 37 (id c01-037) ---
 def to_hf_state_dict(model: DecoderLM, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our weights under Hugging Face names (fused tensors split), e.g. to load a transformers peer."""
     out = {}

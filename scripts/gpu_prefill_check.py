@@ -92,10 +92,10 @@ def check_steps(llm: LLM, prompts: list[list[int]], max_tokens: int = 3) -> dict
         if shape is None:
             return forward(batch)
         runner.req_pool.flush()
-        ids, pos, meta, logit_idx, _ = runner.prepare(batch)
+        ids, pos, meta, logit_idx, *_ = runner.prepare(batch)
         runner.attn.prepare(meta)
         eager = runner.model(ids, pos, runner.attn, logit_idx).clone()
-        ids, pos, meta, logit_idx, _ = runner.prepare(batch, pad_to=shape)
+        ids, pos, meta, logit_idx, *_ = runner.prepare(batch, pad_to=shape)
         padded = twin.run(shape, ids, pos, meta, logit_idx, len(batch.sample_rows)).clone()
         out = forward(batch)  # the real step: graph replay (writes the same K/V again)
         out.wait()

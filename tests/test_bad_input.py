@@ -125,7 +125,8 @@ def test_an_exception_inside_a_step_ends_every_request_and_the_engine_serves_on(
     with pytest.raises(RuntimeError, match="stop check failed"):
         engine.run()
     assert [r.finish_reason for r in reqs] == ["error"] * 4
-    assert not engine.has_work and all(r.row is None for r in reqs)
+    assert not engine.has_work and all(r.row is None and r.released for r in reqs)
+    assert engine.cache.cached_pages == 0, "nothing of the failed steps stays in the prefix cache"
     still_serves(llm, qwen3_path)
 
 

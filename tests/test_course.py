@@ -74,8 +74,9 @@ def test_render_module_rules(tmp_path):
     ]
     nbformat.write(nb, tmp_path / "07_demo.ipynb")
     text = course.generate(tmp_path)["minisgl/x.py"]
+    first, last = (f"# --- notebooks/07_demo.ipynb, cell {i} (id {nb.cells[i].id}) ---\n" for i in (0, 2))
     assert text == (course.HEADER.format(nb="07_demo.ipynb")
-                    + '"""doc."""\n\nimport os\n\n\ndef f():\n    return 1\n')
+                    + first + '"""doc."""\n\nimport os\n\n\n' + last + 'def f():\n    return 1\n')
 
 
 def _nbval(nb: Path) -> tuple[int, str, float]:

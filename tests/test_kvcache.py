@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisgl.kvcache import NaiveCache, PageAllocator, RadixCache
+from minisgl.kvcache import NaiveCache, PageAllocator, RadixCache, ReqToTokenPool
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -342,3 +342,27 @@ def test_naive_cache_keeps_nothing():
     alloc.free(pages)
     assert cache.match([1, 2, 3, 4]).pages == [] and cache.evict(10) == 0
     assert alloc.num_free == alloc.capacity and cache.cached_pages == cache.evictable_pages == 0
+
+
+# --- ReqToTokenPool: the slot table and the token-id table ---------------------------------------------------
+
+def test_token_table_writes_are_queued_and_flushed_with_the_slots():
+    pool = ReqToTokenPool(max_reqs=3, max_context_len=8, device="cpu")
+    a, b = pool.alloc(), pool.alloc()
+    pool.write(a, 0, [5, 6, 7])
+    pool.write_tokens(a, 0, [100, 101, 102])
+    pool.write_tokens(b, 2, [200, 201])
+    pool.write_tokens(b, 5, [])
+    assert pool.token_ids.sum() == 0 and pool.table.sum() == 0, "writes only queue"
+    pool.flush()
+    assert pool.table[a, :3].tolist() == [5, 6, 7]
+    assert pool.token_ids[a].tolist() == [100, 101, 102, 0, 0, 0, 0, 0]
+    assert pool.token_ids[b].tolist() == [0, 0, 200, 201, 0, 0, 0, 0]
+    pool.write_tokens(a, 3, [103])  # token ids alone (no slot write) flush too
+    pool.flush()
+    assert pool.token_ids[a, :4].tolist() == [100, 101, 102, 103] and pool.table[a, :4].tolist() == [5, 6, 7, 0]
+    pool.write(b, 0, [9])
+    pool.write_tokens(b, 0, [9])
+    pool.discard_writes()  # a failed step: its queued writes are dropped
+    pool.flush()
+    assert pool.table[b, 0] == 0 and pool.token_ids[b, 0] == 0

@@ -94,10 +94,10 @@ def spy_compare(llm, seen: list) -> None:
         shape = runner.prefill_graph.shape_for(batch)
         if shape is not None:
             runner.req_pool.flush()
-            ids, pos, meta, logit_idx, _ = runner.prepare(batch)
+            ids, pos, meta, logit_idx, *_ = runner.prepare(batch)
             runner.attn.prepare(meta)
             eager = runner.model(ids, pos, runner.attn, logit_idx)
-            ids, pos, meta, logit_idx, _ = runner.prepare(batch, pad_to=shape)
+            ids, pos, meta, logit_idx, *_ = runner.prepare(batch, pad_to=shape)
             assert ids.shape[0] == shape[0] and meta.batch_size == shape[1]
             padded = runner.prefill_graph.run(shape, ids, pos, meta, logit_idx, len(batch.sample_rows)).clone()
             mixed = 1 in batch.extend_lens and max(batch.extend_lens) > 1

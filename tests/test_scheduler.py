@@ -202,7 +202,7 @@ def test_abort_running_request_frees_its_pages(overlap, page_size, qwen3_path, m
     # its pages come back as soon as no launched step uses them: within two steps
     for _ in range(2):
         engine.step()
-    assert victim.row is None and victim.pages == []
+    assert victim.row is None and victim.pages == [] and victim.released
     assert victim not in engine.scheduler.running
     # the others grew by at most two pages each meanwhile
     assert held() <= held_before - victim_pages + 2 * (len(reqs) - 1)
@@ -228,6 +228,7 @@ def test_abort_waiting_request(qwen3_path, make_llm):
     assert a.status is ReqStatus.RUNNING and b.status is ReqStatus.WAITING
     engine.abort(b)
     assert b.finish_reason == "abort" and b not in engine.scheduler.waiting
+    assert b.released and b.finish_time is not None, "a waiting request holds nothing: released at once"
     engine.run()
     assert b.output_ids == [] and b.pages == [] and b.row is None
     assert a.output_ids == hf_greedy(qwen3_path, [PROMPTS[0]])[0]
@@ -244,8 +245,79 @@ def test_abort_everything_mid_prefill(overlap, qwen3_path, make_llm):
     for r in reqs:
         engine.abort(r)
     engine.run()
-    assert all(r.finish_reason == "abort" and r.row is None for r in reqs)
+    assert all(r.finish_reason == "abort" and r.row is None and r.released for r in reqs)
     assert_all_pages_back(llm)
     # and the engine still serves requests correctly
     run = llm.generate(PROMPTS[:3], GREEDY)
     assert [o.token_ids for o in run] == hf_greedy(qwen3_path, PROMPTS[:3])
+
+
+# --- the token table: sampled tokens reach the next step on the device --------------------------------------
+
+@OVERLAP
+def test_sampled_tokens_wait_in_the_token_table_at_row_and_position(overlap, qwen3_path, make_llm):
+    """After every step, a running request's row of the token-id table holds its known tokens at their
+    positions and, under overlap, the token the host has not read yet at the next position; that token is the
+    one the request later receives. The batch carries no token ids at all."""
+    llm = make_llm(qwen3_path, overlap=overlap, page_size=4, chunked_prefill_size=7, radix_cache=False)
+    engine = llm.engine
+    table = engine.runner.req_pool.token_ids
+    reqs = [engine.add_request(p, GREEDY) for p in PROMPTS[:5]]
+    unread = {}  # (request, position) -> the id the table held before the host read it
+    while engine.has_work:
+        engine.step()
+        for r in engine.scheduler.running:
+            if r.finished:
+                continue
+            row = table[r.row, :r.num_tokens].tolist()
+            known = r.input_ids + r.output_ids
+            assert row[:len(known)] == known, "every known token sits at its position"
+            unread.update({(r.rid, pos): row[pos] for pos in range(len(known), r.num_tokens)})
+    assert bool(unread) == overlap, "only the overlap loop schedules a step before reading the previous one"
+    for (rid, pos), token in unread.items():
+        r = reqs[rid]
+        assert (r.input_ids + r.output_ids)[pos] == token
+    assert [r.output_ids for r in reqs] == hf_greedy(qwen3_path, PROMPTS[:5])
+    assert not hasattr(engine.runner, "last_tokens")
+
+
+@pytest.mark.parametrize("cache_kv", [True, False], ids=["cache", "no-cache"])
+def test_release_without_caching_adds_nothing_to_the_prefix_cache(cache_kv, qwen3_path, make_llm):
+    """`release(cache_kv=False)` (the failure path) gives the pages back without inserting the request's KV:
+    after a failed step it may cover a token the host never received."""
+    llm = make_llm(qwen3_path, page_size=4, overlap=False)  # nothing in flight between steps
+    engine, sched = llm.engine, llm.engine.scheduler
+    r = engine.add_request(PROMPTS[1], GREEDY)
+    while len(r.output_ids) < 10:
+        engine.step()
+    cached, free = engine.cache.cached_pages, engine.allocator.num_free
+    held = len(r.pages) - r.cached_len // 4
+    assert r.kv_len // 4 > r.cached_len // 4, "decoding filled pages the cache does not hold yet"
+    sched.release(r, cache_kv=cache_kv)
+    sched.running.remove(r)
+    r.status = ReqStatus.RELEASED
+    if cache_kv:
+        assert engine.cache.cached_pages > cached
+    else:
+        assert engine.cache.cached_pages == cached and engine.allocator.num_free == free + held
+    assert r.row is None and r.pages == [] and r.cache_node is None
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_one_table_write_per_position_when_a_chunk_joins_a_cached_prefix(page_size, qwen3_path, make_llm):
+    """Two requests with the same prompt prefilled in the same step: the second's new positions are pointed at
+    the first's pages as soon as the first caches them, and no (row, position) is written twice in the step
+    (a scatter that writes an index twice has no defined winner on a GPU; on a CPU the last one wins)."""
+    llm = make_llm(qwen3_path, page_size=page_size, overlap=False)
+    engine, pool = llm.engine, llm.engine.runner.req_pool
+    prompt = PROMPTS[12]
+    a, b = (engine.add_request(prompt, GREEDY) for _ in range(2))
+    batch = engine.scheduler.schedule()
+    assert batch.reqs == [a, b] and batch.extend_lens == [len(prompt)] * 2
+    full = (len(prompt) // page_size) * page_size
+    assert b.pages[:full // page_size] == a.pages[:full // page_size], "b points at a's pages"
+    writes = list(zip(pool._rows, pool._cols))
+    assert len(writes) == len(set(writes)), "a position written twice in one step"
+    engine._resolve(engine._launch(batch))
+    engine.run()
+    assert a.output_ids == b.output_ids == hf_greedy(qwen3_path, [prompt])[0]

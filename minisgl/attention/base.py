@@ -1,4 +1,5 @@
 # generated from notebooks/03_attention.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/03_attention.ipynb, cell 2 (id c03-002) ---
 """The attention backend interface.
 
 A backend owns how attention reads the paged KV pool. The model calls `forward(q, k, v, layer_id)` in every
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 
+# --- notebooks/03_attention.ipynb, cell 5 (id c03-005) ---
 @dataclass
 class AttentionMetadata:
     """Device tensors describing one step, built by the model runner."""
@@ -43,6 +45,7 @@ class AttentionMetadata:
         return self.req_pool_indices.shape[0]
 
 
+# --- notebooks/03_attention.ipynb, cell 6 (id c03-006) ---
 class AttentionBackend(ABC):
     """Base class of every attention backend (torch reference, Triton, FlashInfer)."""
 

@@ -1,4 +1,5 @@
 # generated from notebooks/03_attention.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/03_attention.ipynb, cell 3 (id c03-003) ---
 """The reference backend: plain torch, one request at a time. Slow, obviously right, runs anywhere."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import torch
 from minisgl.attention.base import AttentionBackend
 
 
+# --- notebooks/03_attention.ipynb, cell 8 (id c03-008) ---
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 

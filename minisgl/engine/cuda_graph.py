@@ -1,4 +1,5 @@
 # generated from notebooks/06_cuda_graph.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/06_cuda_graph.ipynb, cell 3 (id c06-003) ---
 """CUDA Graph runner for decode steps.
 
 A decode step of a small model is a few hundred short kernels; launching them one by one from Python costs
@@ -15,16 +16,19 @@ import torch
 from minisgl.attention import AttentionMetadata
 
 
+# --- notebooks/06_cuda_graph.ipynb, cell 7 (id c06-007) ---
 def default_batch_sizes(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 8))
     return sorted({s for s in sizes if s <= max_bs} | {max_bs})
 
 
+# --- notebooks/06_cuda_graph.ipynb, cell 10 (id c06-010) ---
 def padded_size(batch_sizes: list[int], n: int) -> int:
     """The smallest captured batch size that holds `n` rows (`batch_sizes` ascending)."""
     return next(s for s in batch_sizes if s >= n)
 
 
+# --- notebooks/06_cuda_graph.ipynb, cell 11 (id c06-011) ---
 def fill_padding(n: int, bs: int, out_cache_loc: torch.Tensor, seq_lens: torch.Tensor,
                  positions: torch.Tensor) -> None:
     """Make rows n..bs-1 of the static buffers harmless: K/V to the reserved slot 0, a one-token context."""
@@ -34,6 +38,7 @@ def fill_padding(n: int, bs: int, out_cache_loc: torch.Tensor, seq_lens: torch.T
         positions[n:bs].zero_()
 
 
+# --- notebooks/06_cuda_graph.ipynb, cell 17 (id c06-017) ---
 class CudaGraphRunner:
     def __init__(self, runner, max_bs: int, batch_sizes: list[int] | None = None) -> None:
         self.runner = runner

@@ -1,11 +1,13 @@
 # generated from notebooks/07_overlap.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/07_overlap.ipynb, cell 3 (id c07-003) ---
 """The engine loop: schedule, run, sample, resolve.
 
 Two loops behind one switch. The plain loop runs a step and waits for its tokens before scheduling the
 next. The overlap loop launches step N+1 before it reads step N's tokens: the host's scheduling work hides
-behind the device's compute, and a request's newest token reaches the next step on the device (see
-Batch.pending_*). Tokens are identical either way; only the timing differs. On a CPU every launch finishes
-before it returns, so the overlap loop runs the same code with nothing to hide.
+behind the device's compute, and a request's newest token reaches the next step on the device (the model
+runner scatters sampled tokens into the token-id table and gathers each step's inputs from it). Tokens are
+identical either way; only the timing differs. On a CPU every launch finishes before it returns, so the
+overlap loop runs the same code with nothing to hide.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler import NEED_SYNC, Req, ReqStatus, Scheduler
 
 
+# --- notebooks/07_overlap.ipynb, cell 6 (id c07-006) ---
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
@@ -82,9 +85,7 @@ class Engine:
 
     def abort(self, req: Req) -> None:
         """Stop a request now; its pages come back as soon as no launched step uses them."""
-        if not req.finished:
-            self.scheduler.abort(req)
-            req.finish_time = time.perf_counter()
+        self.scheduler.abort(req)
 
     @property
     def has_work(self) -> bool:
@@ -99,25 +100,9 @@ class Engine:
         try:
             return self._step()
         except Exception:
-            self._fail_all()
+            self._inflight = None  # its tokens will never be read
+            self.scheduler.fail_all()
             raise
-
-    def _fail_all(self) -> None:
-        sched, now, p = self.scheduler, time.perf_counter(), self.config.page_size
-        for req in [*sched.waiting, *sched.running]:
-            if not req.finished:
-                req.status, req.finish_reason, req.finish_time = ReqStatus.FINISHED, "error", now
-        sched.waiting.clear()
-        for req in sched.running:  # KV past the cached prefix is the request's alone
-            self.allocator.free(req.pages[req.cached_len // p:])
-            self.cache.unlock(req.cache_node)
-            self.runner.req_pool.free(req.row)
-            req.pages, req.row, req.cache_node, req.cached_len, req.kv_len = [], None, None, 0, 0
-        sched.running.clear()
-        self._inflight = None
-        # A failed step may have left never-computed KV in the prefix cache (chunks are cached when scheduled):
-        # empty it rather than let a later request reuse it.
-        self.cache.evict(self.cache.cached_pages)
 
     def _step(self) -> list[Req]:
         batch = self.scheduler.schedule()
@@ -185,5 +170,5 @@ class Engine:
             released = self.step()
             if progress and released:
                 progress(len(released))
-            if reqs is not None and all(r.finished and r.row is None for r in reqs):
+            if reqs is not None and all(r.released for r in reqs):
                 break

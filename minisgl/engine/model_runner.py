@@ -2,6 +2,11 @@
 
 The batch arrives as host lists from the scheduler. It is packed into one host tensor and copied to the
 device in a single transfer, then split there: one copy per step instead of a dozen small ones.
+
+Token ids travel on the device only. The input ids of a step are gathered from the pool's token-id table at
+(request row, position), and the tokens a step samples are scattered into it at (row, the request's next
+position) right after sampling. So the next step reads a token the previous one drew, whether or not the host
+has seen it yet (the overlap loop), and the scheduler writes only what the device cannot know: prompts.
 """
 
 from __future__ import annotations
@@ -68,7 +73,6 @@ class ModelRunner:
                                    num_q_heads=mc.num_q_heads, num_kv_heads=mc.num_kv_heads,
                                    head_dim=mc.head_dim, scale=mc.head_dim ** -0.5,
                                    max_context_len=self.max_model_len)
-        self.last_tokens: torch.Tensor | None = None  # previous step's sampled tokens, on the device
         self.graph_runner = None
         if config.cuda_graph and self.device.type == "cuda" and self.attn.supports_cuda_graph:
             from minisgl.engine.cuda_graph import CudaGraphRunner
@@ -107,8 +111,12 @@ class ModelRunner:
         return t
 
     def prepare(self, batch: Batch, pad_to: tuple[int, int] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, SamplingTensors]:
-        """Device tensors of one step; `pad_to` = (tokens, requests) pads them to a prefill graph's shape."""
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, SamplingTensors, torch.Tensor]:
+        """Device inputs of a step: (input ids, positions, attention metadata, logit indices, sampling settings,
+        token_dst). The table writes the scheduler queued travel in the same copy and are applied first, since
+        the input ids are read from the token table; `token_dst` is where `store_tokens` puts the step's
+        sampled tokens in it. `pad_to` = (tokens, requests) pads the step to a prefill graph's shape."""
+        writes, n_slot_writes = self.req_pool.take_writes()
         b, t = batch.size, batch.num_tokens
         prefix = np.asarray(batch.prefix_lens, dtype=np.int64)
         extend = np.asarray(batch.extend_lens, dtype=np.int64)
@@ -117,21 +125,24 @@ class ModelRunner:
         positions = np.repeat(prefix - start, extend) + np.arange(t, dtype=np.int64)
         sample_rows = np.asarray(batch.sample_rows, dtype=np.int64)
         logit_idx = start[sample_rows] + extend[sample_rows] - 1
+        rows = np.asarray([r.row for r in batch.reqs], dtype=np.int64)
+        # flat indices into the token table (row * width + position): where the step reads its input ids, and
+        # where its sampled tokens go (position prefix + extend: each sampling request's next token)
+        width = self.req_pool.max_context_len
+        token_src = np.repeat(rows * width, extend) + positions
+        token_dst = rows[sample_rows] * width + (prefix + extend)[sample_rows]
         reqs = [batch.reqs[i] for i in batch.sample_rows]
         s = len(reqs)
         vocab = self.model_config.vocab_size
         seeds = np.asarray([r.seed for r in reqs], dtype=np.int64)
         steps = np.asarray([r.num_outputs_scheduled for r in reqs], dtype=np.int64)
         top_ks = np.asarray([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], dtype=np.int64)
-        ids, loc = np.asarray(batch.input_ids, dtype=np.int64), np.asarray(batch.out_cache_loc, np.int64)
-        rows = np.asarray([r.row for r in batch.reqs], dtype=np.int64)
+        loc = np.asarray(batch.out_cache_loc, np.int64)
         if pad_to is not None:  # prefill graph: padded on the host, so the one upload has the graph's shapes
-            ids, positions, loc, rows, prefix, extend, start, logit_idx = pad_extend_step(
-                pad_to, ids, positions, loc, rows, prefix, extend, start, logit_idx)
-        parts = [
-            ids, positions, loc, rows, prefix + extend, prefix, extend, start,
-            logit_idx, np.asarray(batch.pending_dst, np.int64), np.asarray(batch.pending_src, np.int64),
-            seeds, steps, top_ks]
+            token_src, positions, loc, rows, prefix, extend, start, logit_idx = pad_extend_step(
+                pad_to, token_src, positions, loc, rows, prefix, extend, start, logit_idx)
+        parts = [token_src, positions, loc, rows, prefix + extend, prefix, extend, start, logit_idx, token_dst,
+                 seeds, steps, top_ks, writes.ravel()]
         # Each part starts on a 16-byte boundary: Triton compiles a kernel variant per pointer alignment, and
         # unaligned views would make the variant depend on the batch's token count.
         padded = [n + n % 2 for n in map(len, parts)]
@@ -143,13 +154,12 @@ class ModelRunner:
         floats = np.zeros((2, s + (-s) % 4), dtype=np.float32)  # rows on 16-byte boundaries too
         floats[0, :s], floats[1, :s] = temps, [r.params.top_p for r in reqs]
         dev_ints, dev_floats = self._to_device(ints), self._to_device(floats)
-        (input_ids, pos, out_loc, rows, seq_lens, prefix_d, extend_d, start_d, logit_d, pdst, psrc, seeds_d,
-         steps_d, topk_d) = (chunk[:len(part)] for chunk, part in zip(dev_ints.split(padded), parts))
-        if len(batch.pending_dst):
-            input_ids = input_ids.clone()
-            input_ids[pdst] = self.last_tokens[psrc]
+        (src_d, pos, out_loc, rows_d, seq_lens, prefix_d, extend_d, start_d, logit_d, dst_d, seeds_d, steps_d,
+         topk_d, writes_d) = (chunk[:len(part)] for chunk, part in zip(dev_ints.split(padded), parts))
+        self.req_pool.apply_writes(writes_d.view(3, writes.shape[1]), n_slot_writes)
+        input_ids = self.req_pool.token_ids.view(-1)[src_d]
         meta = AttentionMetadata(
-            is_decode=batch.is_decode, req_pool_indices=rows, seq_lens=seq_lens.int(),
+            is_decode=batch.is_decode, req_pool_indices=rows_d, seq_lens=seq_lens.int(),
             prefix_lens=prefix_d.int(), extend_lens=extend_d.int(), extend_start=start_d.int(),
             out_cache_loc=out_loc, max_seq_len=int((prefix + extend).max()), max_extend_len=int(extend.max()),
             seq_lens_cpu=(prefix + extend).tolist(), prefix_lens_cpu=prefix.tolist(),
@@ -158,13 +168,16 @@ class ModelRunner:
             temperatures=dev_floats[0, :s], top_ps=dev_floats[1, :s], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
             all_greedy=all(x == 0 for x in temps),
             any_top_k_p=any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs))
-        return input_ids, pos, meta, logit_d, sampling
+        return input_ids, pos, meta, logit_d, sampling, dst_d
+
+    def store_tokens(self, token_dst: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Put a step's sampled tokens in the token table (see `prepare`), on the device: no host round trip."""
+        self.req_pool.token_ids.view(-1)[token_dst] = tokens.long()
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> StepOutput:
         shape = self.prefill_graph.shape_for(batch) if self.prefill_graph is not None else None
-        input_ids, positions, meta, logit_idx, sampling = self.prepare(batch, pad_to=shape)
-        self.req_pool.flush()
+        input_ids, positions, meta, logit_idx, sampling, token_dst = self.prepare(batch, pad_to=shape)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits = self.graph_runner.run(input_ids, positions, meta, len(batch.sample_rows))
         elif shape is not None:  # prefill graph (engine/prefill_graph.py)
@@ -173,7 +186,7 @@ class ModelRunner:
             self.attn.prepare(meta)
             logits = self.model(input_ids, positions, self.attn, logit_idx)
         tokens = sample(logits, sampling)
-        self.last_tokens = tokens
+        self.store_tokens(token_dst, tokens)
         if self.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)

@@ -1,4 +1,5 @@
 # generated from notebooks/05_scheduler.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/05_scheduler.ipynb, cell 5 (id c05-005) ---
 """Turn the last-token logits of a batch into next tokens: greedy, temperature, top-k, top-p, per request.
 
 Randomness comes from a counter-based hash of (request seed, output index, token id), not from a stateful
@@ -13,25 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK32 = 0xFFFFFFFF
+from minisgl.kernels.hashing import row_hash, token_bits
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (xor-shift-multiply); int64 lanes hold the 32-bit values."""
-    x = x & _MASK32
-    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
-    x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
-
-
+# --- notebooks/05_scheduler.ipynb, cell 15 (id c05-015) ---
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """U(0,1) `[B, vocab]`, a pure function of (seed, step, token id)."""
-    row = _mix32(_mix32(seeds.long() * 0x9E3779B1 + steps.long()) + 0x632BE5AB)  # [B]
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = _mix32(row[:, None] ^ (idx[None, :] * 0x85EBCA77))
+    bits = token_bits(row_hash(seeds, steps), idx)  # [B, vocab]
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
+# --- notebooks/05_scheduler.ipynb, cell 17 (id c05-017) ---
 @dataclass
 class SamplingTensors:
     """Per-row sampling settings on the device, built once per batch."""
@@ -45,6 +39,7 @@ class SamplingTensors:
     any_top_k_p: bool
 
 
+# --- notebooks/05_scheduler.ipynb, cell 19 (id c05-019) ---
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
@@ -58,6 +53,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+# --- notebooks/05_scheduler.ipynb, cell 22 (id c05-022) ---
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits `[B, V]` float32 → next token ids `[B]` int64."""
     if st.all_greedy:

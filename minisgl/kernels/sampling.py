@@ -2,12 +2,14 @@
 
 The torch version in minisgl/engine/sampler.py makes ~15 passes over a [batch, vocab] tensor (hash, logs,
 divide, add, argmax); at batch 256 and a 152k vocabulary that is several GB of traffic per step. This
-kernel reads each logit once and draws exactly the same noise (same counter-based hash, see sampler.py).
+kernel reads each logit once and draws exactly the same noise (same counter-based hash, minisgl/kernels/hashing.py).
 """
 
 from __future__ import annotations
 
 import torch
+
+from minisgl.kernels.hashing import row_hash
 
 try:
     import triton
@@ -19,8 +21,8 @@ if triton is not None:
 
     @triton.jit
     def _mix32(x):
-        # int64 lanes holding 32-bit values, masked after each multiply: the same arithmetic as the torch
-        # version, whatever Triton's rules for mixing unsigned types and large constants
+        # hashing.mix32 in Triton: int64 lanes holding 32-bit values, masked after each multiply, the same
+        # arithmetic as the torch version whatever Triton's rules for mixing unsigned types and large constants
         x = x & 0xFFFFFFFF
         x = ((x ^ (x >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
         x = ((x ^ (x >> 15)) * 0x846CA68B) & 0xFFFFFFFF
@@ -56,11 +58,6 @@ if triton is not None:
         i = tl.min(tl.where(best_val == m, best_idx, 2147483647), axis=0)
         tl.store(partial_val_ptr + row * num_chunks + chunk, m)
         tl.store(partial_idx_ptr + row * num_chunks + chunk, i)
-
-
-def row_hash(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    from minisgl.engine.sampler import _mix32
-    return _mix32(_mix32(seeds.long() * 0x9E3779B1 + steps.long()) + 0x632BE5AB)
 
 
 def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,

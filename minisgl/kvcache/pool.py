@@ -1,13 +1,16 @@
 # generated from notebooks/02_kv_pool.ipynb by autograder/course.py export — edit the notebook, not this file
-"""KV storage by pages, the page allocator and the request→token table."""
+# --- notebooks/02_kv_pool.ipynb, cell 3 (id c02-003) ---
+"""KV storage by pages, the page allocator and the request→token table (with the requests' token ids)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minisgl.kernels import elementwise as ew
 
 
+# --- notebooks/02_kv_pool.ipynb, cell 5 (id c02-005) ---
 class KVCache:
     """K and V for every layer: one tensor `[2, layers, num_pages, page_size, kv_heads, head_dim]`.
 
@@ -39,6 +42,7 @@ class KVCache:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
+# --- notebooks/02_kv_pool.ipynb, cell 10 (id c02-010) ---
 class PageAllocator:
     """Hands out whole pages. Page 0 is reserved (see KVCache)."""
 
@@ -79,22 +83,26 @@ class PageAllocator:
             self._free.append(p)
 
 
+# --- notebooks/02_kv_pool.ipynb, cell 14 (id c02-014) ---
 class ReqToTokenPool:
-    """`table[row, pos]` = KV slot of token `pos` of the request in `row`, kept on the device.
+    """`table[row, pos]` = KV slot of token `pos` of the request in `row`, kept on the device; beside it
+    `token_ids[row, pos]` = that token's id, which the model runner reads inputs from and writes samples to.
 
-    Writes are queued on the host and applied by `flush()` in one scatter right before a forward, so a step
-    costs one host-to-device copy however many requests changed.
+    Writes are queued on the host and applied by `flush()` right before a forward, so a step costs one
+    host-to-device copy however many requests changed.
     """
 
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str) -> None:
         self.max_reqs, self.max_context_len = max_reqs, max_context_len
         self.device = torch.device(device)
         self.table = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
+        self.token_ids = torch.zeros(max_reqs, max_context_len, dtype=torch.int64, device=device)
         self._free_rows = list(range(max_reqs - 1, -1, -1))
         # queued writes as three flat lists: cheap to append one decode token at a time
         self._rows: list[int] = []
         self._cols: list[int] = []
         self._vals: list[int] = []
+        self._token_runs: list[tuple[int, int, list[int]]] = []  # (row, start, ids): a prompt is one run
 
     @property
     def num_free(self) -> int:
@@ -113,11 +121,44 @@ class ReqToTokenPool:
             self._cols.extend(range(start, start + n))
             self._vals.extend(slots)
 
+    def write_tokens(self, row: int, start: int, ids: list[int]) -> None:
+        """Queue token ids for positions `start, start+1, ...` of `row` (applied by `flush`)."""
+        if len(ids):
+            self._token_runs.append((row, start, ids))
+
+    def discard_writes(self) -> None:
+        """Forget the queued writes (after a failed step: the rows they were for are given back)."""
+        self._rows, self._cols, self._vals, self._token_runs = [], [], [], []
+
+    def take_writes(self) -> tuple[np.ndarray, int]:
+        """The queued writes as one array `[3, n + m]` of (row, position, value), the n slot writes first and
+        then the m token ids, and n. The queues are emptied."""
+        n, m = len(self._rows), sum(len(ids) for _, _, ids in self._token_runs)
+        packed = np.empty((3, n + m), dtype=np.int64)
+        packed[:, :n] = self._rows, self._cols, self._vals
+        at = n
+        for row, start, ids in self._token_runs:
+            packed[0, at:at + len(ids)] = row
+            packed[1, at:at + len(ids)] = np.arange(start, start + len(ids))
+            packed[2, at:at + len(ids)] = ids
+            at += len(ids)
+        self.discard_writes()
+        return packed, n
+
+    def apply_writes(self, packed: torch.Tensor, n: int) -> None:
+        """Scatter writes from `take_writes`, already on the device, into the two tables."""
+        if n:
+            self.table[packed[0, :n], packed[1, :n]] = packed[2, :n].to(torch.int32)
+        if packed.shape[1] > n:
+            self.token_ids[packed[0, n:], packed[1, n:]] = packed[2, n:]
+
     def flush(self) -> None:
-        if not self._rows:
+        """Apply the queued writes: one host-to-device copy, one scatter per table. (The model runner instead
+        sends them in the step's own copy: `take_writes` there, `apply_writes` on the device.)"""
+        packed, n = self.take_writes()
+        if packed.shape[1] == 0:
             return
-        packed = torch.tensor([self._rows, self._cols, self._vals], dtype=torch.int64)
-        self._rows, self._cols, self._vals = [], [], []
+        dev = torch.from_numpy(packed)
         if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        self.table[packed[0], packed[1]] = packed[2].to(torch.int32)
+            dev = dev.pin_memory().to(self.device, non_blocking=True)
+        self.apply_writes(dev, n)

@@ -1,4 +1,5 @@
 # generated from notebooks/04_radix_cache.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/04_radix_cache.ipynb, cell 3 (id c04-003) ---
 """What a prefix cache promises the scheduler, and the naive cache that keeps nothing (the ablation)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from minisgl.kvcache.pool import PageAllocator
 
 
+# --- notebooks/04_radix_cache.ipynb, cell 6 (id c04-006) ---
 @dataclass
 class MatchResult:
     pages: list[int]  # KV pages of the longest cached, page-aligned prefix
@@ -19,6 +21,7 @@ class MatchResult:
         return len(self.pages)
 
 
+# --- notebooks/04_radix_cache.ipynb, cell 7 (id c04-007) ---
 class PrefixCache(ABC):
     """Keeps the KV pages of finished (and in-progress) requests so later requests can reuse a prefix.
 
@@ -62,6 +65,7 @@ class PrefixCache(ABC):
     def cached_pages(self) -> int: ...
 
 
+# --- notebooks/04_radix_cache.ipynb, cell 9 (id c04-009) ---
 class NaiveCache(PrefixCache):
     """Caches nothing: every page goes straight back to the allocator. The radix-cache ablation."""
 

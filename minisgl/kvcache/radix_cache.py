@@ -1,4 +1,5 @@
 # generated from notebooks/04_radix_cache.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/04_radix_cache.ipynb, cell 4 (id c04-004) ---
 """A radix tree over token ids whose nodes hold KV pages: prefix reuse across requests.
 
 Each edge holds a whole number of pages of tokens. Nodes locked by running requests (and their
@@ -16,6 +17,7 @@ from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
 _clock = itertools.count()
 
 
+# --- notebooks/04_radix_cache.ipynb, cell 11 (id c04-011) ---
 class Node:
     __slots__ = ("key", "pages", "children", "parent", "ref", "last_used")
 
@@ -28,6 +30,7 @@ class Node:
         self.last_used = next(_clock)
 
 
+# --- notebooks/04_radix_cache.ipynb, cell 12 (id c04-012) ---
 class RadixCache(PrefixCache):
     def __init__(self, allocator: PageAllocator, page_size: int) -> None:
         super().__init__(allocator, page_size)

@@ -1,4 +1,5 @@
 # generated from notebooks/01_model.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/01_model.ipynb, cell 3 (id c01-003) ---
 """The few numbers of a Hugging Face config that our models need, read once into a frozen dataclass."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ ARCHITECTURES = {
 }
 
 
+# --- notebooks/01_model.ipynb, cell 8 (id c01-008) ---
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str  # qwen3 | llama | qwen2

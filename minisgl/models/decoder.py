@@ -1,4 +1,5 @@
 # generated from notebooks/01_model.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/01_model.ipynb, cell 5 (id c01-005) ---
 """One decoder-only transformer that covers Llama-3, Qwen2 and Qwen3.
 
 The three differ in two switches: Qwen2 has a bias on q/k/v, Qwen3 normalises q and k per head
@@ -18,6 +19,7 @@ from minisgl.models.config import ModelConfig
 from minisgl.models.layers import MLP, RMSNorm, RotaryEmbedding
 
 
+# --- notebooks/01_model.ipynb, cell 22 (id c01-022) ---
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -47,6 +49,7 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.q_size))
 
 
+# --- notebooks/01_model.ipynb, cell 23 (id c01-023) ---
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -67,6 +70,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+# --- notebooks/01_model.ipynb, cell 25 (id c01-025) ---
 class DecoderLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()

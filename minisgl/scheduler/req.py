@@ -1,4 +1,5 @@
 # generated from notebooks/05_scheduler.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/05_scheduler.ipynb, cell 3 (id c05-003) ---
 """A request as the scheduler sees it."""
 
 from __future__ import annotations
@@ -10,19 +11,23 @@ from dataclasses import dataclass, field
 from minisgl.sampling_params import SamplingParams
 
 
+# --- notebooks/05_scheduler.ipynb, cell 8 (id c05-008) ---
 class ReqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+    WAITING = "waiting"  # queued (new, or retracted): holds no KV
+    RUNNING = "running"  # admitted: holds a row of the request→token table and KV pages
+    FINISHED = "finished"  # the outcome is decided; it may still hold KV that a launched step uses
+    RELEASED = "released"  # finished and everything given back: the engine holds nothing of it
 
 
+# --- notebooks/05_scheduler.ipynb, cell 9 (id c05-009) ---
 @dataclass(eq=False)
 class Req:
     """One generation request and its KV bookkeeping.
 
-    The tokens are `input_ids + output_ids` followed by `num_pending` sampled tokens whose values are still
-    on the device (overlap loop). `kv_len` of them have their K/V written (or being written by a launched
-    step); the next step computes the rest. A decode step is simply the case "one token left to compute".
+    The tokens are `input_ids + output_ids` followed by `num_pending` tokens already sampled on the device
+    whose values the host has not read yet. `kv_len` of them have their K/V written (or being written by a
+    launched step); the next step computes the rest. A decode step is simply the case "one token left to
+    compute".
     """
 
     rid: int
@@ -35,11 +40,9 @@ class Req:
     # KV bookkeeping
     kv_len: int = 0
     pages: list[int] = field(default_factory=list)
-    row: int | None = None  # row in the request→token table
+    row: int | None = None  # row in the request→token table (None while it holds none)
     cached_len: int = 0  # leading tokens whose pages the prefix cache owns (locked for us via cache_node)
     cache_node: object = None
-    # where the pending token will appear: (step id, row among that step's sampled tokens)
-    pending_src: tuple[int, int] | None = None
     # outcome and metrics
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     error: str | None = None
@@ -62,7 +65,13 @@ class Req:
 
     @property
     def finished(self) -> bool:
-        return self.status is ReqStatus.FINISHED
+        """The outcome is decided (its KV may not be back yet: see `released`)."""
+        return self.status in (ReqStatus.FINISHED, ReqStatus.RELEASED)
+
+    @property
+    def released(self) -> bool:
+        """Finished, and its row and pages are back: nothing of it is left in the engine."""
+        return self.status is ReqStatus.RELEASED
 
     def ids_between(self, start: int, end: int) -> list[int]:
         """Token ids start..end-1 (resolved ones), without building the whole sequence."""

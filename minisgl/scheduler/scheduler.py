@@ -1,4 +1,5 @@
 # generated from notebooks/05_scheduler.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/05_scheduler.ipynb, cell 6 (id c05-006) ---
 """Continuous batching with chunked prefill, prefix reuse and retraction.
 
 Every step the scheduler builds one flat batch:
@@ -9,19 +10,27 @@ Decodes and prefill chunks share the batch, so a long prompt delays the decoders
 not by its whole prefill. When a decode cannot get a KV page even after evicting the prefix cache, the
 newest running request is retracted: its KV goes back (to the prefix cache when there is one) and it
 returns to the front of the queue, to be resumed by a prefill of everything it has so far.
+
+The scheduler owns a request's state from queue to release: `release_finished`, `abort`, and `fail_all`
+after a step that raised. It never handles a sampled token's value: the model runner puts it in the token
+table on the device, and the scheduler only counts it (`Req.num_pending`).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from minisgl.kvcache import PageAllocator, PrefixCache, ReqToTokenPool
 from minisgl.scheduler.batch import Batch
 from minisgl.scheduler.req import Req, ReqStatus
 
-NEED_SYNC = object()  # schedule() needs the in-flight step resolved first (retraction of a pending request)
+# schedule() needs the step in flight resolved first: a request to retract has a token the host has not read,
+# and it can be re-admitted only with all its token ids known (its row, and the token there, are given back)
+NEED_SYNC = object()
 
 
+# --- notebooks/05_scheduler.ipynb, cell 29 (id c05-029) ---
 class Scheduler:
     def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, cache: PrefixCache,
                  page_size: int, max_running: int, chunk_size: int, chunked: bool = True) -> None:
@@ -65,23 +74,30 @@ class Scheduler:
             return pages[start:end]
         return [pages[i // p] * p + i % p for i in range(start, end)]
 
-    def release(self, req: Req) -> None:
-        """Give back a request's KV: the page-aligned prefix to the prefix cache, the rest to the pool."""
+    def release(self, req: Req, cache_kv: bool = True) -> None:
+        """Give back a request's KV: the page-aligned prefix to the prefix cache, the rest to the pool.
+
+        `cache_kv=False` (after a failed step) puts nothing new in the cache: the KV may cover a token the
+        host never received, or a chunk that was never computed."""
         p = self.page_size
-        aligned = req.kv_len // p * p
-        n_dup, _ = self.cache.insert(req.known_ids(aligned), req.pages[:aligned // p])
-        self.allocator.free(req.pages[req.cached_len // p:n_dup // p])  # ours, but cached already
-        self.allocator.free(req.pages[aligned // p:])  # the partial last page
+        if cache_kv:
+            aligned = req.kv_len // p * p
+            n_dup, _ = self.cache.insert(req.known_ids(aligned), req.pages[:aligned // p])
+            self.allocator.free(req.pages[req.cached_len // p:n_dup // p])  # ours, but cached already
+            self.allocator.free(req.pages[aligned // p:])  # the partial last page
+        else:  # past the prefix it borrowed from the cache, every page is the request's alone
+            self.allocator.free(req.pages[req.cached_len // p:])
         self.cache.unlock(req.cache_node)
         self.req_pool.free(req.row)
         req.pages, req.row, req.cache_node, req.cached_len, req.kv_len = [], None, None, 0, 0
 
-    def _cache_prefix(self, req: Req) -> None:
-        """Put a running request's computed prefix in the cache now, so requests admitted later reuse it."""
+    def _cache_prefix(self, req: Req) -> int:
+        """Put a running request's computed prefix in the cache now, so requests admitted later reuse it.
+        Returns the end of the positions it pointed at someone else's pages (0: none)."""
         p = self.page_size
         aligned = req.kv_len // p * p
         if aligned <= req.cached_len:
-            return
+            return 0
         n_dup, result = self.cache.insert(req.known_ids(aligned), req.pages[:aligned // p])
         lo, hi = req.cached_len // p, n_dup // p
         if hi > lo:  # someone cached the same tokens first: use their pages, free ours
@@ -91,6 +107,7 @@ class Scheduler:
         self.cache.lock(result.node)
         self.cache.unlock(req.cache_node)
         req.cache_node, req.cached_len = result.node, aligned
+        return hi * p if hi > lo else 0
 
     # --- retraction ----------------------------------------------------------------------------------
     def _retract(self, req: Req) -> None:
@@ -102,19 +119,43 @@ class Scheduler:
         self.num_retractions += 1
         self.waiting.appendleft(req)
 
+    # --- the end of a request ------------------------------------------------------------------------
     def release_finished(self, in_flight: set[int]) -> list[Req]:
         """Release finished requests that no launched step still uses; returns them."""
         done = [r for r in self.running if r.finished and id(r) not in in_flight]
         for r in done:
             self.release(r)
             self.running.remove(r)
+            r.status = ReqStatus.RELEASED
         return done
 
     def abort(self, req: Req) -> None:
-        if req.status is ReqStatus.WAITING and req in self.waiting:
+        """End a request now with finish_reason "abort" (a finished one is left as it is). A waiting request is
+        released at once; a running one at the next `release_finished` that no launched step prevents."""
+        if req.finished:
+            return
+        req.status, req.finish_reason, req.finish_time = ReqStatus.FINISHED, "abort", time.perf_counter()
+        if req in self.waiting:
             self.waiting.remove(req)
-        req.status = ReqStatus.FINISHED
-        req.finish_reason = req.finish_reason or "abort"
+            req.status = ReqStatus.RELEASED
+
+    def fail_all(self) -> list[Req]:
+        """After a failed step: end every request (finish_reason "error" unless it had finished), give back
+        every page and row, and return them. Nothing enters the prefix cache (see `release(cache_kv=False)`),
+        and the cache is emptied: chunks are cached when scheduled, so it may hold KV never computed."""
+        now, reqs = time.perf_counter(), [*self.waiting, *self.running]
+        for req in reqs:
+            if not req.finished:
+                req.status, req.finish_reason, req.finish_time = ReqStatus.FINISHED, "error", now
+        for req in self.running:
+            self.release(req, cache_kv=False)
+        for req in reqs:
+            req.status = ReqStatus.RELEASED
+        self.waiting.clear()
+        self.running.clear()
+        self.req_pool.discard_writes()  # queued for rows just given back
+        self.cache.evict(self.cache.cached_pages)
+        return reqs
 
     # --- the step ------------------------------------------------------------------------------------
     def _wants_step(self, req: Req) -> bool:
@@ -175,6 +216,8 @@ class Scheduler:
             if req.num_retractions == 0:
                 req.num_cached_prompt_tokens = min(matched, len(req.input_ids))
             self.req_pool.write(req.row, 0, self._slots(req, 0, matched))
+            # the ids of every token it will compute: all are known here (nothing of it is in flight)
+            self.req_pool.write_tokens(req.row, matched, req.ids_between(matched, req.num_tokens))
             req.pages += self.allocator.alloc(need)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
@@ -194,27 +237,22 @@ class Scheduler:
 
     def _build(self, plan: list[tuple[Req, int]]) -> Batch:
         self.step_id += 1
-        batch = Batch(self.step_id, [], [], [], [], [], [])
+        batch = Batch(self.step_id, [], [], [], [], [])
         for i, (req, n) in enumerate(plan):
             start = req.kv_len
             slots = self._slots(req, start, start + n)
-            self.req_pool.write(req.row, start, slots)
             batch.reqs.append(req)
             batch.prefix_lens.append(start)
             batch.extend_lens.append(n)
             batch.out_cache_loc.extend(slots)
-            n_known = min(start + n, req.num_tokens - req.num_pending)
-            batch.input_ids.extend(req.ids_between(start, n_known))
-            if n_known < start + n:  # the last token is still on the device, sampled by the previous step
-                assert req.pending_src is not None and req.pending_src[0] == self.step_id - 1
-                batch.pending_dst.append(len(batch.input_ids))
-                batch.pending_src.append(req.pending_src[1])
-                batch.input_ids.append(0)
             req.kv_len = start + n
-            if req.kv_len == req.num_tokens:
-                req.pending_src = (self.step_id, len(batch.sample_rows))
+            if req.kv_len == req.num_tokens:  # its last token is computed: it samples the next one
                 batch.sample_rows.append(i)
                 req.num_pending += 1
-            if n > 1 and self.cache.keeps_pages:
-                self._cache_prefix(req)
+            # The table points the new positions at their slots, except those that _cache_prefix has just
+            # pointed at another request's pages holding the same tokens: one write per position, since a
+            # scatter that writes a position twice has no defined winner on a GPU.
+            shared_end = self._cache_prefix(req) if n > 1 and self.cache.keeps_pages else 0
+            first = max(start, shared_end)
+            self.req_pool.write(req.row, first, slots[first - start:])
         return batch
