@@ -125,8 +125,9 @@ class ModelRunner:
         for part, off in zip(parts, offsets):
             ints[off:off + len(part)] = part
         temps = [r.params.temperature for r in reqs]
-        floats = np.zeros((2, s + (-s) % 4), dtype=np.float32)  # rows on 16-byte boundaries too
+        floats = np.zeros((3, s + (-s) % 4), dtype=np.float32)  # rows on 16-byte boundaries too
         floats[0, :s], floats[1, :s] = temps, [r.params.top_p for r in reqs]
+        floats[2, :s] = [r.params.min_p for r in reqs]
         dev_ints, dev_floats = self._to_device(ints), self._to_device(floats)
         (input_ids, pos, out_loc, rows, seq_lens, prefix_d, extend_d, start_d, logit_d, pdst, psrc, seeds_d,
          steps_d, topk_d) = (chunk[:len(part)] for chunk, part in zip(dev_ints.split(padded), parts))
@@ -141,8 +142,8 @@ class ModelRunner:
             extend_lens_cpu=batch.extend_lens)
         sampling = SamplingTensors(
             temperatures=dev_floats[0, :s], top_ps=dev_floats[1, :s], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
-            all_greedy=all(x == 0 for x in temps),
-            any_top_k_p=any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs))
+            all_greedy=all(x == 0 for x in temps), min_ps=dev_floats[2, :s],
+            any_top_k_p=any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in reqs))
         return input_ids, pos, meta, logit_d, sampling
 
     @torch.inference_mode()

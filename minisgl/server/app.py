@@ -287,6 +287,7 @@ def create_app(state: ServerState) -> FastAPI:
         params = SamplingParams(
             temperature=1.0 if req.temperature is None else float(req.temperature),
             top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k, max_tokens=max_tokens,
+            min_p=0.0 if req.min_p is None else float(req.min_p),
             ignore_eos=bool(req.ignore_eos), stop=tuple(req.stop or ()), seed=req.seed)
         if params.stop and state.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; this model has none", param="stop")
