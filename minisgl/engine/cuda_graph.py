@@ -2,10 +2,11 @@
 """CUDA Graph runner for decode steps.
 
 A decode step of a small model is a few hundred short kernels; launching them one by one from Python costs
-more than running them. So we record ("capture") the whole forward once per batch size and replay it with
-one call. A graph replays fixed addresses, so every input lives in a fixed buffer that is refreshed in
+more than running them. So we record ("capture") the whole step once per batch size and replay it with
+one call: the forward and the sampler, so a replay hands back the next tokens. A graph replays fixed
+addresses, so every input (the sampling settings included) lives in a fixed buffer that is refreshed in
 place before each replay; a batch is padded up to the next captured size, with padded rows writing their
-K/V to the reserved slot 0.
+K/V to the reserved slot 0 and sampling greedily.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.attention import AttentionMetadata
+from minisgl.engine.sampler import SamplingTensors, sample
 
 
 def default_batch_sizes(max_bs: int) -> list[int]:
@@ -49,8 +51,13 @@ class CudaGraphRunner:
         self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.extend_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.extend_start = torch.arange(n, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        f32, i64 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int64, device=dev)
+        self.sampling = SamplingTensors(  # the sampler's settings: views of these are what the graphs read
+            temperatures=torch.zeros(n, **f32), top_ks=torch.ones(n, **i64), top_ps=torch.ones(n, **f32),
+            seeds=torch.zeros(n, **i64), steps=torch.zeros(n, **i64), all_greedy=False, any_top_k_p=True,
+            min_ps=torch.zeros(n, **f32))
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, greedy) -> graph
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}  # the next tokens each graph writes
         self.last_run_used_graph = False
         self.attn.init_cuda_graph_state(n)
         self._capture_all()
@@ -62,22 +69,32 @@ class CudaGraphRunner:
             extend_start=self.extend_start[:bs], out_cache_loc=self.out_cache_loc[:bs],
             max_seq_len=self.runner.max_model_len, max_extend_len=1)
 
+    def _sampling(self, bs: int) -> SamplingTensors:
+        s = self.sampling
+        return SamplingTensors(s.temperatures[:bs], s.top_ks[:bs], s.top_ps[:bs], s.seeds[:bs], s.steps[:bs],
+                               all_greedy=False, any_top_k_p=True, min_ps=s.min_ps[:bs])
+
+    def _step(self, bs: int, greedy: bool) -> torch.Tensor:
+        """What a graph records: the forward over the static inputs, then the next tokens."""
+        logits = self.model(self.input_ids[:bs], self.positions[:bs], self.attn)
+        return logits.argmax(dim=-1) if greedy else sample(logits, self._sampling(bs))
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
-            meta = self._meta(bs)
-            self.attn.prepare_for_capture(meta)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: autotuning and lazy initialisation must not be captured
-                    self.model(self.input_ids[:bs], self.positions[:bs], self.attn)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = self.model(self.input_ids[:bs], self.positions[:bs], self.attn)
-            self.graphs[bs], self.outputs[bs] = graph, out
+            for greedy in (True, False):
+                self.attn.prepare_for_capture(self._meta(bs))
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm up: autotuning and lazy initialisation must not be captured
+                        self._step(bs, greedy)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self._step(bs, greedy)
+                self.graphs[bs, greedy], self.outputs[bs, greedy] = graph, out
         torch.cuda.synchronize()
 
     def can_run(self, batch) -> bool:
@@ -85,8 +102,20 @@ class CudaGraphRunner:
         self.last_run_used_graph = ok
         return ok
 
+    def _load_sampling(self, st: SamplingTensors, n: int, bs: int) -> None:
+        s = self.sampling
+        for static, new in ((s.temperatures, st.temperatures), (s.top_ks, st.top_ks), (s.top_ps, st.top_ps),
+                            (s.seeds, st.seeds), (s.steps, st.steps)):
+            static[:n].copy_(new)
+        if st.min_ps is None:
+            s.min_ps[:n].zero_()
+        else:
+            s.min_ps[:n].copy_(st.min_ps)
+        s.temperatures[n:bs].zero_()  # padding rows: greedy, no search
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            num_rows: int) -> torch.Tensor:
+            sampling: SamplingTensors) -> torch.Tensor:
+        """Next tokens `[n]` of a decode batch of n rows, every row sampling."""
         n = meta.batch_size
         bs = padded_size(self.batch_sizes, n)
         self.input_ids[:n].copy_(input_ids)
@@ -95,9 +124,12 @@ class CudaGraphRunner:
         self.req_pool_indices[:n].copy_(meta.req_pool_indices)
         self.seq_lens[:n].copy_(meta.seq_lens)
         fill_padding(n, bs, self.out_cache_loc, self.seq_lens, self.positions)
+        greedy = sampling.all_greedy
+        if not greedy:
+            self._load_sampling(sampling, n, bs)
         static = self._meta(bs)
         if meta.seq_lens_cpu is not None:  # host copies for backends that plan on the CPU (FlashInfer): no sync
             static.seq_lens_cpu = list(meta.seq_lens_cpu) + [1] * (bs - n)
         self.attn.prepare_for_replay(static)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:num_rows]
+        self.graphs[bs, greedy].replay()
+        return self.outputs[bs, greedy][:n].clone()

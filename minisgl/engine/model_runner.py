@@ -151,11 +151,10 @@ class ModelRunner:
         input_ids, positions, meta, logit_idx, sampling = self.prepare(batch)
         self.req_pool.flush()
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            logits = self.graph_runner.run(input_ids, positions, meta, len(batch.sample_rows))
+            tokens = self.graph_runner.run(input_ids, positions, meta, sampling)  # the sampler is in the graph
         else:
             self.attn.prepare(meta)
-            logits = self.model(input_ids, positions, self.attn, logit_idx)
-        tokens = sample(logits, sampling)
+            tokens = sample(self.model(input_ids, positions, self.attn, logit_idx), sampling)
         self.last_tokens = tokens
         if self.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
