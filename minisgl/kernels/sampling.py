@@ -17,7 +17,9 @@ row's logits are bf16 values widened to fp32 (the LM head's output), the low 16 
 4 passes do. Later passes of a finished row, and every pass of a row without that cut, exit at once.
 
 Rows are split into fixed chunks (programs) for every pass, and partial results are reduced in a fixed
-order: a row's token is a function of that row alone, never of the batch size. No host sync, no
+order: a row's token is a function of that row alone, never of the batch size. The kernels that do
+floating-point arithmetic are compiled without fused multiply-add (`enable_fp_fusion=False`): x * (1/T) + g
+rounds as in torch, and the same way in the one-pass (no cuts) and the full variant of the draw kernel. No host sync, no
 data-dependent launch: the whole sampler can be captured in a CUDA graph.
 """
 
@@ -251,13 +253,13 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch
             for p in range(NUM_PASSES):
                 _search_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, hi, unit, row_max,
                                                 inv_t, part, b, num_chunks, PHASE=phase, NC=NUM_CANDIDATES,
-                                                CHUNK=chunk, BLOCK=256)
+                                                CHUNK=chunk, BLOCK=256, enable_fp_fusion=False)
                 _narrow_kernel[(b,)](flags, lo, hi, unit, zk, top_ks, top_ps.float(), part, b, num_chunks,
                                      PHASE=phase, FIRST=p == 0, NC=NUM_CANDIDATES, NC_PAD=nc_pad)
     vals = torch.empty(b, num_chunks, dtype=torch.float32, device=dev)
     idxs = torch.empty(b, num_chunks, dtype=torch.int32, device=dev)
     _draw_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, row_max, inv_t, log_min_p,
                                   row_hash(seeds, steps), vals, idxs, num_chunks, CUTS=cuts, CHUNK=chunk,
-                                  BLOCK=1024)
+                                  BLOCK=1024, enable_fp_fusion=False)
     best = vals.argmax(dim=1, keepdim=True)
     return idxs.gather(1, best).squeeze(1).long()
