@@ -36,6 +36,14 @@ def fill_padding(n: int, bs: int, out_cache_loc: torch.Tensor, seq_lens: torch.T
         positions[n:bs].zero_()
 
 
+SAMPLERS = ("greedy", "plain", "cuts")  # argmax; temperature only (one pass); top-k / top-p / min-p search
+
+
+def sampler_of(st: SamplingTensors) -> str:
+    """Which captured sampler a batch needs: the host knows it from the requests, with no sync."""
+    return "greedy" if st.all_greedy else "cuts" if st.any_top_k_p else "plain"
+
+
 class CudaGraphRunner:
     def __init__(self, runner, max_bs: int, batch_sizes: list[int] | None = None) -> None:
         self.runner = runner
@@ -56,8 +64,8 @@ class CudaGraphRunner:
             temperatures=torch.zeros(n, **f32), top_ks=torch.ones(n, **i64), top_ps=torch.ones(n, **f32),
             seeds=torch.zeros(n, **i64), steps=torch.zeros(n, **i64), all_greedy=False, any_top_k_p=True,
             min_ps=torch.zeros(n, **f32))
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, greedy) -> graph
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}  # the next tokens each graph writes
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (batch size, sampler) -> graph
+        self.outputs: dict[tuple[int, str], torch.Tensor] = {}  # the next tokens each graph writes
         self.last_run_used_graph = False
         self.attn.init_cuda_graph_state(n)
         self._capture_all()
@@ -69,32 +77,34 @@ class CudaGraphRunner:
             extend_start=self.extend_start[:bs], out_cache_loc=self.out_cache_loc[:bs],
             max_seq_len=self.runner.max_model_len, max_extend_len=1)
 
-    def _sampling(self, bs: int) -> SamplingTensors:
+    def _sampling(self, bs: int, cuts: bool) -> SamplingTensors:
         s = self.sampling
         return SamplingTensors(s.temperatures[:bs], s.top_ks[:bs], s.top_ps[:bs], s.seeds[:bs], s.steps[:bs],
-                               all_greedy=False, any_top_k_p=True, min_ps=s.min_ps[:bs])
+                               all_greedy=False, any_top_k_p=cuts, min_ps=s.min_ps[:bs])
 
-    def _step(self, bs: int, greedy: bool) -> torch.Tensor:
+    def _step(self, bs: int, sampler: str) -> torch.Tensor:
         """What a graph records: the forward over the static inputs, then the next tokens."""
         logits = self.model(self.input_ids[:bs], self.positions[:bs], self.attn)
-        return logits.argmax(dim=-1) if greedy else sample(logits, self._sampling(bs))
+        if sampler == "greedy":
+            return logits.argmax(dim=-1)
+        return sample(logits, self._sampling(bs, cuts=sampler == "cuts"))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
-            for greedy in (True, False):
+            for sampler in SAMPLERS:
                 self.attn.prepare_for_capture(self._meta(bs))
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # warm up: autotuning and lazy initialisation must not be captured
-                        self._step(bs, greedy)
+                        self._step(bs, sampler)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._step(bs, greedy)
-                self.graphs[bs, greedy], self.outputs[bs, greedy] = graph, out
+                    out = self._step(bs, sampler)
+                self.graphs[bs, sampler], self.outputs[bs, sampler] = graph, out
         torch.cuda.synchronize()
 
     def can_run(self, batch) -> bool:
@@ -124,12 +134,12 @@ class CudaGraphRunner:
         self.req_pool_indices[:n].copy_(meta.req_pool_indices)
         self.seq_lens[:n].copy_(meta.seq_lens)
         fill_padding(n, bs, self.out_cache_loc, self.seq_lens, self.positions)
-        greedy = sampling.all_greedy
-        if not greedy:
+        sampler = sampler_of(sampling)
+        if sampler != "greedy":
             self._load_sampling(sampling, n, bs)
         static = self._meta(bs)
         if meta.seq_lens_cpu is not None:  # host copies for backends that plan on the CPU (FlashInfer): no sync
             static.seq_lens_cpu = list(meta.seq_lens_cpu) + [1] * (bs - n)
         self.attn.prepare_for_replay(static)
-        self.graphs[bs, greedy].replay()
-        return self.outputs[bs, greedy][:n].clone()
+        self.graphs[bs, sampler].replay()
+        return self.outputs[bs, sampler][:n].clone()
