@@ -171,9 +171,10 @@ def test_unseeded_requests_follow_the_engine_seed(qwen3_path, make_llm):
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=1, max_tokens=32, ignore_eos=True),
-                                    SamplingParams(temperature=0.8, top_p=1e-9, max_tokens=32, ignore_eos=True)],
-                         ids=["top_k=1", "top_p=1e-9"])
-def test_engine_top_k_1_and_tiny_top_p_match_hf_greedy(params, qwen3_path, make_llm):
+                                    SamplingParams(temperature=0.8, top_p=1e-9, max_tokens=32, ignore_eos=True),
+                                    SamplingParams(temperature=0.8, min_p=1.0, max_tokens=32, ignore_eos=True)],
+                         ids=["top_k=1", "top_p=1e-9", "min_p=1"])
+def test_engine_top_k_1_tiny_top_p_and_min_p_1_match_hf_greedy(params, qwen3_path, make_llm):
     llm = make_llm(qwen3_path, page_size=4)
     outs = llm.generate(PROMPTS[:10], params)
     assert [o.token_ids for o in outs] == hf_greedy(qwen3_path, PROMPTS[:10])
