@@ -237,7 +237,7 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch
     flags = row_flags(temps, top_ks, top_ps, min_ps, vocab) if cuts else (temps > 0).int()
     lo = torch.empty(b, dtype=torch.int64, device=dev)
     row_max = torch.zeros(b, dtype=torch.float32, device=dev)
-    log_min_p = torch.log(min_ps.float())
+    log_min_p = torch.log(min_ps.float()) if cuts else row_max  # log(0) = -inf: no min-p cut
     if cuts:
         nc_pad = triton.next_power_of_2(num_chunks)
         hi = torch.empty(2, b, dtype=torch.int64, device=dev)
