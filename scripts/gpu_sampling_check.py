@@ -1,6 +1,8 @@
 """Check and time the fused sampler (minisgl/kernels/sampling.py) on a CUDA GPU, against the torch reference.
 
     python scripts/gpu_sampling_check.py --out DIR      (or: from scripts.gpu_sampling_check import main)
+    python scripts/gpu_sampling_check.py --smoke --out DIR   (CPU, Triton interpreter: the checks on a
+                                                             small vocabulary, to test this script)
 
 Checks, on random [B, 151936] logits (bf16 widened to fp32, as the LM head gives them, and plain fp32) for
 B in 1/64/256/512 with a per-row mix of temperatures (0 included), top-k, top-p and min-p:
@@ -22,13 +24,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
 
-import torch
+if "--smoke" in sys.argv:  # Triton picks interpreter or compiler at import: decide before anything imports it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,6 +42,7 @@ from minisgl.engine.sampler import SamplingTensors, apply_top_k_top_p, uniform_n
 
 VOCAB = 151936
 BATCHES = (1, 64, 256, 512)
+DEV = "cuda"
 
 
 def reference_sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -56,30 +63,30 @@ def fused(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 
 def make_logits(b: int, gen: torch.Generator, kind: str) -> torch.Tensor:
-    x = torch.randn(b, VOCAB, generator=gen, device="cuda") * 2.5
+    x = torch.randn(b, VOCAB, generator=gen, device=DEV) * 2.5
     x[:, :: 97] += 6  # a few hundred likely tokens per row, like a real model's head
     return x.bfloat16().float() if kind == "bf16" else x
 
 
 def mixed_settings(b: int, gen: torch.Generator) -> SamplingTensors:
     """Every row a different mix: greedy, temperature only, top-k, top-p, min-p and their combinations."""
-    pick = lambda options: torch.tensor(options, device="cuda")[  # noqa: E731
-        torch.randint(0, len(options), (b,), generator=gen, device="cuda")]
+    pick = lambda options: torch.tensor(options, device=DEV)[  # noqa: E731
+        torch.randint(0, len(options), (b,), generator=gen, device=DEV)]
     temps = pick([0.0, 0.6, 1.0, 1.5])
     top_ks = pick([VOCAB, VOCAB, 1, 20, 50, 1000])
     top_ps = pick([1.0, 1.0, 0.95, 0.9, 0.5])
     min_ps = pick([0.0, 0.0, 0.05, 0.2])
-    seeds = torch.randint(0, 2**31, (b,), generator=gen, device="cuda")
-    steps = torch.randint(0, 4096, (b,), generator=gen, device="cuda")
+    seeds = torch.randint(0, 2**31, (b,), generator=gen, device=DEV)
+    steps = torch.randint(0, 4096, (b,), generator=gen, device=DEV)
     return SamplingTensors(temps, top_ks.long(), top_ps.float(), seeds, steps, all_greedy=False, any_top_k_p=True,
                            min_ps=min_ps.float())
 
 
 def uniform_settings(b: int, temp: float, top_k: int, top_p: float, min_p: float = 0.0) -> SamplingTensors:
-    full = lambda v, dt: torch.full((b,), v, dtype=dt, device="cuda")  # noqa: E731
+    full = lambda v, dt: torch.full((b,), v, dtype=dt, device=DEV)  # noqa: E731
     cuts = top_k < VOCAB or top_p < 1 or min_p > 0
     return SamplingTensors(full(temp, torch.float32), full(top_k, torch.int64), full(top_p, torch.float32),
-                           torch.arange(b, device="cuda") * 7919, full(11, torch.int64), all_greedy=temp == 0,
+                           torch.arange(b, device=DEV) * 7919, full(11, torch.int64), all_greedy=temp == 0,
                            any_top_k_p=cuts, min_ps=full(min_p, torch.float32))
 
 
@@ -98,9 +105,9 @@ def check_tokens(b: int, kind: str, gen: torch.Generator) -> dict:
               for i in diff[:8]]
     # batch independence: a few rows alone, and a shuffled half batch
     alone = [i for i in (0, b // 3, b - 1)]
-    alone_bad = sum(int(fused(logits[i:i + 1], rows(st, torch.tensor([i], device="cuda")))[0] != got[i])
+    alone_bad = sum(int(fused(logits[i:i + 1], rows(st, torch.tensor([i], device=DEV)))[0] != got[i])
                     for i in alone)
-    perm = torch.randperm(b, generator=gen, device="cuda")[: max(1, b // 2)]
+    perm = torch.randperm(b, generator=gen, device=DEV)[: max(1, b // 2)]
     sub_bad = int((fused(logits[perm], rows(st, perm)) != got[perm]).sum())
     return dict(batch=b, logits=kind, rows_differing_from_reference=len(diff), differing=detail,
                 batch_dependence_rows=alone_bad + sub_bad,
@@ -182,7 +189,10 @@ def time_batch(b: int, kind: str, gen: torch.Generator) -> dict:
     return out
 
 
-def main(out_dir: str | Path = ".", quick: bool = False) -> dict:
+def main(out_dir: str | Path = ".", quick: bool = False, smoke: bool = False) -> dict:
+    global VOCAB, DEV
+    if smoke:  # no GPU: Triton's interpreter, a small vocabulary, no graphs and no timing
+        VOCAB, DEV = 1500, "cpu"  # needs TRITON_INTERPRET=1 before Triton is imported (see the top)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "gpu_sampling_check.json"
@@ -207,16 +217,17 @@ def main(out_dir: str | Path = ".", quick: bool = False) -> dict:
             results["errors"].append(f"{section}{a[:2]}: {traceback.format_exc()[-1500:]}")
         save()
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    batches = (1, 64) if quick else BATCHES
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    batches = (1, 5) if smoke else (1, 64) if quick else BATCHES
     for b in batches:
         for kind in ("bf16", "fp32"):
             guarded("checks", check_tokens, b, kind, gen)
-    for b in batches:
-        guarded("graph", check_graph, b, gen)
-    for b in batches:
-        guarded("timing", time_batch, b, "bf16", gen)
-    guarded("timing", time_batch, batches[-1], "fp32", gen)
+    if not smoke:
+        for b in batches:
+            guarded("graph", check_graph, b, gen)
+        for b in batches:
+            guarded("timing", time_batch, b, "bf16", gen)
+        guarded("timing", time_batch, batches[-1], "fp32", gen)
     results["finished"] = now()
     save()
 
@@ -243,6 +254,7 @@ def main(out_dir: str | Path = ".", quick: bool = False) -> dict:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="batches 1 and 64 only")
+    ap.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1), small vocabulary, checks only")
     args = ap.parse_args()
-    sys.exit(0 if main(args.out, args.quick)["ok"] else 1)
+    sys.exit(0 if main(args.out, args.quick, args.smoke)["ok"] else 1)
