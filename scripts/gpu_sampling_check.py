@@ -10,7 +10,9 @@ B in 1/64/256/512 with a per-row mix of temperatures (0 included), top-k, top-p 
   differing rows (0 expected; a rare difference can only come from a probability mass or a log rounded
   differently by the GPU's fused multiply-add and libdevice, at a threshold's exact boundary);
 - a row's token does not depend on its batch (each row alone, and a shuffled sub-batch): must be exact;
-- a CUDA-graph replay with refreshed inputs draws what the eager call draws: must be exact.
+- a CUDA-graph replay with refreshed inputs draws what the eager call draws: must be exact;
+- the engine on the embedded tiny model: 24 seeded requests (greedy, temperature, top-k, top-p, min-p) draw
+  the same tokens with the decode graph (sampler inside), without it, and without overlap; alone as in a batch.
 Times (CUDA graph replay, CUDA events, median): the sort path (the reference), the fused sampler with cuts
 (top-k 50 + top-p 0.95 at T 0.6: the W1 variant), the same with top-p only, the fused one-pass sampler
 without cuts, the with-cuts graph on a batch without cuts (what a temperature-only batch pays inside the
@@ -145,6 +147,37 @@ def check_graph(b: int, gen: torch.Generator) -> dict:
     return dict(batch=b, replay_rows_differing_from_eager=bad, ok=bad == 0)
 
 
+def check_engine() -> dict:
+    """The embedded tiny model end to end: seeded requests with every kind of sampling draw the same tokens
+    with the decode CUDA graph (its sampler inside the graph) and without, with and without overlap, and a
+    request alone draws what it draws in a batch."""
+    from minisgl import LLM, SamplingParams
+    path = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen3")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, 4000, (int(n),), generator=gen).tolist() for n in torch.randint(4, 60, (24,))]
+    settings = [(0.0, -1, 1.0, 0.0), (0.8, -1, 1.0, 0.0), (1.0, 50, 0.95, 0.0), (1.3, -1, 0.9, 0.0),
+                (0.7, 20, 1.0, 0.05), (1.0, -1, 1.0, 0.1), (1.5, 2, 1.0, 0.0), (1.0, 1000, 0.5, 0.02)]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp, max_tokens=40, ignore_eos=True, seed=i)
+              for i, (t, k, p, mp) in enumerate(settings * 3)]
+    tokens, graph_steps = {}, {}
+    for name, switches in {"graph": {}, "no_graph": dict(cuda_graph=False), "graph_no_overlap":
+                           dict(overlap=False)}.items():
+        llm = LLM(path, num_pages=8192, cuda_graph_max_bs=32, **switches)
+        tokens[name] = [o.token_ids for o in llm.generate(prompts, params)]
+        tokens[name + "_alone"] = [llm.generate([prompts[i]], params[i])[0].token_ids for i in (2, 5, 9)]
+        runner = llm.engine.runner.graph_runner
+        graph_steps[name] = None if runner is None else sorted({k[1] for k in runner.graphs})
+        del llm
+        torch.cuda.empty_cache()
+    base = tokens["graph"]
+    differ = {name: sum(a != b for a, b in zip(base, t)) for name, t in tokens.items() if not name.endswith("alone")}
+    alone = {name: sum(tokens[name + "_alone"][j] != tokens[name][i] for j, i in enumerate((2, 5, 9)))
+             for name in ("graph", "no_graph", "graph_no_overlap")}
+    sampled = sum(t != base[0] for t in base)
+    return dict(requests=len(prompts), requests_differing_from_graph=differ, alone_differing_from_batch=alone,
+                graphs=graph_steps, ok=not any(differ.values()) and not any(alone.values()) and sampled > 0)
+
+
 def time_graph(fn, iters: int = 50) -> float:
     """Median microseconds of one replay of fn captured in a CUDA graph."""
     graph, _ = capture(fn)
@@ -198,8 +231,8 @@ def main(out_dir: str | Path = ".", quick: bool = False, smoke: bool = False) ->
     path = out_dir / "gpu_sampling_check.json"
     now = lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())  # noqa: E731
     results: dict = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                         torch=torch.__version__, vocab=VOCAB, started=now(), checks=[], graph=[], timing=[],
-                         errors=[])
+                         torch=torch.__version__, vocab=VOCAB, started=now(), checks=[], graph=[], engine=[],
+                         timing=[], errors=[])
     try:
         import triton
         results["triton"] = triton.__version__
@@ -207,7 +240,8 @@ def main(out_dir: str | Path = ".", quick: bool = False, smoke: bool = False) ->
         results["errors"].append("triton is not installed")
 
     def save():
-        results["ok"] = not results["errors"] and all(c.get("ok") for c in results["checks"] + results["graph"])
+        checks = results["checks"] + results["graph"] + results["engine"]
+        results["ok"] = not results["errors"] and all(c.get("ok") for c in checks)
         path.write_text(json.dumps(results, indent=1))
 
     def guarded(section: str, fn, *a):
@@ -222,6 +256,7 @@ def main(out_dir: str | Path = ".", quick: bool = False, smoke: bool = False) ->
     for b in batches:
         for kind in ("bf16", "fp32"):
             guarded("checks", check_tokens, b, kind, gen)
+    guarded("engine", check_engine)  # on a CPU: no graph, the same comparisons
     if not smoke:
         for b in batches:
             guarded("graph", check_graph, b, gen)
@@ -238,6 +273,9 @@ def main(out_dir: str | Path = ".", quick: bool = False, smoke: bool = False) ->
     for c in results["graph"]:
         print(f"{'graph replay vs eager':<28}{c['batch']:>6}  {c['replay_rows_differing_from_eager']} rows differ  "
               f"{'ok' if c['ok'] else 'FAIL'}")
+    for c in results["engine"]:
+        print(f"{'engine: graph vs no graph':<28}{'':>6}  {c['requests_differing_from_graph']}, alone vs batch "
+              f"{c['alone_differing_from_batch']}  {'ok' if c['ok'] else 'FAIL'}")
     cols = ["sort_path_top_k_top_p", "fused_top_k_top_p", "fused_top_p_only", "fused_min_p_0.05",
             "fused_temperature_only", "fused_cut_graph_no_cuts", "torch_temperature_only", "greedy_argmax"]
     print("\nmicroseconds per call (CUDA graph replay, median):")

@@ -64,8 +64,8 @@ class CudaGraphRunner:
             temperatures=torch.zeros(n, **f32), top_ks=torch.ones(n, **i64), top_ps=torch.ones(n, **f32),
             seeds=torch.zeros(n, **i64), steps=torch.zeros(n, **i64), all_greedy=False, any_top_k_p=True,
             min_ps=torch.zeros(n, **f32))
-        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (batch size, sampler) -> graph
-        self.outputs: dict[tuple[int, str], torch.Tensor] = {}  # the next tokens each graph writes
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (batch size, "forward"/sampler)
+        self.outputs: dict[tuple[int, str], torch.Tensor] = {}  # what each graph writes: logits, tokens
         self.last_run_used_graph = False
         self.attn.init_cuda_graph_state(n)
         self._capture_all()
@@ -82,9 +82,8 @@ class CudaGraphRunner:
         return SamplingTensors(s.temperatures[:bs], s.top_ks[:bs], s.top_ps[:bs], s.seeds[:bs], s.steps[:bs],
                                all_greedy=False, any_top_k_p=cuts, min_ps=s.min_ps[:bs])
 
-    def _step(self, bs: int, sampler: str) -> torch.Tensor:
-        """What a graph records: the forward over the static inputs, then the next tokens."""
-        logits = self.model(self.input_ids[:bs], self.positions[:bs], self.attn)
+    def _sample(self, logits: torch.Tensor, bs: int, sampler: str) -> torch.Tensor:
+        """What a sampler's graph records: the next tokens from the forward graph's logits."""
         if sampler == "greedy":
             return logits.argmax(dim=-1)
         return sample(logits, self._sampling(bs, cuts=sampler == "cuts"))
@@ -94,18 +93,25 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
+            self.attn.prepare_for_capture(self._meta(bs))
+            logits = self._record((bs, "forward"), pool, stream, self.model, self.input_ids[:bs],
+                                  self.positions[:bs], self.attn)
             for sampler in SAMPLERS:
-                self.attn.prepare_for_capture(self._meta(bs))
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm up: autotuning and lazy initialisation must not be captured
-                        self._step(bs, sampler)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._step(bs, sampler)
-                self.graphs[bs, sampler], self.outputs[bs, sampler] = graph, out
+                self._record((bs, sampler), pool, stream, self._sample, logits, bs, sampler)
         torch.cuda.synchronize()
+
+    def _record(self, key: tuple[int, str], pool, stream, fn, *args) -> torch.Tensor:
+        """Warm fn(*args) up outside a graph, then capture it as graph `key`; its output tensor."""
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: autotuning and lazy initialisation must not be captured
+                fn(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = fn(*args)
+        self.graphs[key], self.outputs[key] = graph, out
+        return out
 
     def can_run(self, batch) -> bool:
         ok = batch.is_decode and batch.size <= self.max_bs
@@ -141,5 +147,6 @@ class CudaGraphRunner:
         if meta.seq_lens_cpu is not None:  # host copies for backends that plan on the CPU (FlashInfer): no sync
             static.seq_lens_cpu = list(meta.seq_lens_cpu) + [1] * (bs - n)
         self.attn.prepare_for_replay(static)
+        self.graphs[bs, "forward"].replay()
         self.graphs[bs, sampler].replay()
         return self.outputs[bs, sampler][:n].clone()
