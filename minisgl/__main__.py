@@ -18,8 +18,8 @@ from minisgl.config import add_engine_args, engine_kwargs_from_args
 def cmd_generate(a: argparse.Namespace) -> int:
     from minisgl import LLM, SamplingParams
     llm = LLM(a.model, **engine_kwargs_from_args(a))
-    params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens,
-                            ignore_eos=a.ignore_eos, stop=tuple(a.stop or ()))
+    params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                            max_tokens=a.max_tokens, ignore_eos=a.ignore_eos, stop=tuple(a.stop or ()))
     outs = llm.generate(a.prompt, params, progress=len(a.prompt) > 8)
     for prompt, out in zip(a.prompt, outs):
         if len(a.prompt) > 1:
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stop", action="append")
     g.set_defaults(func=cmd_generate)

@@ -11,7 +11,8 @@ from minisgl.errors import RequestError
 class SamplingParams:
     """How one request picks its next tokens and when it stops.
 
-    temperature == 0 means greedy. top_k <= 0 means no top-k cut; top_p == 1 means no nucleus cut.
+    temperature == 0 means greedy. top_k <= 0 means no top-k cut; top_p == 1 means no nucleus cut;
+    min_p == 0 means no min-p cut (else tokens less likely than min_p times the most likely one are dropped).
     A request without a seed gets one drawn from the engine's seeded generator, so a whole run is
     reproducible from the engine seed alone.
     """
@@ -19,6 +20,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
     max_tokens: int = 16
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
@@ -45,6 +47,9 @@ class SamplingParams:
             raise RequestError(f"temperature must be a number in [0, 100], got {t!r}", "temperature")
         if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        mp = self.min_p
+        if not isinstance(mp, (int, float)) or isinstance(mp, bool) or not (0 <= mp <= 1):
+            raise RequestError(f"min_p must be in [0, 1], got {mp!r}", "min_p")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k == 0:
             raise RequestError(f"top_k must be a positive integer or -1 (off), got {self.top_k!r}", "top_k")
         if self.top_k < -1:

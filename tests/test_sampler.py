@@ -10,7 +10,7 @@ from minisgl import SamplingParams
 from minisgl.engine.sampler import SamplingTensors, apply_top_k_top_p, sample, uniform_noise
 
 
-def tensors(n, vocab, temperature=1.0, top_k=-1, top_p=1.0, seeds=None, steps=None):
+def tensors(n, vocab, temperature=1.0, top_k=-1, top_p=1.0, seeds=None, steps=None, min_p=0.0):
     def col(x, dtype):
         return torch.as_tensor(x, dtype=dtype).expand(n).clone() if not torch.is_tensor(x) or x.dim() == 0 \
             else x.to(dtype)
@@ -20,9 +20,11 @@ def tensors(n, vocab, temperature=1.0, top_k=-1, top_p=1.0, seeds=None, steps=No
     top_ps = col(top_p, torch.float32)
     seeds = torch.arange(n, dtype=torch.int64) if seeds is None else col(seeds, torch.int64)
     steps = torch.zeros(n, dtype=torch.int64) if steps is None else col(steps, torch.int64)
+    min_ps = col(min_p, torch.float32)
     return SamplingTensors(temperatures=temps, top_ks=top_ks, top_ps=top_ps, seeds=seeds, steps=steps,
                            all_greedy=bool((temps == 0).all()),
-                           any_top_k_p=bool((top_ks < vocab).any() or (top_ps < 1).any()))
+                           any_top_k_p=bool((top_ks < vocab).any() or (top_ps < 1).any() or (min_ps > 0).any()),
+                           min_ps=min_ps)
 
 
 def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
@@ -102,8 +104,27 @@ def test_top_p_keeps_the_smallest_nucleus():
     masked = apply_top_k_top_p(logits[None], torch.tensor([5]), torch.tensor([0.78]))[0]
     assert torch.isfinite(masked).tolist() == [True, True, False, False, False]
     # per row: top_k and top_p mix in one batch
+    # the two tokens tied at 0.05 stay or go together: the threshold keeps ties whole
     both = apply_top_k_top_p(logits.expand(3, -1), torch.tensor([5, 1, 5]), torch.tensor([1.0, 1.0, 0.93]))
-    assert torch.isfinite(both).sum(-1).tolist() == [5, 1, 4]
+    assert torch.isfinite(both).sum(-1).tolist() == [5, 1, 5]
+
+
+def test_min_p_keeps_tokens_near_the_top():
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    logits = probs.log()
+    # min_p 0.3: tokens with probability >= 0.12 stay
+    masked = apply_top_k_top_p(logits[None], torch.tensor([5]), torch.tensor([1.0]), torch.tensor([0.3]))[0]
+    assert torch.isfinite(masked).tolist() == [True, True, True, False, False]
+    # the temperature applies first: at T = 2 the probabilities flatten and min_p 0.3 keeps all
+    hot = apply_top_k_top_p(logits[None], torch.tensor([5]), torch.tensor([1.0]), torch.tensor([0.3]),
+                            torch.tensor([0.5]))[0]
+    assert torch.isfinite(hot).all()
+    out = sample(logits.expand(N, -1), tensors(N, 5, min_p=0.3))
+    assert set(out.unique().tolist()) == {0, 1, 2}
+    assert chi_square(out, torch.tensor([0.4, 0.3, 0.15, 0, 0]) / 0.85) < 20
+    # min_p 0 is off; min_p 1 keeps only the argmax
+    assert set(sample(logits.expand(N, -1), tensors(N, 5, min_p=0.0)).unique().tolist()) == set(range(5))
+    assert torch.equal(sample(logits.expand(64, -1), tensors(64, 5, min_p=1.0)), torch.zeros(64, dtype=torch.int64))
 
 
 # --- through the engine ------------------------------------------------------------------------------------
@@ -150,9 +171,10 @@ def test_unseeded_requests_follow_the_engine_seed(qwen3_path, make_llm):
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_k=1, max_tokens=32, ignore_eos=True),
-                                    SamplingParams(temperature=0.8, top_p=1e-9, max_tokens=32, ignore_eos=True)],
-                         ids=["top_k=1", "top_p=1e-9"])
-def test_engine_top_k_1_and_tiny_top_p_match_hf_greedy(params, qwen3_path, make_llm):
+                                    SamplingParams(temperature=0.8, top_p=1e-9, max_tokens=32, ignore_eos=True),
+                                    SamplingParams(temperature=0.8, min_p=1.0, max_tokens=32, ignore_eos=True)],
+                         ids=["top_k=1", "top_p=1e-9", "min_p=1"])
+def test_engine_top_k_1_tiny_top_p_and_min_p_1_match_hf_greedy(params, qwen3_path, make_llm):
     llm = make_llm(qwen3_path, page_size=4)
     outs = llm.generate(PROMPTS[:10], params)
     assert [o.token_ids for o in outs] == hf_greedy(qwen3_path, PROMPTS[:10])

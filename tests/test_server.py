@@ -134,6 +134,13 @@ def test_seeded_sampling_is_reproducible(http):
     a = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
     b = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
     assert a == b
+    # min_p is accepted on both endpoints; min_p 1 keeps only the most likely token: greedy
+    greedy = http.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    assert http.post("/v1/completions", json={**body, "min_p": 1.0}).json()["choices"][0]["text"] == greedy
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "min_p": 0.1,
+            "seed": 3, "temperature": 1.0}
+    r = http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -213,6 +220,9 @@ BAD_CASES = [
     ("completions", _with(GOOD_C, top_p=0), 400),
     ("completions", _with(GOOD_C, top_p=1.5), 400),
     ("completions", _with(GOOD_C, top_k=-7), 400),
+    ("completions", _with(GOOD_C, min_p=-0.5), 400),
+    ("completions", _with(GOOD_C, min_p=1.5), 400),
+    ("completions", _with(GOOD_C, min_p="0.1"), 400),
     ("completions", _with(GOOD_C, n=2), 400),
     ("completions", _with(GOOD_C, n=0), 400),
     ("completions", _with(GOOD_C, best_of=3), 400),
@@ -289,7 +299,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(**FINI
 NOT_INT = JSON.filter(lambda v: not isinstance(v, int) or isinstance(v, bool))
 NOT_NUM = JSON.filter(lambda v: not isinstance(v, (int, float)) or isinstance(v, bool))
 NOT_BOOL = JSON.filter(lambda v: not isinstance(v, bool) and v is not None)
-KNOWN = {"model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stream",
+KNOWN = {"model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream",
          "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
          "ignore_eos", "echo", "logprobs", "best_of", "suffix", "max_completion_tokens", "top_logprobs",
          "response_format", "tools", "tool_choice", "parallel_tool_calls"}

@@ -3,10 +3,11 @@
 """CUDA Graph runner for decode steps.
 
 A decode step of a small model is a few hundred short kernels; launching them one by one from Python costs
-more than running them. So we record ("capture") the whole forward once per batch size and replay it with
-one call. A graph replays fixed addresses, so every input lives in a fixed buffer that is refreshed in
+more than running them. So we record ("capture") the whole step once per batch size and replay it with
+one call: the forward and the sampler, so a replay hands back the next tokens. A graph replays fixed
+addresses, so every input (the sampling settings included) lives in a fixed buffer that is refreshed in
 place before each replay; a batch is padded up to the next captured size, with padded rows writing their
-K/V to the reserved slot 0.
+K/V to the reserved slot 0 and sampling greedily.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.attention import AttentionMetadata
+from minisgl.engine.sampler import SamplingTensors, sample
 
 
 # --- notebooks/06_cuda_graph.ipynb, cell 7 (id c06-007) ---
@@ -38,7 +40,16 @@ def fill_padding(n: int, bs: int, out_cache_loc: torch.Tensor, seq_lens: torch.T
         positions[n:bs].zero_()
 
 
-# --- notebooks/06_cuda_graph.ipynb, cell 17 (id c06-017) ---
+# --- notebooks/06_cuda_graph.ipynb, cell 17 (id 8fd6626a) ---
+SAMPLERS = ("greedy", "plain", "cuts")  # argmax; temperature only (one pass); top-k / top-p / min-p search
+
+
+def sampler_of(st: SamplingTensors) -> str:
+    """Which captured sampler a batch needs: the host knows it from the requests, with no sync."""
+    return "greedy" if st.all_greedy else "cuts" if st.any_top_k_p else "plain"
+
+
+# --- notebooks/06_cuda_graph.ipynb, cell 18 (id c06-017) ---
 class CudaGraphRunner:
     def __init__(self, runner, max_bs: int, batch_sizes: list[int] | None = None) -> None:
         self.runner = runner
@@ -54,8 +65,13 @@ class CudaGraphRunner:
         self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.extend_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.extend_start = torch.arange(n, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        f32, i64 = dict(dtype=torch.float32, device=dev), dict(dtype=torch.int64, device=dev)
+        self.sampling = SamplingTensors(  # the sampler's settings: views of these are what the graphs read
+            temperatures=torch.zeros(n, **f32), top_ks=torch.ones(n, **i64), top_ps=torch.ones(n, **f32),
+            seeds=torch.zeros(n, **i64), steps=torch.zeros(n, **i64), all_greedy=False, any_top_k_p=True,
+            min_ps=torch.zeros(n, **f32))
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (batch size, "forward"/sampler)
+        self.outputs: dict[tuple[int, str], torch.Tensor] = {}  # what each graph writes: logits, tokens
         self.last_run_used_graph = False
         self.attn.init_cuda_graph_state(n)
         self._capture_all()
@@ -67,31 +83,61 @@ class CudaGraphRunner:
             extend_start=self.extend_start[:bs], out_cache_loc=self.out_cache_loc[:bs],
             max_seq_len=self.runner.max_model_len, max_extend_len=1)
 
+    def _sampling(self, bs: int, cuts: bool) -> SamplingTensors:
+        s = self.sampling
+        return SamplingTensors(s.temperatures[:bs], s.top_ks[:bs], s.top_ps[:bs], s.seeds[:bs], s.steps[:bs],
+                               all_greedy=False, any_top_k_p=cuts, min_ps=s.min_ps[:bs])
+
+    def _sample(self, logits: torch.Tensor, bs: int, sampler: str) -> torch.Tensor:
+        """What a sampler's graph records: the next tokens from the forward graph's logits."""
+        if sampler == "greedy":
+            return logits.argmax(dim=-1)
+        return sample(logits, self._sampling(bs, cuts=sampler == "cuts"))
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
-            meta = self._meta(bs)
-            self.attn.prepare_for_capture(meta)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: autotuning and lazy initialisation must not be captured
-                    self.model(self.input_ids[:bs], self.positions[:bs], self.attn)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = self.model(self.input_ids[:bs], self.positions[:bs], self.attn)
-            self.graphs[bs], self.outputs[bs] = graph, out
+            self.attn.prepare_for_capture(self._meta(bs))
+            logits = self._record((bs, "forward"), pool, stream, self.model, self.input_ids[:bs],
+                                  self.positions[:bs], self.attn)
+            for sampler in SAMPLERS:
+                self._record((bs, sampler), pool, stream, self._sample, logits, bs, sampler)
         torch.cuda.synchronize()
+
+    def _record(self, key: tuple[int, str], pool, stream, fn, *args) -> torch.Tensor:
+        """Warm fn(*args) up outside a graph, then capture it as graph `key`; its output tensor."""
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: autotuning and lazy initialisation must not be captured
+                fn(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = fn(*args)
+        self.graphs[key], self.outputs[key] = graph, out
+        return out
 
     def can_run(self, batch) -> bool:
         ok = batch.is_decode and batch.size <= self.max_bs
         self.last_run_used_graph = ok
         return ok
 
+    def _load_sampling(self, st: SamplingTensors, n: int, bs: int) -> None:
+        s = self.sampling
+        for static, new in ((s.temperatures, st.temperatures), (s.top_ks, st.top_ks), (s.top_ps, st.top_ps),
+                            (s.seeds, st.seeds), (s.steps, st.steps)):
+            static[:n].copy_(new)
+        if st.min_ps is None:
+            s.min_ps[:n].zero_()
+        else:
+            s.min_ps[:n].copy_(st.min_ps)
+        s.temperatures[n:bs].zero_()  # padding rows: greedy, no search
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            num_rows: int) -> torch.Tensor:
+            sampling: SamplingTensors) -> torch.Tensor:
+        """Next tokens `[n]` of a decode batch of n rows, every row sampling."""
         n = meta.batch_size
         bs = padded_size(self.batch_sizes, n)
         self.input_ids[:n].copy_(input_ids)
@@ -100,9 +146,13 @@ class CudaGraphRunner:
         self.req_pool_indices[:n].copy_(meta.req_pool_indices)
         self.seq_lens[:n].copy_(meta.seq_lens)
         fill_padding(n, bs, self.out_cache_loc, self.seq_lens, self.positions)
+        sampler = sampler_of(sampling)
+        if sampler != "greedy":
+            self._load_sampling(sampling, n, bs)
         static = self._meta(bs)
         if meta.seq_lens_cpu is not None:  # host copies for backends that plan on the CPU (FlashInfer): no sync
             static.seq_lens_cpu = list(meta.seq_lens_cpu) + [1] * (bs - n)
         self.attn.prepare_for_replay(static)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:num_rows]
+        self.graphs[bs, "forward"].replay()
+        self.graphs[bs, sampler].replay()
+        return self.outputs[bs, sampler][:n].clone()

@@ -151,8 +151,9 @@ class ModelRunner:
         for part, off in zip(parts, offsets):
             ints[off:off + len(part)] = part
         temps = [r.params.temperature for r in reqs]
-        floats = np.zeros((2, s + (-s) % 4), dtype=np.float32)  # rows on 16-byte boundaries too
+        floats = np.zeros((3, s + (-s) % 4), dtype=np.float32)  # rows on 16-byte boundaries too
         floats[0, :s], floats[1, :s] = temps, [r.params.top_p for r in reqs]
+        floats[2, :s] = [r.params.min_p for r in reqs]
         dev_ints, dev_floats = self._to_device(ints), self._to_device(floats)
         (src_d, pos, out_loc, rows_d, seq_lens, prefix_d, extend_d, start_d, logit_d, dst_d, seeds_d, steps_d,
          topk_d, writes_d) = (chunk[:len(part)] for chunk, part in zip(dev_ints.split(padded), parts))
@@ -166,8 +167,8 @@ class ModelRunner:
             extend_lens_cpu=extend.tolist())
         sampling = SamplingTensors(
             temperatures=dev_floats[0, :s], top_ps=dev_floats[1, :s], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
-            all_greedy=all(x == 0 for x in temps),
-            any_top_k_p=any(r.params.top_k > 0 or r.params.top_p < 1 for r in reqs))
+            all_greedy=all(x == 0 for x in temps), min_ps=dev_floats[2, :s],
+            any_top_k_p=any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in reqs))
         return input_ids, pos, meta, logit_d, sampling, dst_d
 
     def store_tokens(self, token_dst: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -179,13 +180,13 @@ class ModelRunner:
         shape = self.prefill_graph.shape_for(batch) if self.prefill_graph is not None else None
         input_ids, positions, meta, logit_idx, sampling, token_dst = self.prepare(batch, pad_to=shape)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            logits = self.graph_runner.run(input_ids, positions, meta, len(batch.sample_rows))
+            tokens = self.graph_runner.run(input_ids, positions, meta, sampling)  # the sampler is in the graph
         elif shape is not None:  # prefill graph (engine/prefill_graph.py)
             logits = self.prefill_graph.run(shape, input_ids, positions, meta, logit_idx, len(batch.sample_rows))
+            tokens = sample(logits, sampling)
         else:
             self.attn.prepare(meta)
-            logits = self.model(input_ids, positions, self.attn, logit_idx)
-        tokens = sample(logits, sampling)
+            tokens = sample(self.model(input_ids, positions, self.attn, logit_idx), sampling)
         self.store_tokens(token_dst, tokens)
         if self.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

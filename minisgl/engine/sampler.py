@@ -1,6 +1,6 @@
 # generated from notebooks/05_scheduler.ipynb by autograder/course.py export — edit the notebook, not this file
 # --- notebooks/05_scheduler.ipynb, cell 5 (id c05-005) ---
-"""Turn the last-token logits of a batch into next tokens: greedy, temperature, top-k, top-p, per request.
+"""Turn the last-token logits of a batch into next tokens: greedy, temperature, top-k, top-p, min-p, per request.
 
 Randomness comes from a counter-based hash of (request seed, output index, token id), not from a stateful
 generator. So a seeded request draws the same tokens whatever batch it shares, in either loop, with or
@@ -36,21 +36,26 @@ class SamplingTensors:
     seeds: torch.Tensor  # [B] int64
     steps: torch.Tensor  # [B] int64: index of the token being drawn
     all_greedy: bool
-    any_top_k_p: bool
+    any_top_k_p: bool  # any row cuts its distribution: top-k, top-p or min-p
+    min_ps: torch.Tensor | None = None  # [B] float; 0 = off (None: off for every row)
 
 
 # --- notebooks/05_scheduler.ipynb, cell 19 (id c05-019) ---
-def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    drop = ranks >= top_ks[:, None]
-    probs = sorted_logits.softmax(dim=-1)
-    # keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_ps[:, None]
-    drop[:, 0] = False  # always keep the most likely token
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                      min_ps: torch.Tensor | None = None, inv_temps: torch.Tensor | None = None) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    inv_t = torch.ones_like(top_ps)[:, None] if inv_temps is None else inv_temps[:, None]
+    x, _ = logits.sort(dim=-1, descending=True)
+    kth = x.gather(1, (top_ks.clamp(1, vocab) - 1)[:, None])  # the k-th largest logit
+    weights = torch.exp(x * inv_t - x[:, :1] * inv_t) * (x >= kth)  # zero outside the top-k
+    mass = weights.cumsum(dim=-1)
+    # the first rank whose cumulated weight reaches top_p of the top-k's weight: its logit is the threshold
+    rank = (mass < top_ps[:, None] * mass[:, -1:]).sum(dim=-1, keepdim=True).clamp_max(vocab - 1)
+    threshold = torch.where(top_ps[:, None] < 1, x.gather(1, rank), kth)
+    keep = logits >= threshold
+    if min_ps is not None:
+        keep &= logits * inv_t - x[:, :1] * inv_t >= torch.log(min_ps)[:, None]
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 # --- notebooks/05_scheduler.ipynb, cell 22 (id c05-022) ---
@@ -58,16 +63,16 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits `[B, V]` float32 → next token ids `[B]` int64."""
     if st.all_greedy:
         return logits.argmax(dim=-1)
-    if logits.is_cuda and not st.any_top_k_p:
+    if logits.is_cuda:
         from minisgl.kernels import sampling as fused
-        if fused.triton is not None:  # one pass over the logits instead of ~15
-            return fused.gumbel_argmax(logits, st.temperatures, st.seeds, st.steps)
+        if fused.triton is not None:  # no sort, no host sync: a few passes over the logits
+            return fused.fused_sample(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds,
+                                      st.steps, cuts=st.any_top_k_p)
     greedy_tokens = logits.argmax(dim=-1)
-    temps = st.temperatures.clamp_min(1e-6)[:, None]
-    scaled = logits / temps
+    inv_t = 1.0 / st.temperatures.clamp_min(1e-6)
     if st.any_top_k_p:
-        scaled = apply_top_k_top_p(scaled, st.top_ks, st.top_ps)
+        logits = apply_top_k_top_p(logits, st.top_ks, st.top_ps, st.min_ps, inv_t)
     u = uniform_noise(st.seeds, st.steps, logits.shape[-1])
     gumbel = -torch.log(-torch.log(u))
-    sampled = (scaled + gumbel).argmax(dim=-1)
+    sampled = (logits * inv_t[:, None] + gumbel).argmax(dim=-1)
     return torch.where(st.temperatures == 0, greedy_tokens, sampled)

@@ -1,8 +1,26 @@
-"""Fused sampling on the GPU: argmax(logits / T + Gumbel noise) in one pass over the logits.
+"""Fused sampling on the GPU: temperature, top-k, top-p and min-p without a sort, in a fixed set of launches.
 
-The torch version in minisgl/engine/sampler.py makes ~15 passes over a [batch, vocab] tensor (hash, logs,
-divide, add, argmax); at batch 256 and a 152k vocabulary that is several GB of traffic per step. This
-kernel reads each logit once and draws exactly the same noise (same counter-based hash, minisgl/kernels/hashing.py).
+What is kept (the torch reference, `apply_top_k_top_p` in minisgl/engine/sampler.py, uses the same
+definitions; x is a row's raw logits, s = x * (1 / T) its scaled logits, w = exp(s - max s)):
+
+- top-k keeps every token with x >= the k-th largest x (tokens tied with it all stay);
+- top-p (after top-k) keeps every token with x >= c, for the largest c whose kept weight
+  sum(w over x >= c) reaches top_p times the weight of the top-k survivors;
+- min-p keeps tokens with s - max s >= log(min_p), i.e. probability >= min_p * the largest probability.
+
+Then the token is argmax(s + Gumbel noise) over the kept set (the counter-based noise of minisgl/kernels/hashing.py).
+Every cut is a threshold on x, so the kept set is found without sorting: a 16-ary search over the 32-bit
+order-preserving key of x. Each pass reads the row once and measures, for 16 candidate thresholds at once,
+the count (top-k) or the weight (top-p) of the tokens at or above each; a tiny kernel keeps the bracket
+between the last candidate that qualifies and the first that does not. 8 passes pin any 32-bit key; when a
+row's logits are bf16 values widened to fp32 (the LM head's output), the low 16 key bits are zero and
+4 passes do. Later passes of a finished row, and every pass of a row without that cut, exit at once.
+
+Rows are split into fixed chunks (programs) for every pass, and partial results are reduced in a fixed
+order: a row's token is a function of that row alone, never of the batch size. The kernels that do
+floating-point arithmetic are compiled without fused multiply-add (`enable_fp_fusion=False`): x * (1/T) + g
+rounds as in torch, and the same way in the one-pass (no cuts) and the full variant of the draw kernel. No host sync, no
+data-dependent launch: the whole sampler can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -17,7 +35,15 @@ try:
 except ImportError:  # CPU machines: the torch path in sampler.py is used instead
     triton = None
 
+NUM_CANDIDATES = 16  # thresholds measured per pass
+NUM_PASSES = 8  # 16 ** 8 = 2 ** 32: enough for any fp32 key
+KEY_NEG_INF = -0x7F800000  # the key of -inf (keys: +-(the bits of |x|), so -0.0 and 0.0 share key 0)
+# flag bits per row
+SAMPLES, TOP_K, TOP_P, MIN_P = 1, 2, 4, 8
+
 if triton is not None:
+    _SAMPLES, _TOP_K, _MIN_P = tl.constexpr(SAMPLES), tl.constexpr(TOP_K), tl.constexpr(MIN_P)
+    _KEY_NEG_INF = tl.constexpr(KEY_NEG_INF)
 
     @triton.jit
     def _mix32(x):
@@ -29,15 +55,135 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _gumbel_argmax_kernel(logits_ptr, stride, temps_ptr, row_hash_ptr, partial_val_ptr, partial_idx_ptr,
-                              vocab, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        # grid: (rows, chunks); each program scans one chunk of one row and writes its best (value, index)
+    def _key_to_float(key):
+        """int64 key -> the fp32 value it stands for (sign and magnitude bits)."""
+        mag = tl.abs(key).to(tl.int32).to(tl.float32, bitcast=True)
+        return tl.where(key < 0, -mag, mag)
+
+    @triton.jit
+    def _float_to_key(x):
+        bits = x.to(tl.int32, bitcast=True)
+        mag = (bits & 0x7FFFFFFF).to(tl.int64)
+        return tl.where(bits < 0, -mag, mag)
+
+    @triton.jit
+    def _candidates(lo, hi, unit, NC: tl.constexpr):
+        """NC keys from lo (included) up to hi (excluded), evenly spaced in multiples of unit."""
+        j = tl.arange(0, NC).to(tl.int64)
+        return lo + unit * (((hi - lo) // unit) * j // NC)
+
+    @triton.jit
+    def _stats_kernel(logits_ptr, stride, vocab, flags_ptr, pmax_ptr, plow_ptr, num_chunks,
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # grid (rows, chunks): the chunk's max logit, and whether any logit has low 16 key bits set
         row = tl.program_id(0)
         chunk = tl.program_id(1)
-        temp = tl.load(temps_ptr + row)
-        inv_t = 1.0 / tl.maximum(temp, 1e-6)
-        greedy = temp == 0.0
+        if tl.load(flags_ptr + row) > _SAMPLES:  # a row with a cut
+            best = tl.full([BLOCK], float("-inf"), tl.float32)
+            low = tl.zeros([BLOCK], tl.int32)
+            for off in range(0, CHUNK, BLOCK):
+                idx = chunk * CHUNK + off + tl.arange(0, BLOCK)
+                x = tl.load(logits_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf"))
+                best = tl.maximum(best, x)
+                low = tl.maximum(low, x.to(tl.int32, bitcast=True) & 0xFFFF)
+            tl.store(pmax_ptr + row * num_chunks + chunk, tl.max(best, axis=0))
+            tl.store(plow_ptr + row * num_chunks + chunk, tl.max(low, axis=0))
+
+    @triton.jit
+    def _init_kernel(flags_ptr, pmax_ptr, plow_ptr, max_ptr, unit_ptr, lo_ptr, hi_ptr, num_rows, num_chunks,
+                     NC_PAD: tl.constexpr):
+        # grid (rows,): the row max; the search unit (2**16 when every logit is a widened bf16); the brackets
+        row = tl.program_id(0)
+        lo = tl.full([], _KEY_NEG_INF, tl.int64)  # -inf: every token qualifies
+        tl.store(lo_ptr + row, lo)
+        tl.store(hi_ptr + row, lo)
+        tl.store(hi_ptr + num_rows + row, lo)
+        if tl.load(flags_ptr + row) > _SAMPLES:
+            c = tl.arange(0, NC_PAD)
+            m = tl.max(tl.load(pmax_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf")), axis=0)
+            low = tl.max(tl.load(plow_ptr + row * num_chunks + c, mask=c < num_chunks, other=0), axis=0)
+            unit = tl.where(low == 0, 65536, 1).to(tl.int64)
+            top = _float_to_key(m) + unit  # just above the max: no token qualifies
+            tl.store(max_ptr + row, m)
+            tl.store(unit_ptr + row, unit)
+            tl.store(hi_ptr + row, top)  # top-k bracket
+            tl.store(hi_ptr + num_rows + row, top)  # top-p bracket (its lo is where top-k ends)
+
+    @triton.jit
+    def _search_kernel(logits_ptr, stride, vocab, flags_ptr, lo_ptr, hi_ptr, unit_ptr, max_ptr, inv_t_ptr,
+                       part_ptr, num_rows, num_chunks, PHASE: tl.constexpr, NC: tl.constexpr,
+                       CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # grid (rows, chunks): count (top-k) or weight (top-p) of the chunk's tokens at or above each candidate
+        row = tl.program_id(0)
+        chunk = tl.program_id(1)
+        lo = tl.load(lo_ptr + row)
+        hi = tl.load(hi_ptr + PHASE * num_rows + row)
+        unit = tl.load(unit_ptr + row)
+        wanted = (tl.load(flags_ptr + row) & (_TOP_K << PHASE)) != 0
+        if wanted & (hi - lo > unit):
+            cand = _key_to_float(_candidates(lo, hi, unit, NC))
+            inv_t = tl.load(inv_t_ptr + row)
+            s_max = tl.load(max_ptr + row) * inv_t
+            acc = tl.zeros([BLOCK, NC], tl.float32)
+            for off in range(0, CHUNK, BLOCK):
+                idx = chunk * CHUNK + off + tl.arange(0, BLOCK)
+                mask = idx < vocab
+                x = tl.load(logits_ptr + row * stride + idx, mask=mask, other=float("-inf"))
+                above = (x[:, None] >= cand[None, :]) & mask[:, None]
+                if PHASE == 0:
+                    acc += above.to(tl.float32)  # counts: exact in fp32 up to 2**24 per lane
+                else:
+                    w = tl.exp(x * inv_t - s_max)
+                    acc += tl.where(above, w[:, None], 0.0)
+            out = part_ptr + (row * num_chunks + chunk) * NC + tl.arange(0, NC)
+            tl.store(out, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def _narrow_kernel(flags_ptr, lo_ptr, hi_ptr, unit_ptr, zk_ptr, top_k_ptr, top_p_ptr, part_ptr, num_rows,
+                       num_chunks, PHASE: tl.constexpr, FIRST: tl.constexpr, NC: tl.constexpr,
+                       NC_PAD: tl.constexpr):
+        # grid (rows,): sum the chunks' partials, keep the bracket [last qualifying, first failing candidate)
+        row = tl.program_id(0)
+        lo = tl.load(lo_ptr + row)
+        hi = tl.load(hi_ptr + PHASE * num_rows + row)
+        unit = tl.load(unit_ptr + row)
+        wanted = (tl.load(flags_ptr + row) & (_TOP_K << PHASE)) != 0
+        if wanted & (hi - lo > unit):
+            c = tl.arange(0, NC_PAD)
+            j = tl.arange(0, NC)
+            tile = tl.load(part_ptr + (row * num_chunks + c[:, None]) * NC + j[None, :],
+                           mask=c[:, None] < num_chunks, other=0.0)
+            total = tl.sum(tile, axis=0)  # [NC], non-increasing along the candidates
+            if PHASE == 0:
+                ok = total >= tl.load(top_k_ptr + row).to(tl.float32)
+            else:
+                if FIRST:  # candidate 0 is where top-k ended: its weight is the top-k survivors' weight
+                    zk = tl.sum(tl.where(j == 0, total, 0.0), axis=0)
+                    tl.store(zk_ptr + row, zk)
+                else:
+                    zk = tl.load(zk_ptr + row)
+                ok = total >= tl.load(top_p_ptr + row) * zk
+            ok = ok | (j == 0)  # lo qualifies by construction
+            keys = _candidates(lo, hi, unit, NC)
+            tl.store(lo_ptr + row, tl.max(tl.where(ok, keys, lo), axis=0))
+            tl.store(hi_ptr + PHASE * num_rows + row, tl.min(tl.where(ok, hi, keys), axis=0))
+
+    @triton.jit
+    def _draw_kernel(logits_ptr, stride, vocab, flags_ptr, lo_ptr, max_ptr, inv_t_ptr, log_min_p_ptr,
+                     row_hash_ptr, partial_val_ptr, partial_idx_ptr, num_chunks, CUTS: tl.constexpr,
+                     CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # grid (rows, chunks): the chunk's best (value, index); greedy rows (T == 0) take the raw argmax
+        row = tl.program_id(0)
+        chunk = tl.program_id(1)
+        flags = tl.load(flags_ptr + row)
+        greedy = (flags & _SAMPLES) == 0
+        inv_t = tl.load(inv_t_ptr + row)
         h = tl.load(row_hash_ptr + row)  # int64, < 2**32
+        if CUTS:
+            threshold = _key_to_float(tl.load(lo_ptr + row))
+            # rows without min-p (greedy ones included: their max is not computed) keep everything
+            min_p_floor = tl.where((flags & _MIN_P) != 0, tl.load(log_min_p_ptr + row), float("-inf"))
+            s_max = tl.load(max_ptr + row) * inv_t
         best_val = tl.full([BLOCK], float("-inf"), tl.float32)
         best_idx = tl.zeros([BLOCK], tl.int32)
         start = chunk * CHUNK
@@ -48,8 +194,12 @@ if triton is not None:
             bits = _mix32(h ^ ((idx.to(tl.int64) * 0x85EBCA77) & 0xFFFFFFFF))
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             g = -tl.log(-tl.log(u))
-            val = tl.where(greedy, x, x * inv_t + g)
-            val = tl.where(mask, val, float("-inf"))
+            s = x * inv_t
+            val = tl.where(greedy, x, s + g)
+            keep = mask
+            if CUTS:
+                keep = keep & (x >= threshold) & (s - s_max >= min_p_floor)
+            val = tl.where(keep, val, float("-inf"))
             better = val > best_val
             best_val = tl.where(better, val, best_val)
             best_idx = tl.where(better, idx, best_idx)
@@ -60,15 +210,53 @@ if triton is not None:
         tl.store(partial_idx_ptr + row * num_chunks + chunk, i)
 
 
-def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-                  steps: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """Next tokens [B] (int64): greedy rows (T == 0) take the argmax, others a Gumbel-max draw."""
+def row_flags(temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+              vocab: int) -> torch.Tensor:
+    """int32 [B]: which steps each row needs (no bit for a greedy row: it takes the argmax)."""
+    cuts = TOP_K * (top_ks < vocab).int() + TOP_P * (top_ps < 1).int() + MIN_P * (min_ps > 0).int()
+    return (temperatures > 0).int() * (SAMPLES + cuts)
+
+
+def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                 min_ps: torch.Tensor | None, seeds: torch.Tensor, steps: torch.Tensor, cuts: bool = True,
+                 chunk: int = 4096) -> torch.Tensor:
+    """Next tokens [B] (int64). `cuts=False` (no row uses top-k, top-p or min-p) skips the search: one pass.
+
+    A row's token does not depend on `cuts` as long as that row has no cut, nor on the other rows.
+    """
     b, vocab = logits.shape
+    dev = logits.device
     num_chunks = triton.cdiv(vocab, chunk)
-    vals = torch.empty(b, num_chunks, dtype=torch.float32, device=logits.device)
-    idxs = torch.empty(b, num_chunks, dtype=torch.int32, device=logits.device)
-    hashes = row_hash(seeds, steps)
-    _gumbel_argmax_kernel[(b, num_chunks)](logits, logits.stride(0), temperatures.float(), hashes, vals, idxs,
-                                           vocab, num_chunks, CHUNK=chunk, BLOCK=1024)
+    temps = temperatures.float()
+    inv_t = 1.0 / temps.clamp_min(1e-6)  # computed by torch, as the reference does
+    if min_ps is None:
+        min_ps = torch.zeros_like(temps)
+    flags = row_flags(temps, top_ks, top_ps, min_ps, vocab) if cuts else (temps > 0).int()
+    lo = torch.empty(b, dtype=torch.int64, device=dev)
+    row_max = torch.zeros(b, dtype=torch.float32, device=dev)
+    log_min_p = torch.log(min_ps.float()) if cuts else row_max  # log(0) = -inf: no min-p cut
+    if cuts:
+        nc_pad = triton.next_power_of_2(num_chunks)
+        hi = torch.empty(2, b, dtype=torch.int64, device=dev)
+        unit = torch.empty(b, dtype=torch.int64, device=dev)
+        zk = torch.empty(b, dtype=torch.float32, device=dev)
+        pmax = torch.empty(b, num_chunks, dtype=torch.float32, device=dev)
+        plow = torch.empty(b, num_chunks, dtype=torch.int32, device=dev)
+        part = torch.empty(b, num_chunks, NUM_CANDIDATES, dtype=torch.float32, device=dev)
+        _stats_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, pmax, plow, num_chunks,
+                                       CHUNK=chunk, BLOCK=1024)
+        _init_kernel[(b,)](flags, pmax, plow, row_max, unit, lo, hi, b, num_chunks, NC_PAD=nc_pad)
+        for phase in (0, 1):  # top-k, then top-p over the top-k survivors
+            for p in range(NUM_PASSES):
+                _search_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, hi, unit, row_max,
+                                                inv_t, part, b, num_chunks, PHASE=phase, NC=NUM_CANDIDATES,
+                                                CHUNK=chunk, BLOCK=256, enable_fp_fusion=False)
+                _narrow_kernel[(b,)](flags, lo, hi, unit, zk, top_ks, top_ps.float(), part, b, num_chunks,
+                                     PHASE=phase, FIRST=p == 0, NC=NUM_CANDIDATES, NC_PAD=nc_pad)
+    vals = torch.empty(b, num_chunks, dtype=torch.float32, device=dev)
+    idxs = torch.empty(b, num_chunks, dtype=torch.int32, device=dev)
+    _draw_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, row_max, inv_t, log_min_p,
+                                  row_hash(seeds, steps), vals, idxs, num_chunks, CUTS=cuts, CHUNK=chunk,
+                                  BLOCK=1024, enable_fp_fusion=False)
     best = vals.argmax(dim=1, keepdim=True)
     return idxs.gather(1, best).squeeze(1).long()

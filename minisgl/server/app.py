@@ -189,6 +189,7 @@ def sampling_params_for(state: ServerState, req, ids: list[int], max_tokens: int
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k, max_tokens=max_tokens,
+        min_p=0.0 if req.min_p is None else float(req.min_p),
         ignore_eos=bool(req.ignore_eos), stop=tuple(req.stop or ()), seed=req.seed)
     try:
         state.engine.check_request(ids, params)

@@ -116,6 +116,7 @@ class _Sampling(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)  # extension, as in SGLang and vLLM
     top_k: int | None = Field(None, ge=-1)  # extension: -1 or 0 = off
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
