@@ -29,6 +29,7 @@ class EngineConfig:
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 256
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    tp_size: int = 1  # tensor parallelism: one process (and GPU) per rank; must divide the query heads
     progress: bool = False
 
     def with_(self, **kw) -> EngineConfig:
@@ -43,5 +44,7 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
