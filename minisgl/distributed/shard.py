@@ -104,8 +104,12 @@ class VocabParallelLMHead(nn.Module):
         part = F.linear(x, self.weight)  # [n, vocab shard]
         n, shard = part.shape
         gathered = part.new_empty((self.tp * n, shard))  # rank r's block in rows r*n..(r+1)*n-1
-        dist.all_gather_into_tensor(gathered, part.contiguous())
+        _all_gather(gathered, part.contiguous())
         return gathered.view(self.tp, n, shard).permute(1, 0, 2).reshape(n, -1)[:, :self.vocab]
+
+
+# torch >= 2.13 renames all_gather_into_tensor (the GPU machines run 2.11)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _rows(w: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
