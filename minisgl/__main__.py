@@ -26,6 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-cuda-graph", action="store_true")
     g.add_argument("--cuda-graph-max-bs", type=int, default=256)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"])
+    g.add_argument("--tp-size", type=int, default=1, help="tensor parallelism: ranks (one GPU each)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -35,7 +36,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_running_requests=a.max_running_requests, chunked_prefill_size=a.chunked_prefill_size,
                 chunked_prefill=a.chunked_prefill_size > 0, radix_cache=not a.disable_radix_cache,
                 overlap=not a.disable_overlap_schedule, cuda_graph=not a.disable_cuda_graph,
-                cuda_graph_max_bs=a.cuda_graph_max_bs, attention_backend=a.attention_backend)
+                cuda_graph_max_bs=a.cuda_graph_max_bs, attention_backend=a.attention_backend,
+                tp_size=a.tp_size)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

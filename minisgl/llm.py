@@ -51,7 +51,10 @@ class LLM:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the atexit hook of minisgl.distributed has done it
+            pass
 
     # --- helpers -------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
