@@ -80,8 +80,8 @@ def test_tp_greedy_equals_tp1_and_hf(arch, tp, arch_paths, make_llm, no_leftover
 def test_tp_vocab_not_divisible(tmp_path, make_llm, no_leftover_processes):
     """A vocabulary of 509 over two ranks: the last shard is zero-padded and the padding never sampled."""
     import torch
-    from transformers import AutoModelForCausalLM
     from helpers import tiny_hf_config
+    from transformers import AutoModelForCausalLM
 
     cfg = tiny_hf_config("qwen3", tie=False)
     cfg.vocab_size = 509

@@ -98,11 +98,11 @@ class TensorParallel:
 
     # --- start-up ------------------------------------------------------------------------------------
     def _start_group(self) -> None:
-        from minisgl.loader import resolve_model_path
-        from minisgl.models import ModelConfig
         from transformers import AutoConfig
 
         from minisgl.distributed.shard import check_tp_size
+        from minisgl.loader import resolve_model_path
+        from minisgl.models import ModelConfig
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process; "
                                "one tensor-parallel engine per process")
