@@ -90,7 +90,12 @@ class TensorParallel:
         else:
             self.device = device
         if rank == 0:
-            self._start_group()
+            try:
+                self._start_group()
+            except BaseException:
+                self._stop_procs(graceful=False)
+                _LIVE.discard(self)
+                raise
         else:
             conn, port = link
             self.conns = [conn]
@@ -192,8 +197,11 @@ class TensorParallel:
             for c in self.conns:
                 c.send_bytes(msg)
             return runner._forward(batch)
-        except Exception as e:
-            raise RuntimeError(self._diagnose(e)) from e
+        except BaseException as e:  # Ctrl-C too: the other ranks may wait in a collective we never reach
+            message = self._diagnose(e)
+            if isinstance(e, Exception):
+                raise RuntimeError(message) from e
+            raise
 
     def _diagnose(self, e: Exception) -> str:
         """After a failed step: name the rank that died (its exit shows a moment after its sockets close).
