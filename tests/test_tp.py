@@ -171,3 +171,29 @@ def test_tp_server(no_leftover_processes, tmp_path_factory):
     finally:
         srv.stop()
     assert r["choices"][0]["text"] == ref.text
+
+
+def test_head_split_and_vocab_range():
+    """Which heads and vocabulary rows each rank keeps (no processes)."""
+    from dataclasses import astuple
+
+    from helpers import tiny_hf_config
+
+    from minisgl.distributed.shard import check_tp_size, head_split, vocab_range
+    from minisgl.models import ModelConfig
+
+    cfg = ModelConfig.from_hf(tiny_hf_config("qwen3"))  # 4 query heads, 2 K/V heads
+    assert [astuple(head_split(cfg, r, 2)) for r in range(2)] == [(2, 0, 1, 0), (2, 2, 1, 1)]
+    # 4 ranks, 2 K/V heads: ranks 0, 1 share K/V head 0 (their query heads 0, 1 read it), ranks 2, 3 head 1
+    assert [(s.q_start, s.kv_start, s.num_kv) for s in (head_split(cfg, r, 4) for r in range(4))] == [
+        (0, 0, 1), (1, 0, 1), (2, 1, 1), (3, 1, 1)]
+    group = cfg.num_q_heads // cfg.num_kv_heads
+    for tp in (1, 2, 4):
+        for r in range(tp):
+            s = head_split(cfg, r, tp)
+            assert {q // group for q in range(s.q_start, s.q_start + s.num_q)} <= set(
+                range(s.kv_start, s.kv_start + s.num_kv))
+    with pytest.raises(ValueError, match="query heads"):
+        check_tp_size(cfg, 3)
+    assert [vocab_range(509, r, 2) for r in range(2)] == [(0, 255, 255), (255, 509, 255)]
+    assert [vocab_range(10, r, 4) for r in range(4)] == [(0, 3, 3), (3, 6, 3), (6, 9, 3), (9, 10, 3)]
