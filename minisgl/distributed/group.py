@@ -26,9 +26,9 @@ import threading
 import time
 import traceback
 import weakref
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,9 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 _COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # ranks meet in collectives only inside a step or at start-up
 
 
-@dataclass
-class ReqView:
-    """The fields of a Req that ModelRunner.prepare reads: what ranks 1..N-1 need to run a step."""
+class ReqView(NamedTuple):
+    """The fields of a Req that ModelRunner.prepare reads: what ranks 1..N-1 need to run a step. (A field that
+    prepare starts to read must be added here, or ranks 1..N-1 fail with an AttributeError naming it.)"""
 
     row: int
     seed: int
