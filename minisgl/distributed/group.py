@@ -172,7 +172,12 @@ class TensorParallel:
     def agree_num_pages(self, num_pages: int) -> int:
         """Rank 0 hands out page numbers for every rank: each pool gets the smallest size of them all."""
         t = torch.tensor([num_pages], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        except Exception as e:  # the first collective: a rank that died loading shows up here
+            if self.rank == 0:
+                raise RuntimeError(self._diagnose(e)) from e
+            raise
         return int(t.item())
 
     def ready(self) -> None:
