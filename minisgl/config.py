@@ -61,6 +61,7 @@ class EngineConfig:
                                        "most requests in a prefill/extend step replayed as a CUDA graph")
     attention_backend: str = _opt("auto", "--attention-backend", "attention kernels",
                                   choices=("auto", "torch", "triton", "flashinfer"))
+    tp_size: int = _opt(1, "--tp-size", "tensor parallelism: ranks (one GPU each; gloo processes on a CPU)")
     progress: bool = False  # a progress bar in LLM.generate (no flag: `bench --quiet` sets it)
 
     @property

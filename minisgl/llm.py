@@ -41,6 +41,24 @@ class LLM:
         self.engine = Engine(self.config)
         self.tokenizer = load_tokenizer(self.engine.runner.model_path)
 
+    def close(self) -> None:
+        """Release the engine's processes (tensor-parallel ranks); also done by `with`, __del__ and at exit."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.runner.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the atexit hook of minisgl.distributed has done it
+            pass
+
     # --- helpers -------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

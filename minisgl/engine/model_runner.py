@@ -47,9 +47,28 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, tp_link: tuple | None = None) -> None:
+        # --- tensor parallelism (minisgl/distributed): rank 0 starts ranks 1..N-1, stopped again on failure ---
+        self.tp = None
+        try:
+            self._setup(config, rank, tp_link)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one rank); safe to call more than once."""
+        if self.tp is not None:
+            self.tp.close()
+        # ---
+
+    def _setup(self, config: EngineConfig, rank: int, tp_link: tuple | None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if config.tp_size > 1:  # --- tensor parallelism: join (rank 0: start) the group; a GPU per rank ---
+            from minisgl.distributed import TensorParallel
+            self.tp = TensorParallel(config, rank, self.device, tp_link)
+            self.device = self.tp.device
         if config.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
@@ -59,10 +78,17 @@ class ModelRunner:
         self.model, self.model_config, self.hf_config, self.model_path = (
             loaded.model, loaded.config, loaded.hf_config, loaded.path)
         mc = self.model_config
+        # this rank's heads: all of them, or its slice under tensor parallelism (which shards the weights here)
+        self.num_q_heads, self.num_kv_heads = mc.num_q_heads, mc.num_kv_heads
+        if self.tp is not None:
+            split = self.tp.shard(self.model, mc)
+            self.num_q_heads, self.num_kv_heads = split.num_q, split.num_kv
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.page_size = config.page_size
         self.num_pages = config.num_pages or self._auto_num_pages()
-        self.kv_cache = KVCache(mc.num_layers, self.num_pages, self.page_size, mc.num_kv_heads, mc.head_dim,
+        if self.tp is not None:  # rank 0 hands out pages for every rank: each pool takes the smallest size
+            self.num_pages = self.tp.agree_num_pages(self.num_pages)
+        self.kv_cache = KVCache(mc.num_layers, self.num_pages, self.page_size, self.num_kv_heads, mc.head_dim,
                                 self.dtype, self.device)
         self.max_reqs = config.max_running_requests + 8  # finished requests hold a row until released
         self.req_pool = ReqToTokenPool(self.max_reqs, self.max_model_len + self.page_size, self.device)
@@ -70,7 +96,7 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attn = create_backend(backend, kv_cache=self.kv_cache, req_to_token=self.req_pool.table,
-                                   num_q_heads=mc.num_q_heads, num_kv_heads=mc.num_kv_heads,
+                                   num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                                    head_dim=mc.head_dim, scale=mc.head_dim ** -0.5,
                                    max_context_len=self.max_model_len)
         self.graph_runner = None
@@ -86,10 +112,12 @@ class ModelRunner:
                                                       config.prefill_graph_max_reqs,
                                                       pool=graph_pool_of(self.graph_runner))
         # --- end prefill graphs ---
+        if self.tp is not None:
+            self.tp.ready()
 
     def _auto_num_pages(self) -> int:
         mc, cfg = self.model_config, self.config
-        per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_token = KVCache.bytes_per_token(mc.num_layers, self.num_kv_heads, mc.head_dim, self.dtype)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -177,6 +205,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> StepOutput:
+        if self.tp is not None:  # tensor parallelism: rank 0 sends the batch to ranks 1..N-1, all run it
+            return self.tp.forward(self, batch)
+        return self._forward(batch)
+
+    def _forward(self, batch: Batch) -> StepOutput:
         shape = self.prefill_graph.shape_for(batch) if self.prefill_graph is not None else None
         input_ids, positions, meta, logit_idx, sampling, token_dst = self.prepare(batch, pad_to=shape)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):

@@ -122,6 +122,9 @@ class EngineWorker:
         self._cmds.put(("stop", None, None))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        runner = getattr(self.engine, "runner", None)
+        if not self._thread.is_alive() and hasattr(runner, "close"):
+            runner.close()  # the engine's other processes (tensor-parallel ranks)
 
     # --- the engine thread -----------------------------------------------------------------------------
     def _stats(self) -> dict:
