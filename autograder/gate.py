@@ -1,0 +1,184 @@
+"""The release gate: the course walked as a student walks it, one notebook at a time, in one release.
+
+For k = 0, 1, ...: in a release where notebooks 0..k-1 hold the reference solutions and were exported (a
+student who finished them), notebook k runs top to bottom (errors allowed, recorded). It may fail only in
+its own exercise and graded cells, and only with the exercise stub's NotImplementedError: anything else (an
+ImportError because an earlier module is missing, a demo cell that calls a stub, a NameError) is a problem a
+student would hit without having done anything wrong. Then notebook k is filled with the reference solution
+and runs again: every cell must pass, and its last cell (`coursekit.export_this`) writes the student's module
+into the release package for notebook k+1. `course.py roundtrip` then autogrades the filled notebooks.
+
+Used by `course.py roundtrip` (and so by tests/test_course.py) and by scripts/h200_course.py (`execute`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+STUB_ERROR = ("NotImplementedError", "exercise: see the notebook")
+
+
+def kernel_spec_dir(python: str = sys.executable) -> Path:
+    """A Jupyter data dir with one kernel spec, `minisgl-course`, that starts `python` (this interpreter by
+    default), so the notebooks run in the same environment as the caller whatever kernels are installed."""
+    root = Path(tempfile.mkdtemp(prefix="minisgl-kernel-"))
+    spec = root / "kernels" / "minisgl-course"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "minisgl course", "language": "python"}))
+    return root
+
+
+@dataclass
+class CellError:
+    index: int
+    kind: str  # "solution <grade_id>", "graded <grade_id>" or "cell"
+    ename: str
+    evalue: str
+
+    def __str__(self) -> str:
+        return f"cell {self.index} ({self.kind}): {self.ename}: {self.evalue[:300]}"
+
+
+@dataclass
+class Run:
+    notebook: str
+    seconds: float
+    errors: list[CellError] = field(default_factory=list)
+    timed_out: str = ""
+    graded: list[str] = field(default_factory=list)  # grade_ids of the notebook's graded cells
+
+
+def cell_kind(cell) -> str:
+    meta = cell.metadata.get("nbgrader", {})
+    if meta.get("solution"):
+        return f"solution {meta['grade_id']}"
+    if meta.get("grade"):
+        return f"graded {meta['grade_id']}"
+    return "cell"
+
+
+def execute(path: Path, env: dict | None = None, timeout: int = 300, kernel_dir: Path | None = None,
+            save: Path | None = None) -> Run:
+    """Run the notebook at `path` top to bottom in its own folder with every error recorded (not raised);
+    `save` writes the executed notebook there. `env` replaces the kernel's environment."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    env = dict(os.environ if env is None else env)
+    if kernel_dir is not None:
+        env["JUPYTER_PATH"] = os.pathsep.join(x for x in (str(kernel_dir), env.get("JUPYTER_PATH")) if x)
+    saved = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = env.get("JUPYTER_PATH", "")  # where this process finds the kernel spec
+    client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="minisgl-course"
+                            if kernel_dir is not None else "python3", resources={"metadata": {"path": str(path.parent)}})
+    t0 = time.perf_counter()
+    timed_out = ""
+    try:
+        client.execute(env=env, cwd=str(path.parent))
+    except (CellTimeoutError, DeadKernelError) as e:
+        timed_out = f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        if saved is None:
+            os.environ.pop("JUPYTER_PATH", None)
+        else:
+            os.environ["JUPYTER_PATH"] = saved
+    run = Run(path.name, round(time.perf_counter() - t0, 1), timed_out=timed_out)
+    run.graded = [c.metadata["nbgrader"]["grade_id"] for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if out.get("output_type") == "error":
+                run.errors.append(CellError(i, cell_kind(cell), out.get("ename", ""), out.get("evalue", "")))
+    if save is not None:
+        Path(save).parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, save)
+    return run
+
+
+def fill(released: Path, source: Path) -> int:
+    """Write the reference solution into the released notebook at `released` (in place): every solution
+    cell gets the source notebook's cell of the same grade_id, solution marker lines dropped (what a student
+    types has none). Returns the number of cells filled."""
+    src = {c.metadata["nbgrader"]["grade_id"]: c.source for c in nbformat.read(source, as_version=4).cells
+           if c.metadata.get("nbgrader", {}).get("solution")}
+    nb = nbformat.read(released, as_version=4)
+    n = 0
+    for cell in nb.cells:
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if cell.metadata.get("nbgrader", {}).get("solution") and gid in src:
+            lines = [ln for ln in src[gid].split("\n") if ln.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION")]
+            cell.source = "\n".join(lines)
+            n += 1
+    if n != len(src):
+        raise RuntimeError(f"{released.name}: filled {n} of {len(src)} solution cells")
+    nbformat.write(nb, released)
+    return n
+
+
+def unexpected(run: Run) -> list[str]:
+    """Errors a student who finished the earlier notebooks must not see in this one: any error outside the
+    notebook's own solution and graded cells, or one that is not the exercise stub's NotImplementedError."""
+    bad = [f"{run.notebook}: {e}" for e in run.errors
+           if e.kind == "cell" or (e.ename, e.evalue) != STUB_ERROR]
+    if run.timed_out:
+        bad.append(f"{run.notebook}: {run.timed_out}")
+    return bad
+
+
+@dataclass
+class Gate:
+    stubbed: dict[str, Run] = field(default_factory=dict)  # notebook k with 0..k-1 filled
+    filled: dict[str, Run] = field(default_factory=dict)  # notebook k with 0..k filled
+
+    def problems(self) -> list[str]:
+        bad = []
+        for name, run in self.stubbed.items():
+            bad += [f"before the exercises, {x}" for x in unexpected(run)]
+            failed = {e.kind.split(" ", 1)[1] for e in run.errors if e.kind.startswith("graded")}
+            bad += [f"before the exercises, {name}: graded cell {g} passes on the stubs"
+                    for g in sorted(set(run.graded) - failed)]
+        for name, run in self.filled.items():
+            bad += [f"with the solutions, {name}: {e}" for e in run.errors]
+            if run.timed_out:
+                bad.append(f"with the solutions, {name}: {run.timed_out}")
+        return bad
+
+    def as_json(self) -> dict:
+        def dump(r: Run) -> dict:
+            return {"seconds": r.seconds, "timed_out": r.timed_out, "errors": [str(e) for e in r.errors]}
+        return {"stubbed": {k: dump(v) for k, v in self.stubbed.items()},
+                "filled": {k: dump(v) for k, v in self.filled.items()}}
+
+
+def walk(release_dir: Path, source_dir: Path, notebooks: list[Path], timeout: int = 300, log=None) -> Gate:
+    """The progressive pass over the release in `release_dir` (changed in place: its notebooks end filled
+    and exported). `notebooks` are the release's notebook paths in order; `source_dir` has the reference."""
+    gate = Gate()
+    kernels = kernel_spec_dir()
+    env = {k: v for k, v in os.environ.items() if k not in ("MINISGL_COURSE_NO_EXPORT", "PYTHONPATH")}
+    env["PYTHONPATH"] = str(release_dir)  # the student's package, never the repository's
+    try:
+        for nb in notebooks:
+            gate.stubbed[nb.name] = run = execute(nb, env, timeout, kernels)
+            if log is not None:
+                log.write(f"stubbed {nb.name}: {run.seconds} s, {len(run.errors)} error(s)\n")
+            fill(nb, Path(source_dir) / nb.name)
+            gate.filled[nb.name] = run = execute(nb, env, timeout, kernels)
+            if log is not None:
+                log.write(f"filled {nb.name}: {run.seconds} s, {len(run.errors)} error(s)\n"
+                          + "".join(f"  {e}\n" for e in run.errors))
+    finally:
+        shutil.rmtree(kernels, ignore_errors=True)
+    return gate
