@@ -1,12 +1,15 @@
 """The release gate: the course walked as a student walks it, one notebook at a time, in one release.
 
 For k = 0, 1, ...: in a release where notebooks 0..k-1 hold the reference solutions and were exported (a
-student who finished them), notebook k runs top to bottom (errors allowed, recorded). It may fail only in
-its own exercise and graded cells, and only with the exercise stub's NotImplementedError: anything else (an
-ImportError because an earlier module is missing, a demo cell that calls a stub, a NameError) is a problem a
-student would hit without having done anything wrong. Then notebook k is filled with the reference solution
-and runs again: every cell must pass, and its last cell (`coursekit.export_this`) writes the student's module
-into the release package for notebook k+1. `course.py roundtrip` then autogrades the filled notebooks.
+student who finished them), notebook k runs top to bottom (errors allowed, recorded). Every graded cell must
+fail, and every error must be one the student is responsible for: the exercise stub's NotImplementedError
+raised by *this* notebook's code (an exercise cell, or a demo cell that calls this notebook's exercise), or
+a NameError for a name that an earlier failing cell of the notebook would have defined. Anything else is a
+problem a student would hit without having done anything wrong: an ImportError, any other exception, or a
+stub raised from the package (a module of an earlier notebook that did not export, or of a later notebook
+that this one must not need yet). Then notebook k is filled with the reference solution and runs again:
+every cell must pass, and its last cell (`coursekit.export_this`) writes the student's modules into the
+release package for notebook k+1. `course.py roundtrip` then autogrades the filled notebooks (full marks).
 
 Used by `course.py roundtrip` (and so by tests/test_course.py) and by scripts/h200_course.py (`execute`).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -45,6 +49,8 @@ class CellError:
     kind: str  # "solution <grade_id>", "graded <grade_id>" or "cell"
     ename: str
     evalue: str
+    raised_in: str = ""  # the file of the innermost frame ("" for the notebook's own cells)
+    cause: str = ""  # for a NameError: the earlier failing cell that would have defined the name
 
     def __str__(self) -> str:
         return f"cell {self.index} ({self.kind}): {self.ename}: {self.evalue[:300]}"
@@ -82,8 +88,9 @@ def execute(path: Path, env: dict | None = None, timeout: int = 300, kernel_dir:
         env["JUPYTER_PATH"] = os.pathsep.join(x for x in (str(kernel_dir), env.get("JUPYTER_PATH")) if x)
     saved = os.environ.get("JUPYTER_PATH")
     os.environ["JUPYTER_PATH"] = env.get("JUPYTER_PATH", "")  # where this process finds the kernel spec
-    client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="minisgl-course"
-                            if kernel_dir is not None else "python3", resources={"metadata": {"path": str(path.parent)}})
+    kernel = "minisgl-course" if kernel_dir is not None else "python3"
+    client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name=kernel,
+                            resources={"metadata": {"path": str(path.parent)}})
     t0 = time.perf_counter()
     timed_out = ""
     try:
@@ -100,11 +107,37 @@ def execute(path: Path, env: dict | None = None, timeout: int = 300, kernel_dir:
     for i, cell in enumerate(nb.cells):
         for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
             if out.get("output_type") == "error":
-                run.errors.append(CellError(i, cell_kind(cell), out.get("ename", ""), out.get("evalue", "")))
+                run.errors.append(CellError(i, cell_kind(cell), out.get("ename", ""), out.get("evalue", ""),
+                                            raised_in=_innermost_file(out.get("traceback", []))))
+    failed_sources = {}
+    for err in run.errors:  # a NameError downstream of a failed cell is that cell's consequence
+        if err.ename == "NameError":
+            name = re.search(r"name '(\w+)' is not defined", err.evalue)
+            for j, src in failed_sources.items():
+                if name and re.search(rf"\b{name.group(1)}\b\s*(,[^=]*)?=|def {name.group(1)}\b|"
+                                      rf"for [^:]*\b{name.group(1)}\b", src):
+                    err.cause = f"cell {j}"
+                    break
+        failed_sources[err.index] = nb.cells[err.index].source
     if save is not None:
         Path(save).parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, save)
     return run
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_FRAME = re.compile(r"File (/[^\s:]+\.py):\d+|(Cell In\[\d+\])|File \"?([^\s\",:]+\.py)\"?, line \d+")
+
+
+def _innermost_file(traceback: list[str]) -> str:
+    """The source file of the innermost frame of an IPython traceback ("" when it is a notebook cell)."""
+    last = ""
+    for entry in traceback:
+        for m in _FRAME.finditer(_ANSI.sub("", entry)):
+            last = "" if m.group(2) else (m.group(1) or m.group(3))
+    if "/ipykernel_" in last:  # a cell's code as IPython files it
+        return ""
+    return last
 
 
 def fill(released: Path, source: Path) -> int:
@@ -127,11 +160,22 @@ def fill(released: Path, source: Path) -> int:
     return n
 
 
-def unexpected(run: Run) -> list[str]:
-    """Errors a student who finished the earlier notebooks must not see in this one: any error outside the
-    notebook's own solution and graded cells, or one that is not the exercise stub's NotImplementedError."""
-    bad = [f"{run.notebook}: {e}" for e in run.errors
-           if e.kind == "cell" or (e.ename, e.evalue) != STUB_ERROR]
+def unexpected(run: Run, owners: dict[str, str]) -> list[str]:
+    """Errors a student who finished the earlier notebooks must not see in this one (module docstring).
+    `owners`: package module path (minisgl/...) -> the notebook that exports it."""
+    bad = []
+    for e in run.errors:
+        if e.ename == "NameError" and e.cause:
+            continue
+        if (e.ename, e.evalue) != STUB_ERROR:
+            bad.append(f"{run.notebook}: {e}")
+            continue
+        if e.raised_in:  # a stub in the package: fine only if this notebook owns that module
+            module = e.raised_in[e.raised_in.rfind("minisgl/"):] if "minisgl/" in e.raised_in else e.raised_in
+            owner = owners.get(module)
+            if owner != run.notebook:
+                bad.append(f"{run.notebook}: {e} -- raised by the stub in {module}"
+                           + (f" (the exercise of {owner})" if owner else ""))
     if run.timed_out:
         bad.append(f"{run.notebook}: {run.timed_out}")
     return bad
@@ -141,11 +185,12 @@ def unexpected(run: Run) -> list[str]:
 class Gate:
     stubbed: dict[str, Run] = field(default_factory=dict)  # notebook k with 0..k-1 filled
     filled: dict[str, Run] = field(default_factory=dict)  # notebook k with 0..k filled
+    owners: dict[str, str] = field(default_factory=dict)  # minisgl/... module -> notebook file name
 
     def problems(self) -> list[str]:
         bad = []
         for name, run in self.stubbed.items():
-            bad += [f"before the exercises, {x}" for x in unexpected(run)]
+            bad += [f"before the exercises, {x}" for x in unexpected(run, self.owners)]
             failed = {e.kind.split(" ", 1)[1] for e in run.errors if e.kind.startswith("graded")}
             bad += [f"before the exercises, {name}: graded cell {g} passes on the stubs"
                     for g in sorted(set(run.graded) - failed)]
@@ -157,15 +202,19 @@ class Gate:
 
     def as_json(self) -> dict:
         def dump(r: Run) -> dict:
-            return {"seconds": r.seconds, "timed_out": r.timed_out, "errors": [str(e) for e in r.errors]}
+            return {"seconds": r.seconds, "timed_out": r.timed_out,
+                    "errors": [str(e) + (f" [after {e.cause}]" if e.cause else "")
+                               + (f" [in {e.raised_in}]" if e.raised_in else "") for e in r.errors]}
         return {"stubbed": {k: dump(v) for k, v in self.stubbed.items()},
                 "filled": {k: dump(v) for k, v in self.filled.items()}}
 
 
-def walk(release_dir: Path, source_dir: Path, notebooks: list[Path], timeout: int = 300, log=None) -> Gate:
+def walk(release_dir: Path, source_dir: Path, notebooks: list[Path], owners: dict[str, str],
+         timeout: int = 300, log=None) -> Gate:
     """The progressive pass over the release in `release_dir` (changed in place: its notebooks end filled
-    and exported). `notebooks` are the release's notebook paths in order; `source_dir` has the reference."""
-    gate = Gate()
+    and exported). `notebooks` are the release's notebook paths in order; `source_dir` has the reference;
+    `owners` maps each generated module (minisgl/...) to the notebook file that exports it."""
+    gate = Gate(owners=dict(owners))
     kernels = kernel_spec_dir()
     env = {k: v for k, v in os.environ.items() if k not in ("MINISGL_COURSE_NO_EXPORT", "PYTHONPATH")}
     env["PYTHONPATH"] = str(release_dir)  # the student's package, never the repository's

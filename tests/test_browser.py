@@ -33,6 +33,14 @@ CHROMIUM = os.environ.get("MINISGL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 NOTEBOOK = "04_radix_cache"
+# Run All has finished: no cell queued or running, and every code cell has an execution count (or a cell
+# raised, which stops the run: the test then reports the error)
+RUN_FINISHED = """() => {
+    const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(p => p.textContent.trim());
+    const raised = [...document.querySelectorAll('.jp-RenderedText')].some(e => e.textContent.includes('Traceback'));
+    return prompts.length > 0 && !prompts.some(t => t.includes('*'))
+        && (prompts.every(t => /\\[\\d+\\]/.test(t)) || raised);
+}"""
 
 
 def _why_not() -> str:
@@ -140,15 +148,7 @@ def test_released_notebook_renders_plotly_and_widgets(jupyterlab, tmp_path):
             page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
             page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
             # done: no cell queued or running, and every code cell has an execution count
-            page.wait_for_function(
-                """() => {
-                    const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
-                        .map(p => p.textContent.trim());
-                    return prompts.length > 0 && !prompts.some(t => t.includes('*'))
-                        && (prompts.every(t => /\\[\\d+\\]/.test(t))
-                            || document.querySelector('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.error"]') !== null
-                            || [...document.querySelectorAll('.jp-RenderedText')].some(e => e.textContent.includes('Traceback')));
-                }""", timeout=300_000)
+            page.wait_for_function(RUN_FINISHED, timeout=300_000)
             prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_text_contents()
             errors = [t[:800] for t in page.locator(".jp-RenderedText").all_text_contents()
                       if "Traceback" in t or "Error:" in t]
@@ -173,8 +173,8 @@ def test_released_notebook_renders_plotly_and_widgets(jupyterlab, tmp_path):
             box.fill("evict 4")
             button.click()
             page.wait_for_selector("text=/evict 4: freed/", state="attached", timeout=60_000)
-            page.wait_for_selector(".widget-output .js-plotly-plot .main-svg, .jupyter-widgets .js-plotly-plot .main-svg",
-                                   state="attached")
+            page.wait_for_selector(".widget-output .js-plotly-plot .main-svg, "
+                                   ".jupyter-widgets .js-plotly-plot .main-svg", state="attached")
             no_news = page.locator(".jp-toast-button", has_text="No")  # JupyterLab's "official news?" toast
             if no_news.count():
                 no_news.first.click()
