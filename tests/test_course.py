@@ -2,18 +2,20 @@
 every notebook runs top to bottom on a CPU, and the nbgrader release round trip holds.
 
 - `test_modules_match_notebooks`: `course.py check` (a committed module differs from its notebook -> diff).
-- `test_notebook_runs[NN_x]`: nbval, one subprocess per notebook. We use `--nbval-lax`: a cell fails only when
-  it raises; outputs are not compared, because timings, plotly JSON and widget ids change from run to run and
-  correctness is asserted by the notebooks' own test cells (a cell that should pin its output says
-  `# NBVAL_CHECK_OUTPUT`). MINISGL_COURSE_NO_EXPORT keeps the notebooks' last cell from rewriting minisgl/,
-  so nbval can never mask a failing `check`.
-- `test_release_roundtrip`: release -> grade the reference (full marks) and the untouched release (zero),
-  no solution text in the release, no graded cell passing on the stubs, no hidden test in the feedback,
-  and the release package imports with every exercise a stub.
+- `test_release_roundtrip` and `test_notebook_walk[NN_x]` share one release (`course.roundtrip`):
+  - the release gate (autograder/gate.py), TinyTorch style: for k = 00..09, with notebooks 00..k-1 filled
+    with the reference solutions and exported (a student who finished them), notebook k runs top to bottom
+    with nbclient and fails only with its own exercise's NotImplementedError (every graded cell fails); with
+    k filled, every cell passes, within 3 minutes, and its last cell exports it for k+1;
+  - the walked notebooks are autograded (full marks, no cell raising) and the untouched release too (zero),
+    in parallel; no solution text in the release, no graded cell passing on the stubs, no hidden test in the
+    feedback, the release package imports with every exercise a stub.
+  Outputs are never compared (timings, plotly JSON and widget ids change from run to run; correctness lives
+  in the notebooks' test cells). This replaced nbval of the reference notebooks, which the walk's filled
+  runs and the autograde of the reference repeated.
+- `test_tour_recording_is_current`: assets/tour_trace.json matches the tour and the model.
 
-All of it runs in `python -m pytest` (CI); `-m "not slow"` leaves out the three slow parts while you edit.
-Cost on a 2-core CPU: about 7 minutes of CPU time for notebooks 00-05 (nbval ~35%, round trip ~50%, graders
-~15%), mostly kernel start-up and imports.
+All of it runs in `python -m pytest` (CI); `-m "not slow"` leaves out the slow parts while you edit.
 """
 
 from __future__ import annotations
