@@ -88,8 +88,13 @@ def execute(path: Path, env: dict | None = None, timeout: int = 300, kernel_dir:
         env["JUPYTER_PATH"] = os.pathsep.join(x for x in (str(kernel_dir), env.get("JUPYTER_PATH")) if x)
     saved = os.environ.get("JUPYTER_PATH")
     os.environ["JUPYTER_PATH"] = env.get("JUPYTER_PATH", "")  # where this process finds the kernel spec
+    from jupyter_client.manager import KernelManager
+
     kernel = "minisgl-course" if kernel_dir is not None else "python3"
-    client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name=kernel,
+    # IPC sockets, not TCP: kernels started at once by parallel jobs cannot race for the same free ports
+    sockets = Path(tempfile.mkdtemp(prefix="minisgl-ipc-"))  # own folder: the socket files are named <ip>-N
+    km = KernelManager(kernel_name=kernel, transport="ipc", ip=str(sockets / "kernel"))
+    client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=True, kernel_name=kernel,
                             resources={"metadata": {"path": str(path.parent)}})
     t0 = time.perf_counter()
     timed_out = ""
@@ -98,6 +103,7 @@ def execute(path: Path, env: dict | None = None, timeout: int = 300, kernel_dir:
     except (CellTimeoutError, DeadKernelError) as e:
         timed_out = f"{type(e).__name__}: {str(e)[:300]}"
     finally:
+        shutil.rmtree(sockets, ignore_errors=True)
         if saved is None:
             os.environ.pop("JUPYTER_PATH", None)
         else:
