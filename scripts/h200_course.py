@@ -14,8 +14,10 @@ writes the report JSON (autograder/report.py; here DIR/report.json through $MINI
 `python -m pytest autograder/graders -m gpu` runs against it. Written under DIR: the executed notebooks
 (`NN_topic.ipynb`, outputs included), pytest's output, and `summary.json`.
 
-`--only 00_tour 03_attention` runs a subset; on a machine without a GPU the GPU checks report `false` (a CPU
-run is the script's own test).
+`--only 00_tour 03_attention` runs a subset and `--graders-only` just the graders: each call merges its
+results into DIR/summary.json (a machine that allows 10 minutes a command runs the course in pieces; the
+checks are computed over everything recorded so far). On a machine without a GPU the GPU checks report
+`false` (a CPU run is the script's own test). MINISGL_BENCH_SCALE (notebook 09) shortens the workloads.
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="notebook names (e.g. 00_tour); default: all, in order")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per cell (09: 3600, 08: 1800)")
     ap.add_argument("--no-graders", action="store_true", help="skip `pytest autograder/graders -m gpu`")
+    ap.add_argument("--graders-only", action="store_true", help="run no notebook, only the graders")
     ap.add_argument("--marker", default="gpu", help="pytest marker expression for the graders")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
@@ -143,30 +146,37 @@ def main(argv=None) -> int:
         if unknown:
             raise SystemExit(f"no such notebooks: {sorted(unknown)}")
         names = [n for n in names if n in args.only]
-    started = datetime.datetime.now(datetime.timezone.utc)
+    if args.graders_only:
+        names = []
     t0 = time.perf_counter()
-    summary = {"started": started.isoformat(timespec="seconds"), "environment": environment(), "notebooks": {}}
-    summary["notebooks"] = run_notebooks(out, names, args.timeout)
+    path = out / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {"notebooks": {}, "runs": []}
+    summary["environment"] = environment()
+    summary["runs"].append({"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                            "notebooks": names, "graders": not args.no_graders})
+    summary["notebooks"].update(run_notebooks(out, names, args.timeout))
+    order = sorted(summary["notebooks"])
+    summary["notebooks"] = {n: summary["notebooks"][n] for n in order}
     summary["notebook_seconds"] = round(sum(r["seconds"] for r in summary["notebooks"].values()), 1)
     if not args.no_graders:
         summary["graders"] = run_graders(out, args.marker, timeout=3600)
     gpu = summary["environment"]["gpu"] is not None
+    ran = summary["notebooks"]
     checks = {
-        "every notebook ran without error": all(r["ok"] for r in summary["notebooks"].values()),
-        "GPU cells ran on the GPU": gpu and all(summary["notebooks"][n]["gpu_ran"] for n in GPU_NOTEBOOKS
-                                                if n in summary["notebooks"]),
+        "every notebook ran": len(ran) == len([p for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")]),
+        "no notebook raised": all(r["ok"] for r in ran.values()),
+        "GPU cells ran on the GPU": gpu and all(ran[n]["gpu_ran"] for n in GPU_NOTEBOOKS if n in ran),
+        "notebook 09 wrote the report": (out / "report.json").exists(),
     }
-    if "09_gpu_project" in names:
-        checks["notebook 09 wrote the report"] = (out / "report.json").exists()
-    if not args.no_graders:
+    if "graders" in summary:
         g = summary["graders"]
         checks["GPU graders passed"] = g["returncode"] == 0 and bool(g["tests"]) and all(
             v == "passed" for v in g["tests"].values())
     summary["checks"] = checks
     summary["ok"] = all(checks.values())
-    summary["seconds"] = round(time.perf_counter() - t0, 1)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps({"ok": summary["ok"], "checks": checks, "seconds": summary["seconds"],
+    summary["runs"][-1]["seconds"] = round(time.perf_counter() - t0, 1)
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps({"ok": summary["ok"], "checks": checks, "seconds": summary["runs"][-1]["seconds"],
                       "notebooks": {n: (r["seconds"], r["ok"], r["gpu_ran"]) for n, r in summary["notebooks"].items()}},
                      indent=1))
     return 0 if summary["ok"] else 1
