@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -84,16 +85,16 @@ def execute(path: Path, env: dict | None = None, timeout: int = 300, kernel_dir:
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     env = dict(os.environ if env is None else env)
-    if kernel_dir is not None:
-        env["JUPYTER_PATH"] = os.pathsep.join(x for x in (str(kernel_dir), env.get("JUPYTER_PATH")) if x)
-    saved = os.environ.get("JUPYTER_PATH")
-    os.environ["JUPYTER_PATH"] = env.get("JUPYTER_PATH", "")  # where this process finds the kernel spec
+    from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import KernelManager
 
     kernel = "minisgl-course" if kernel_dir is not None else "python3"
+    # the kernel spec from kernel_dir, found without touching this process's JUPYTER_PATH (threads share it)
+    specs = {} if kernel_dir is None else {
+        "kernel_spec_manager": KernelSpecManager(kernel_dirs=[str(Path(kernel_dir) / "kernels")])}
     # IPC sockets, not TCP: kernels started at once by parallel jobs cannot race for the same free ports
     sockets = Path(tempfile.mkdtemp(prefix="minisgl-ipc-"))  # own folder: the socket files are named <ip>-N
-    km = KernelManager(kernel_name=kernel, transport="ipc", ip=str(sockets / "kernel"))
+    km = KernelManager(kernel_name=kernel, transport="ipc", ip=str(sockets / "kernel"), **specs)
     client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=True, kernel_name=kernel,
                             resources={"metadata": {"path": str(path.parent)}})
     t0 = time.perf_counter()
@@ -104,10 +105,6 @@ def execute(path: Path, env: dict | None = None, timeout: int = 300, kernel_dir:
         timed_out = f"{type(e).__name__}: {str(e)[:300]}"
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
-        if saved is None:
-            os.environ.pop("JUPYTER_PATH", None)
-        else:
-            os.environ["JUPYTER_PATH"] = saved
     run = Run(path.name, round(time.perf_counter() - t0, 1), timed_out=timed_out)
     run.graded = [c.metadata["nbgrader"]["grade_id"] for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
     for i, cell in enumerate(nb.cells):
@@ -215,6 +212,14 @@ class Gate:
                 "filled": {k: dump(v) for k, v in self.filled.items()}}
 
 
+def export_one(release_dir: Path, name: str) -> None:
+    """What the notebook's last cell does (`coursekit.export_this`): the release's own course.py export."""
+    out = subprocess.run([sys.executable, str(Path(release_dir) / "autograder" / "course.py"), "export", name],
+                         cwd=Path(release_dir) / "notebooks", capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"export of {name} failed:\n{out.stdout}{out.stderr}")
+
+
 def walk(release_dir: Path, source_dir: Path, notebooks: list[Path], owners: dict[str, str],
          timeout: int = 300, log=None) -> Gate:
     """The progressive pass over the release in `release_dir` (changed in place: its notebooks end filled
@@ -224,16 +229,32 @@ def walk(release_dir: Path, source_dir: Path, notebooks: list[Path], owners: dic
     kernels = kernel_spec_dir()
     env = {k: v for k, v in os.environ.items() if k not in ("MINISGL_COURSE_NO_EXPORT", "PYTHONPATH")}
     env["PYTHONPATH"] = str(release_dir)  # the student's package, never the repository's
+    def note(kind: str, run: Run) -> None:
+        if log is not None:
+            log.write(f"{kind} {run.notebook}: {run.seconds} s, {len(run.errors)} error(s)\n"
+                      + "".join(f"  {e}\n" for e in run.errors if kind == "filled"))
+
+    # Two kernels at a time: once notebook k is filled and exported, "k filled" and "k+1 before its
+    # exercises" need the same package (0..k exported), so they run side by side. k's own export cell then
+    # rewrites nothing (same text), so the two never race on a file.
+    from concurrent.futures import ThreadPoolExecutor
+
     try:
-        for nb in notebooks:
-            gate.stubbed[nb.name] = run = execute(nb, env, timeout, kernels)
-            if log is not None:
-                log.write(f"stubbed {nb.name}: {run.seconds} s, {len(run.errors)} error(s)\n")
-            fill(nb, Path(source_dir) / nb.name)
-            gate.filled[nb.name] = run = execute(nb, env, timeout, kernels)
-            if log is not None:
-                log.write(f"filled {nb.name}: {run.seconds} s, {len(run.errors)} error(s)\n"
-                          + "".join(f"  {e}\n" for e in run.errors))
+        with ThreadPoolExecutor(2) as pool:
+            if notebooks:
+                gate.stubbed[notebooks[0].name] = run = execute(notebooks[0], env, timeout, kernels)
+                note("stubbed", run)
+            for k, nb in enumerate(notebooks):
+                fill(nb, Path(source_dir) / nb.name)
+                export_one(release_dir, nb.name)
+                filled = pool.submit(execute, nb, env, timeout, kernels)
+                nxt = notebooks[k + 1] if k + 1 < len(notebooks) else None
+                stubbed = pool.submit(execute, nxt, env, timeout, kernels) if nxt is not None else None
+                gate.filled[nb.name] = run = filled.result()
+                note("filled", run)
+                if stubbed is not None:
+                    gate.stubbed[nxt.name] = run = stubbed.result()
+                    note("stubbed", run)
     finally:
         shutil.rmtree(kernels, ignore_errors=True)
     return gate
