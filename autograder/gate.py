@@ -104,6 +104,8 @@ def execute(path: Path, env: dict | None = None, timeout: int = 300, kernel_dir:
     except (CellTimeoutError, DeadKernelError) as e:
         timed_out = f"{type(e).__name__}: {str(e)[:300]}"
     finally:
+        if km.has_kernel:  # nbclient shuts down only kernels it created itself, not one handed to it
+            km.shutdown_kernel(now=True)
         shutil.rmtree(sockets, ignore_errors=True)
     run = Run(path.name, round(time.perf_counter() - t0, 1), timed_out=timed_out)
     run.graded = [c.metadata["nbgrader"]["grade_id"] for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
