@@ -6,8 +6,10 @@
     python autograder/course.py clean [NB ...]    strip outputs and execution counts from notebooks
     python autograder/course.py release OUT       the student release in OUT: nbgrader notebooks + stub package
     python autograder/course.py autograde NB_DIR  grade a folder of (submitted) notebooks, print the scores
-    python autograder/course.py roundtrip         release, grade the reference (full marks) and the untouched
-                                                  release (zero), check nothing leaks; exit 1 on any failure
+    python autograder/course.py roundtrip         release; walk it as a student (autograder/gate.py: notebook k
+                                                  fails only on its own stubs, runs clean once filled); grade the
+                                                  walked notebooks (full marks) and the untouched release (zero);
+                                                  check nothing leaks; exit 1 on any failure
 
 `release`, `autograde` and `roundtrip` stage an nbgrader course directory in a temp dir (`--work DIR` keeps it).
 """
@@ -387,7 +389,7 @@ def import_check(release_dir: Path) -> None:
 
 @dataclass
 class RoundTrip:
-    reference: Grades
+    reference: Grades  # the gate's filled notebooks (reference solutions typed into the release), autograded
     untouched: Grades
     leaks: list[str]
     passing_on_stubs: list[str]
@@ -395,6 +397,7 @@ class RoundTrip:
     reference_errors: list[str]
     stubs_in_package: int
     seconds: dict[str, float]
+    gate: object = None  # gate.Gate: the progressive walk over the release
 
     def problems(self) -> list[str]:
         bad = []
@@ -412,6 +415,8 @@ class RoundTrip:
         bad += [f"the reference raised under autograde: {x}" for x in self.reference_errors]
         if self.stubs_in_package == 0:
             bad.append("the release package has no exercise stubs")
+        if self.gate is not None:
+            bad += [f"release gate: {x}" for x in self.gate.problems()]
         return bad
 
 
@@ -426,9 +431,25 @@ def autograde_in_subprocess(course: Path, student: str, submission: Path, base: 
                   {k: tuple(v) for k, v in data["cells"].items()}, Path(data["feedback"]))
 
 
-def roundtrip(work: Path, log=None, parallel: bool = True) -> RoundTrip:
-    """Release; autograde the reference notebooks (must get full marks) and the untouched release (must get
-    zero on every graded cell), the two at once when `parallel`; then the leak and validator checks."""
+def module_owners(nb_dir: Path = NOTEBOOKS) -> dict[str, str]:
+    """Generated module (minisgl/...) -> the notebook file that exports it."""
+    return {module: nb.name for nb in notebook_paths(nb_dir) for module in export_cells(nb)}
+
+
+def roundtrip(work: Path, log=None, timeout: int = 300) -> RoundTrip:
+    """The release checked as a student walks it, in one release:
+
+    - release; no solution or hidden-test text in it; its package imports with every exercise a stub;
+    - the untouched release is autograded (zero on every graded cell; feedback without hidden tests), in a
+      child process on a snapshot, while
+    - the release gate walks the release (`gate.walk`): notebook k with 0..k-1 filled and exported fails only
+      with its own exercise's stub; filled, it runs clean and exports;
+    - the walked release's notebooks (the reference solutions, as a student typed them) are autograded: full
+      marks on every graded cell, no cell raising, feedback without hidden tests.
+    """
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gate as release_gate
+
     work = Path(work)
     t = {"start": time.perf_counter()}
     out = work / "release"
@@ -438,22 +459,26 @@ def roundtrip(work: Path, log=None, parallel: bool = True) -> RoundTrip:
     leaks = find_leaks(out, secrets)
     import_check(out)
     stubs = sum(text.count(STUB) for text in generate(out / "notebooks").values())
-    jobs = {"reference": NOTEBOOKS, "untouched": out / "notebooks"}
+    untouched = work / "release-untouched"  # the gate changes `out`; the untouched grade needs it as released
+    if untouched.exists():
+        shutil.rmtree(untouched)
+    shutil.copytree(out, untouched, symlinks=True)
     courses = {}
-    for student in jobs:  # one course copy per student: nbgrader's sqlite gradebook is not for two writers
+    for student in ("reference", "untouched"):  # one course copy each: sqlite gradebooks are not for two writers
         courses[student] = work / f"nbgrader-{student}"
         if courses[student].exists():
             shutil.rmtree(courses[student])
         shutil.copytree(course, courses[student])
-    if parallel:
-        from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            futures = {s: pool.submit(autograde_in_subprocess, courses[s], s, sub, out, work)
-                       for s, sub in jobs.items()}
-            grades = {s: f.result() for s, f in futures.items()}
-    else:
-        grades = {s: autograde(courses[s], s, sub, out, work, log=log) for s, sub in jobs.items()}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(autograde_in_subprocess, courses["untouched"], "untouched", untouched / "notebooks",
+                              untouched, work)
+        walked = release_gate.walk(out, NOTEBOOKS, notebook_paths(out / "notebooks"), module_owners(), timeout, log)
+        t["gate"] = time.perf_counter()
+        grades = {"reference": autograde_in_subprocess(courses["reference"], "reference", out / "notebooks", out,
+                                                       work)}
+        grades["untouched"] = pending.result()
     t["autograde"] = time.perf_counter()
     passing = passing_graded_cells(courses["untouched"] / "autograded" / "untouched" / ASSIGNMENT)
     hidden = secret_lines(kinds=("HIDDEN TESTS",))
@@ -463,7 +488,8 @@ def roundtrip(work: Path, log=None, parallel: bool = True) -> RoundTrip:
     keys = list(t)
     secs = {k: round(t[k] - t[keys[i - 1]], 1) for i, k in enumerate(keys) if i}
     ref_errors = cell_errors(courses["reference"] / "autograded" / "reference" / ASSIGNMENT)
-    return RoundTrip(grades["reference"], grades["untouched"], leaks, passing, fb_leaks, ref_errors, stubs, secs)
+    return RoundTrip(grades["reference"], grades["untouched"], leaks, passing, fb_leaks, ref_errors, stubs, secs,
+                     walked)
 
 
 # --- CLI --------------------------------------------------------------------------------------------------
@@ -537,6 +563,8 @@ def main(argv=None) -> int:
             print(rt.reference.summary())
             print(rt.untouched.summary())
             print(f"package stubs: {rt.stubs_in_package}; seconds: {json.dumps(rt.seconds)}")
+            (work / "gate.json").write_text(json.dumps(rt.gate.as_json(), indent=1))
+            print(f"release gate: {work / 'gate.json'}")
             bad = rt.problems()
             print("roundtrip: OK" if not bad else "roundtrip FAILED:\n  " + "\n  ".join(bad))
             return 1 if bad else 0

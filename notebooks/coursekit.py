@@ -170,3 +170,59 @@ def export_this(notebook: str) -> None:
     print(out.stdout + out.stderr, end="")
     if out.returncode:
         raise RuntimeError(f"export failed (exit {out.returncode})")
+
+
+# --- the tour's recording ---------------------------------------------------------------------------------
+# The tour (00) drives the finished engine. In a fresh release the package is all exercise stubs, so the
+# tour falls back to a run of the reference engine recorded by scripts/record_tour.py (data only: texts,
+# token ids, per-step batch composition inputs and timings), and says so.
+
+TOUR_TRACE = "assets/tour_trace.json"
+
+
+class TourRecording:
+    """The recorded tour: `outputs(section)` gives objects with the fields of `minisgl.RequestOutput` that
+    the tour reads, `steps()` the recorded per-step records, `seconds(section)` the wall time of a run."""
+
+    def __init__(self, data: dict, reason: str = "") -> None:
+        self.data, self.reason = data, reason
+
+    def outputs(self, section: str) -> list:
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(**o) for o in self.data["sections"][section]["outputs"]]
+
+    def steps(self, section: str = "steps") -> list[dict]:
+        return [dict(s) for s in self.data["sections"][section]["steps"]]
+
+    def composition(self, section: str = "steps") -> list[tuple[int, int]]:
+        """(prefill tokens, decode tokens) per recorded step, as the reference `composition` computed them."""
+        return [tuple(c) for c in self.data["sections"][section]["composition"]]
+
+    def seconds(self, section: str) -> float:
+        return self.data["sections"][section]["seconds"]
+
+    def banner(self) -> str:
+        s = self.data["settings"]
+        return (f"[recorded] Your minisgl package cannot run yet ({self.reason}).\n"
+                f"[recorded] Shown instead: the reference engine's run recorded {self.data['recorded_at']} at commit "
+                f"{self.data['commit'][:10]} on {s['device']} (torch {s['torch']}, model {s['model']}).\n"
+                f"[recorded] Finish the notebooks and these cells run your own engine.\n")
+
+
+def tour_recording(error: BaseException | None = None) -> TourRecording:
+    """Load the recorded tour; `error` (the NotImplementedError the live engine raised) says where it stopped."""
+    import json
+    import traceback
+
+    reason = ""
+    if error is not None:
+        frames = traceback.extract_tb(error.__traceback__)
+        where = next((f for f in reversed(frames) if "minisgl" in f.filename), frames[-1] if frames else None)
+        reason = f"{type(error).__name__}: {error}"
+        if where is not None:
+            path = Path(where.filename)
+            rel = "/".join(path.parts[path.parts.index("minisgl"):]) if "minisgl" in path.parts else path.name
+            reason += f" in {where.name}() of {rel}"
+    data = json.loads((repo_root() / TOUR_TRACE).read_text())
+    return TourRecording(data, reason)

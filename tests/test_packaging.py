@@ -63,3 +63,11 @@ def test_model_configs_for_benchmarks_are_real_shapes():
     big = json.loads((ROOT / "assets/configs/qwen3-8b/config.json").read_text())
     assert (small["hidden_size"], small["num_hidden_layers"], small["vocab_size"]) == (1024, 28, 151936)
     assert (big["hidden_size"], big["num_hidden_layers"], big["intermediate_size"]) == (4096, 36, 12288)
+
+
+def test_ci_installs_the_browser_for_the_browser_test():
+    # tests/test_browser.py must really run in CI: .ci/run installs Debian's chromium, the dev extra Playwright
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "apt-get install -y chromium" in ci and "playwright install" not in ci
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    assert any(d.startswith("playwright") for d in dev)
