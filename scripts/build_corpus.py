@@ -60,9 +60,18 @@ PACKAGES = {
     "debian-reference-en": "GPL-2+ (Debian Reference)",
     "git-doc": "GPL-2 (Git documentation)",
     "gnu-standards": "GFDL-1.3+, no invariant sections (GNU Coding Standards, Information for Maintainers)",
+    "manpages": "Linux man-pages: per-page free licences (GPL-2+, Verbatim, BSD; see its copyright file)",
+    "manpages-dev": "Linux man-pages, sections 2 and 3: per-page free licences as manpages",
+    "debian-policy": "GPL-2+ (Debian Policy Manual)",
+    "developers-reference": "GPL-2 (Debian Developer's Reference)",
+    "python-django-doc": "BSD-3-Clause (Django documentation)",
+    "sphinx-doc": "BSD-2-Clause (Sphinx documentation)",
+    "python-pandas-doc": "BSD-3-Clause (pandas documentation)",
+    "python-scipy-doc": "BSD-3-Clause (SciPy documentation)",
 }
 PYTHON_CORPUS_CAP = 20_000_000  # the Python-installation sources (old corpus rules) stop here
 PER_LINUX_DIR_CAP = 2_500_000  # bytes from any one Documentation/<dir> so no subsystem dominates
+SCIPY_CAP = 5_000_000  # SciPy's HTML is mostly generated API pages: take the first 5 MB (sorted paths)
 HELDOUT_EVERY = ttm.HELDOUT_EVERY
 EOT_ID = 0
 XZ_PRESET = 9 | lzma.PRESET_EXTREME
@@ -220,7 +229,29 @@ def html_to_text(raw: str) -> str:
     parser = HTMLText()
     parser.feed(raw)
     parser.close()
-    return parser.text()
+    return parser.text().replace("\u00b6", "")  # Sphinx's pilcrow header links
+
+
+SKIP_HTML = {"genindex.html", "search.html", "py-modindex.html", "np-modindex.html"}
+
+
+def doc_pages(root: Path) -> list[Path]:
+    """HTML pages of a Sphinx site, without its index/search pages and highlighted source (_modules)."""
+    return [p for p in root.rglob("*.html")
+            if p.name not in SKIP_HTML and not any(part.startswith("_") for part in p.relative_to(root).parts)]
+
+
+def man_to_text(path: Path) -> str:
+    """Render one man page with groff (left-adjusted, no hyphenation, one page) and drop its indent."""
+    roff = gzip.decompress(path.read_bytes())
+    if roff.lstrip().startswith(b".so "):  # a stub that points at another page
+        return ""
+    cmd = ["groff", "-t", "-man", "-Tutf8", "-P-cbou", "-rcR=1", "-rLL=100n", "-rHY=0"]
+    out = subprocess.run(cmd, input=roff, capture_output=True, check=False).stdout.decode("utf-8", "replace")
+    lines = out.split("\n")[1:-2]  # the running header and footer
+    lines = [line[7:] if line.startswith("       ") else line.strip() for line in lines]
+    # groff justifies prose with runs of spaces; collapse them in lines that start flush (not code).
+    return "\n".join(re.sub(r"(?<=\S) {2,}(?=\S)", " ", line) if line[:1] != " " else line for line in lines)
 
 
 # =========================================================================================
@@ -236,14 +267,16 @@ def debian_sources(cb: ttm.CorpusBuilder) -> None:
     share = ROOT / "usr" / "share"
     doc = share / "doc"
 
-    def add_files(files, convert, source, per_dir_cap=None, dir_of=None):
+    def add_files(files, convert, source, per_dir_cap=None, dir_of=None, raw=False):
         per_dir: dict[str, int] = {}
         before = cb.size
         for p in sorted(files):
+            if p.is_symlink():
+                continue
             key = dir_of(p) if dir_of else ""
             if per_dir_cap and per_dir.get(key, 0) >= per_dir_cap:
                 continue
-            per_dir[key] = per_dir.get(key, 0) + cb.add(convert(read(p)), source)
+            per_dir[key] = per_dir.get(key, 0) + cb.add(convert(p if raw else read(p)), source)
         print(f"[corpus] + {source}: {cb.size - before:,} bytes", flush=True)
 
     py = doc / "python3.11" / "html" / "_sources"
@@ -260,6 +293,17 @@ def debian_sources(cb: ttm.CorpusBuilder) -> None:
               "debian-reference-en")
     add_files((doc / "git-doc").glob("*.txt"), strip_asciidoc, "git-doc")
     add_files((doc / "gnu-standards").glob("*.text.gz"), lambda t: t, "gnu-standards")
+    man = share / "man"
+    add_files([p for p in man.glob("man[2-3]/*.gz")], man_to_text, "manpages-dev", raw=True)
+    add_files([p for p in man.glob("man[145678]/*.gz")], man_to_text, "manpages", raw=True)
+    add_files([doc / "debian-policy" / "policy.txt.gz"], lambda t: t, "debian-policy")
+    add_files([share / "developers-reference" / "developers-reference.txt.gz"], lambda t: t,
+              "developers-reference")
+    add_files(doc_pages(doc / "python-django-doc" / "html"), html_to_text, "python-django-doc")
+    add_files((doc / "sphinx-doc").rglob("_sources/**/*.txt"), strip_rst, "sphinx-doc")
+    add_files((doc / "python-pandas-doc").rglob("_sources/**/*.txt"), strip_rst, "python-pandas-doc")
+    add_files(doc_pages(doc / "python-scipy-doc" / "html"), html_to_text, "python-scipy-doc",
+              SCIPY_CAP)
 
 
 # =========================================================================================

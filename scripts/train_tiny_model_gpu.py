@@ -125,10 +125,10 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--mlp", type=int, default=1152)
-    ap.add_argument("--batch-size", type=int, default=128)
-    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup-steps", type=int, default=200)
+    ap.add_argument("--warmup-steps", type=int, default=100)
     ap.add_argument("--eval-tokens", type=int, default=1_000_000)
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--shard-size", default="14MB")
@@ -222,17 +222,20 @@ def main() -> None:
     print(f"[eval] after {step} steps ({tokens_seen:,} tokens, {train_seconds:.0f}s): held-out {held_loss:.4f} "
           f"(ppl {math.exp(held_loss):.1f})", flush=True)
 
+    # Weights first, so that a failure in anything after (tokenizer, sampling) loses nothing.
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(TOKENIZER_DIR / name, out / name)
-    tok = PreTrainedTokenizerFast.from_pretrained(out)
     model = model.to(torch.bfloat16).eval()
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[0, 2], pad_token_id=0,
                                                do_sample=False)
     model.save_pretrained(out, safe_serialization=True, max_shard_size=args.shard_size)
+    for name in TOKENIZER_FILES:
+        shutil.copy(TOKENIZER_DIR / name, out / name)
     ttm.make_portable(out)
-    samples = greedy_samples(model, tok, device)
+    try:
+        samples = greedy_samples(model, PreTrainedTokenizerFast.from_pretrained(out), device)
+    except Exception as exc:  # noqa: BLE001 - the record says what failed; the weights are saved
+        samples = {"error": repr(exc)}
     for prompt, text in samples.items():
         print(f"[sample] {prompt!r} -> {text!r}", flush=True)
 
