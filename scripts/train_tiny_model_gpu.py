@@ -22,6 +22,7 @@ held-out loss, wall time, device, greedy samples).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import shutil
@@ -151,6 +152,9 @@ def main() -> None:
     corpus = json.loads((args.data / "corpus.json").read_text())
     train_np = build_corpus.load_stream(args.data / "train.u16.xz")
     held_np = build_corpus.load_stream(args.data / "heldout.u16.xz")
+    for name, arr in (("train", train_np), ("heldout", held_np)):  # the pack travelled: check it
+        if hashlib.sha256(arr.tobytes()).hexdigest() != corpus["streams"][name]["sha256_uint16"]:
+            raise SystemExit(f"{name} stream does not match corpus.json: rebuild the pack")
     train = torch.from_numpy(train_np.astype(np.int32)).to(device)
     held = torch.from_numpy(held_np.astype(np.int32)).to(device)
     print(f"[data] train {train.numel():,} tokens, held-out {held.numel():,} ({time.time() - wall0:.1f}s)",
@@ -211,7 +215,7 @@ def main() -> None:
             h = heldout_loss(model, held, args, dt)
             heldout_curve.append({"step": step, "seconds": round(time.time() - t0, 1), "heldout": round(h, 4)})
             print(f"[eval] step {step} held-out {h:.4f}", flush=True)
-            next_eval += 0.25
+            next_eval = (math.floor(progress * 4) + 1) / 4  # a slow step may pass several quarters
     if dt == "cuda":
         torch.cuda.synchronize()
     train_seconds = time.time() - t0
