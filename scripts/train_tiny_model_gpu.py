@@ -11,6 +11,13 @@ same chat template and special tokens, a larger Qwen3 model and far more tokens.
     python scripts/train_tiny_model_gpu.py --device cpu --time-budget 20 --batch-size 4 --seq-len 128 \
         --eval-tokens 4096 --out /tmp/tiny-gpu-check
 
+The device call (carry [".train-data/pack"]; eight files come back: the log, config, generation config,
+three weight shards, the shard index and TRAINING.json), then here ``scripts/install_trained_model.py``:
+
+    set -o pipefail; python3 scripts/train_tiny_model_gpu.py --data .train-data/pack --out /tmp/m \
+      --time-budget 200 2>&1 | tee $OUT/train.log; rc=$?; cd /tmp/m && cp config.json \
+      generation_config.json model-*.safetensors model.safetensors.index.json TRAINING.json $OUT/; exit $rc
+
 Training: bf16 autocast over fp32 master weights, AdamW (fused on CUDA), warmup then cosine decay,
 where the schedule runs on *elapsed time* over the budget, so the LR reaches its floor as the budget
 ends whatever the speed of the machine. When the budget is spent the script evaluates the held-out
