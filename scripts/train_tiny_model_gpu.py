@@ -1,0 +1,292 @@
+#!/usr/bin/env python
+"""Train the embedded model on one GPU in a fixed wall-clock budget, from a pre-tokenized corpus.
+
+The GPU mode of ``scripts/train_tiny_model.py``: same tokenizer (copied from ``assets/tiny-qwen3``),
+same chat template and special tokens, a larger Qwen3 model and far more tokens. The corpus comes from
+``scripts/build_corpus.py`` (``.train-data/pack``: uint16 token streams, xz-compressed).
+
+    # on the GPU machine (torch and transformers already there):
+    python scripts/train_tiny_model_gpu.py --data .train-data/pack --out /tmp/model --time-budget 200
+    # end-to-end check of the same code path on a CPU, in seconds:
+    python scripts/train_tiny_model_gpu.py --device cpu --time-budget 20 --batch-size 4 --seq-len 128 \
+        --eval-tokens 4096 --out /tmp/tiny-gpu-check
+
+The device call (carry [".train-data/pack"]; eight files come back: the log, config, generation config,
+three weight shards, the shard index and TRAINING.json), then here ``scripts/install_trained_model.py``:
+
+    set -o pipefail; python3 scripts/train_tiny_model_gpu.py --data .train-data/pack --out /tmp/m \
+      --time-budget 200 2>&1 | tee $OUT/train.log; rc=$?; cd /tmp/m && cp config.json \
+      generation_config.json model-*.safetensors model.safetensors.index.json TRAINING.json $OUT/; exit $rc
+
+Training: bf16 autocast over fp32 master weights, AdamW (fused on CUDA), warmup then cosine decay,
+where the schedule runs on *elapsed time* over the budget, so the LR reaches its floor as the budget
+ends whatever the speed of the machine. When the budget is spent the script evaluates the held-out
+loss, writes the model in bf16 as safetensors shards under ``--shard-size`` (the device returns files of
+at most 16 MB), the tokenizer files, and ``TRAINING.json`` (corpus, sizes, steps, tokens, loss curve,
+held-out loss, wall time, device, greedy samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import build_corpus  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import train_tiny_model as ttm  # noqa: E402
+import transformers  # noqa: E402
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+REPO = ttm.REPO
+TOKENIZER_DIR = REPO / "assets" / "tiny-qwen3"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+SAMPLE_PROMPTS = ["The function returns", "This module provides", "If the file does not exist,"]
+SAMPLE_TOKENS = 60
+
+
+def make_config(args) -> Qwen3Config:
+    eot, im_end = 0, 2  # <|endoftext|>, <|im_end|> in the shipped tokenizer
+    return Qwen3Config(
+        vocab_size=ttm.VOCAB_SIZE,
+        hidden_size=args.hidden,
+        intermediate_size=args.mlp,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        bos_token_id=eot,
+        eos_token_id=[eot, im_end],
+        pad_token_id=eot,
+        dtype="bfloat16",
+    )
+
+
+def lr_at(progress: float, step: int, args) -> float:
+    """Linear warmup over the first steps, then cosine from peak to a floor over the time budget."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    p = min(1.0, progress)
+    return args.lr * (ttm.MIN_LR_FRACTION + (1 - ttm.MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def random_batch(data: torch.Tensor, n: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    """n random windows of seq_len + 1 tokens, gathered on the data's device."""
+    starts = torch.randint(0, data.numel() - seq_len - 1, (n, 1), generator=gen, device=data.device)
+    return data[starts + torch.arange(seq_len + 1, device=data.device)].long()
+
+
+def lm_loss(model, x: torch.Tensor, device_type: str) -> torch.Tensor:
+    with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+        logits = model(input_ids=x[:, :-1]).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def heldout_loss(model, held: torch.Tensor, args, device_type: str) -> float:
+    """Mean loss over consecutive non-overlapping windows of the first --eval-tokens held-out tokens."""
+    model.eval()
+    n_windows = max(1, min(held.numel() - 1, args.eval_tokens) // args.seq_len)
+    windows = held[: n_windows * args.seq_len + 1]
+    idx = torch.arange(n_windows, device=held.device)[:, None] * args.seq_len + \
+        torch.arange(args.seq_len + 1, device=held.device)
+    total = 0.0
+    for chunk in idx.split(args.batch_size):
+        total += lm_loss(model, windows[chunk].long(), device_type).item() * chunk.size(0)
+    model.train()
+    return total / n_windows
+
+
+@torch.no_grad()
+def greedy_samples(model, tok, device) -> dict[str, str]:
+    model.eval()
+    out = {}
+    for prompt in SAMPLE_PROMPTS:
+        ids = tok(prompt, return_tensors="pt").to(device)
+        gen = model.generate(**ids, max_new_tokens=SAMPLE_TOKENS, do_sample=False)
+        out[prompt] = tok.decode(gen[0], skip_special_tokens=False)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, default=build_corpus.PACK)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--time-budget", type=float, default=200.0, help="seconds of training (not setup/eval)")
+    ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps too (0: no limit)")
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--mlp", type=int, default=1152)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup-steps", type=int, default=100)
+    ap.add_argument("--eval-tokens", type=int, default=1_000_000)
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--shard-size", default="14MB")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (off: compile time)")
+    args = ap.parse_args()
+
+    wall0 = time.time()
+    device = torch.device(args.device)
+    dt = device.type
+    if dt == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = "cpu"
+    torch.manual_seed(ttm.SEED)
+    print(f"[setup] torch {torch.__version__}, transformers {transformers.__version__}, {device_name}",
+          flush=True)
+
+    corpus = json.loads((args.data / "corpus.json").read_text())
+    train_np = build_corpus.load_stream(args.data / "train.u16.xz")
+    held_np = build_corpus.load_stream(args.data / "heldout.u16.xz")
+    for name, arr in (("train", train_np), ("heldout", held_np)):  # the pack travelled: check it
+        if hashlib.sha256(arr.tobytes()).hexdigest() != corpus["streams"][name]["sha256_uint16"]:
+            raise SystemExit(f"{name} stream does not match corpus.json: rebuild the pack")
+    train = torch.from_numpy(train_np.astype(np.int32)).to(device)
+    held = torch.from_numpy(held_np.astype(np.int32)).to(device)
+    print(f"[data] train {train.numel():,} tokens, held-out {held.numel():,} ({time.time() - wall0:.1f}s)",
+          flush=True)
+
+    config = make_config(args)
+    model = Qwen3ForCausalLM(config).float().to(device)  # fp32 master weights; bf16 under autocast
+    n_params = sum(p.numel() for p in model.parameters())
+    tokens_per_step = args.batch_size * args.seq_len
+    print(f"[model] {n_params:,} parameters; {tokens_per_step:,} tokens/step", flush=True)
+    step_model = torch.compile(model) if args.compile else model
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": ttm.WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=(dt == "cuda"),
+    )
+    gen = torch.Generator(device=device).manual_seed(ttm.SEED)
+    init_held = heldout_loss(model, held, args, dt)
+    print(f"[eval] held-out loss at init {init_held:.4f}", flush=True)
+
+    history: list[dict] = []
+    heldout_curve: list[dict] = []
+    next_eval = 0.25
+    recent = torch.zeros((), device=device)
+    n_recent = 0
+    step = 0
+    model.train()
+    if dt == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.time()
+    while True:
+        elapsed = time.time() - t0
+        if elapsed >= args.time_budget or (args.max_steps and step >= args.max_steps):
+            break
+        progress = elapsed / args.time_budget
+        lr = lr_at(progress, step, args)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = lm_loss(step_model, random_batch(train, args.batch_size, args.seq_len, gen), dt)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        recent += loss.detach()
+        n_recent += 1
+        step += 1
+        if step % args.log_every == 0 or step == 1:
+            avg = (recent / n_recent).item()  # one sync per log line, not per step
+            recent.zero_()
+            n_recent = 0
+            el = time.time() - t0
+            history.append({"step": step, "seconds": round(el, 1), "loss": round(avg, 4), "lr": round(lr, 6)})
+            print(f"[train] step {step:6d}  loss {avg:.4f}  lr {lr:.2e}  {el:6.1f}s  "
+                  f"{step * tokens_per_step / el / 1e3:8.1f}k tok/s", flush=True)
+        if progress >= next_eval and next_eval < 1.0:
+            h = heldout_loss(model, held, args, dt)
+            heldout_curve.append({"step": step, "seconds": round(time.time() - t0, 1), "heldout": round(h, 4)})
+            print(f"[eval] step {step} held-out {h:.4f}", flush=True)
+            next_eval = (math.floor(progress * 4) + 1) / 4  # a slow step may pass several quarters
+    if dt == "cuda":
+        torch.cuda.synchronize()
+    train_seconds = time.time() - t0
+    tokens_seen = step * tokens_per_step
+
+    held_loss = heldout_loss(model, held, args, dt)
+    heldout_curve.append({"step": step, "seconds": round(train_seconds, 1), "heldout": round(held_loss, 4)})
+    print(f"[eval] after {step} steps ({tokens_seen:,} tokens, {train_seconds:.0f}s): held-out {held_loss:.4f} "
+          f"(ppl {math.exp(held_loss):.1f})", flush=True)
+
+    # Weights first, so that a failure in anything after (tokenizer, sampling) loses nothing.
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    model = model.to(torch.bfloat16).eval()
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[0, 2], pad_token_id=0,
+                                               do_sample=False)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=args.shard_size)
+    for name in TOKENIZER_FILES:
+        shutil.copy(TOKENIZER_DIR / name, out / name)
+    ttm.make_portable(out)
+    try:
+        samples = greedy_samples(model, PreTrainedTokenizerFast.from_pretrained(out), device)
+    except Exception as exc:  # noqa: BLE001 - the record says what failed; the weights are saved
+        samples = {"error": repr(exc)}
+    for prompt, text in samples.items():
+        print(f"[sample] {prompt!r} -> {text!r}", flush=True)
+
+    record = {
+        "seed": ttm.SEED,
+        "device": device_name,
+        "parameters": n_params,
+        "architecture": {k: getattr(config, k) for k in (
+            "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")},
+        "weights_dtype": "bfloat16",
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "tokens_per_step": tokens_per_step,
+        "steps": step,
+        "tokens_seen": tokens_seen,
+        "epochs": round(tokens_seen / max(1, train.numel()), 2),
+        "tokens_per_second": round(tokens_seen / max(train_seconds, 1e-9)),
+        "optimizer": {"name": "AdamW", "fused": dt == "cuda", "peak_lr": args.lr, "betas": [0.9, 0.95],
+                      "weight_decay": ttm.WEIGHT_DECAY, "warmup_steps": args.warmup_steps,
+                      "schedule": f"cosine over the {args.time_budget:.0f}s budget to "
+                                  f"{ttm.MIN_LR_FRACTION} x peak", "grad_clip": 1.0},
+        "autocast": "bfloat16",
+        "compiled": args.compile,
+        "corpus": {**{k: v for k, v in corpus.items() if k != "command"},
+                   "train_tokens": int(train.numel()), "heldout_tokens": int(held.numel())},
+        "loss": {"heldout_at_init": round(init_held, 4), "heldout": round(held_loss, 4),
+                 "heldout_eval_tokens": min(held.numel(), args.eval_tokens),
+                 "train_last_window": history[-1]["loss"] if history else None},
+        "training": {"history": history, "heldout_curve": heldout_curve,
+                     "time_budget_seconds": args.time_budget, "train_seconds": round(train_seconds, 1)},
+        f"samples_greedy_{SAMPLE_TOKENS}_tokens": samples,
+        "wall_seconds_total": round(time.time() - wall0, 1),
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "command": "python scripts/train_tiny_model_gpu.py " + " ".join(sys.argv[1:]),
+    }
+    (out / "TRAINING.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    print(f"[done] wrote {out} ({ttm.dir_size(out) / 1e6:.1f} MB) in {time.time() - wall0:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
