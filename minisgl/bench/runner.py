@@ -22,14 +22,17 @@ def _sync() -> None:
 
 def warm_up(llm, n: int = 8, out: int = 16) -> None:
     """Compile every kernel variant a workload will use before the clock starts: short and chunk-sized
-    prompts (mixed prefill + decode steps), greedy and temperature sampling (the fused sampler)."""
+    prompts (mixed prefill + decode steps), greedy and temperature sampling (the fused sampler), with and without top-k/top-p."""
     vocab = llm.engine.model_config.vocab_size
     chunk = llm.config.prefill_budget
     longest = llm.engine.max_model_len - out - 1
     # the first length is a real prefill, so warm_up(n=1) also compiles the extend kernels
     lengths = [min(n, longest) for n in (64, 1, 17, 200, 513, chunk + 100)]
     prompts = [[(7 * i + j) % vocab for j in range(lengths[i % len(lengths)])] for i in range(n)]
-    params = [SamplingParams(temperature=0.6 if i % 2 else 0.0, max_tokens=out, ignore_eos=True) for i in range(n)]
+    # greedy, temperature, and top-k/top-p rows: every sampler variant compiles before the clock starts
+    cuts = [{}, {}, {"top_k": 50, "top_p": 0.95}]
+    params = [SamplingParams(temperature=0.6 if i % 2 else 0.0, max_tokens=out, ignore_eos=True, **cuts[i % 3])
+              for i in range(n)]
     llm.generate(prompts, params, progress=False)
 
 
