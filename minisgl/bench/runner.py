@@ -22,7 +22,8 @@ def _sync() -> None:
 
 def warm_up(llm, n: int = 8, out: int = 16) -> None:
     """Compile every kernel variant a workload will use before the clock starts: short and chunk-sized
-    prompts (mixed prefill + decode steps), greedy and temperature sampling (the fused sampler), with and without top-k/top-p."""
+    prompts (mixed prefill + decode steps), greedy and temperature sampling (the fused sampler), with and
+    without top-k/top-p."""
     vocab = llm.engine.model_config.vocab_size
     chunk = llm.config.prefill_budget
     longest = llm.engine.max_model_len - out - 1
