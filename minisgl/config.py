@@ -92,6 +92,8 @@ class EngineConfig:
             raise ValueError("prefill_graph_max_tokens must be >= 0 (0 = off) and prefill_graph_max_reqs >= 1")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
 

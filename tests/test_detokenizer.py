@@ -156,3 +156,13 @@ def test_stop_strings_in_both_modes(ids, cuts, stops, data):
         emitted += piece
         assert expected.startswith(emitted)  # never past the stop string
         assert not any(s in emitted for s in stops)
+
+
+def test_a_long_push_ending_inside_a_character_keeps_only_that_character_back():
+    """More than MAX_HELD_TOKENS byte tokens in one push whose last character is still open: the text before it
+    is released and the open character waits for its last byte (found by hypothesis)."""
+    text = "00000\x80\x80\U00010000\U00010000"
+    ids = byte_tokens(text)
+    ts, pieces = stream(ids, [len(ids) - 1])  # every byte but the last one, then the last
+    assert "".join(pieces) == text == ts.final_text()
+    assert "\ufffd" not in pieces[0]

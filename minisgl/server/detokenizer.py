@@ -56,8 +56,15 @@ class IncrementalDetokenizer:
             self._window_start = self._released = len(self.ids)
             self._window_text = ""
             return ""
+        end = len(self.ids)
+        if window.endswith(REPLACEMENT):  # many tokens at once, the last character still open: keep it back
+            for k in range(1, 4):
+                head = self._decode(self.ids[self._window_start:end - k])
+                if not head.endswith(REPLACEMENT) and head.startswith(self._window_text):
+                    window, end = head, end - k
+                    break
         piece = window[len(self._window_text):]
-        self._window_start, self._released = self._released, len(self.ids)
+        self._window_start, self._released = self._released, end
         self._window_text = self._decode(self.ids[self._window_start:self._released])
         self.text += piece
         return piece
