@@ -73,7 +73,10 @@ def _reset_stats(llm) -> None:
 
 
 def run_throughput(llm, w: Workload) -> dict:
-    """All requests at once; output tokens per second of wall time."""
+    """All requests at once, from an empty prefix cache; output tokens per second of wall time."""
+    # a workload run after another on the same engine (W1 then W1 top-k/top-p: the same prompts) must not find
+    # them cached: on the H200 that made the second W1 skip 99.8% of its prefill (reports/h200/run6)
+    flush_prefix_cache(llm)
     warm_up(llm)
     _reset_stats(llm)
     variants = triton_variants()
