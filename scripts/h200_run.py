@@ -20,6 +20,9 @@ Sections (comma separated):
   sweep06    the batch-mix sweep (64-1024 requests, prompts up to 4k, greedy and top-k/top-p) on Qwen3-0.6B
   ab06       W2 then W1 on Qwen3-0.6B, defaults: run once with MINISGL_ROOT=<older package> for an A/B
   sampling_check, prefill_check   the GPU self-checks of the fused sampler and the prefill graphs
+  tune_sampling  time the fused sampler's launch shapes (scripts/gpu_sampling_tune.py) and keep the pick for
+             the sections after it in this process
+  profile_small06  the batch-1/64 decode and W2-request profiles on Qwen3-0.6B (with MINISGL_ROOT: an A/B)
 Each section's result (or its traceback) is written as soon as it ends, so a timeout keeps what finished.
 """
 
@@ -169,7 +172,8 @@ def bench(model: str, runs: list[tuple[str, list[str], dict]]) -> dict:
         try:
             llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16", **kw)
             startup = time.perf_counter() - t0
-            res[label] = {"settings": kw, "startup_s": startup, "kv_pool_tokens": llm.engine.runner.kv_capacity_tokens}
+            res[label] = {"settings": kw, "startup_s": startup, "kv_pool_tokens": llm.engine.runner.kv_capacity_tokens,
+                          "sampler_launch": sampler_launch()}
             for w in workloads:
                 res[label][w] = run_workload(llm, w)
                 log(model, label, w, {k: v for k, v in res[label][w].items() if not isinstance(v, (list, dict))})
@@ -181,11 +185,20 @@ def bench(model: str, runs: list[tuple[str, list[str], dict]]) -> dict:
     return res
 
 
+def sampler_launch() -> dict | None:
+    """The fused sampler's launch shapes this process uses (older packages have none)."""
+    try:
+        from minisgl.kernels import sampling
+        return dict(sampling.LAUNCH)
+    except (ImportError, AttributeError):
+        return None
+
+
 def sweep(model: str) -> dict:
     from minisgl.bench.runner import run_sweep
     llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
     res = {"kv_pool_tokens": llm.engine.runner.kv_capacity_tokens,
-           "max_running_requests": llm.config.max_running_requests, "cells": {}}
+           "max_running_requests": llm.config.max_running_requests, "sampler_launch": sampler_launch(), "cells": {}}
     from minisgl.bench.workloads import sweep_cells
     for cell in sweep_cells():
         res["cells"].update(run_sweep(llm, [cell]))
@@ -323,7 +336,15 @@ SECTIONS = {
     "ab06": lambda: bench("qwen3-0.6b", [("default", ["w2", "w1"], {})]),
     "sampling_check": lambda: script_main("gpu_sampling_check"),
     "prefill_check": lambda: script_main("gpu_prefill_check"),
+    "tune_sampling": lambda: tune_sampling(),
+    "profile_small06": lambda: profile_small_batches("qwen3-0.6b"),
 }
+
+
+def tune_sampling() -> dict:
+    sys.path.insert(0, os.path.dirname(__file__))
+    import gpu_sampling_tune
+    return gpu_sampling_tune.main("/tmp/gpu_sampling_tune", apply=True)
 
 
 def main() -> int:

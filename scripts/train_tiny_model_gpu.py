@@ -89,10 +89,34 @@ def random_batch(data: torch.Tensor, n: int, seq_len: int, gen: torch.Generator)
     return data[starts + torch.arange(seq_len + 1, device=data.device)].long()
 
 
-def lm_loss(model, x: torch.Tensor, device_type: str) -> torch.Tensor:
+def lm_loss(model, x: torch.Tensor, device_type: str, unlikelihood: float = 0.0) -> torch.Tensor:
+    """Next-token cross-entropy, plus (weight `unlikelihood` > 0) token-level unlikelihood training
+    (Welleck et al. 2019, "Neural text generation with unlikelihood training"): every token already seen in
+    the window before position t, other than the true next one, is a negative at t, and the loss adds
+    -log(1 - p(negative)). It teaches a small model not to copy its own context, the root of greedy loops."""
+    inputs, targets = x[:, :-1], x[:, 1:]
     with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
-        logits = model(input_ids=x[:, :-1]).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+        logits = model(input_ids=inputs).logits
+    logits = logits.float()
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    if unlikelihood > 0:
+        b, t = inputs.shape
+        pos = torch.arange(t, device=x.device)
+        # first[b, v]: where token v first occurs in the window (t when it does not): seen at t iff first <= t
+        first = torch.full((b, logits.size(-1)), t, device=x.device, dtype=torch.long)
+        first.scatter_reduce_(1, inputs, pos.expand(b, t), reduce="amin")
+        seen = first[:, None, :] <= pos[None, :, None]
+        seen.scatter_(2, targets[..., None], False)  # the true next token is never a negative
+        probs = logits.softmax(-1)
+        ul = -(torch.log1p(-probs.clamp(max=1 - 1e-5)) * seen).sum(-1).mean()
+        loss = loss + unlikelihood * ul
+    return loss
+
+
+def repeated_ngram_share(ids: list[int], n: int = 4) -> float:
+    """seq-rep-n: the share of n-grams of a continuation that already occurred earlier in it (0: no loop)."""
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
 
 
 @torch.no_grad()
@@ -117,7 +141,9 @@ def greedy_samples(model, tok, device) -> dict[str, str]:
     for prompt in SAMPLE_PROMPTS:
         ids = tok(prompt, return_tensors="pt").to(device)
         gen = model.generate(**ids, max_new_tokens=SAMPLE_TOKENS, do_sample=False)
-        out[prompt] = tok.decode(gen[0], skip_special_tokens=False)
+        new = gen[0, ids["input_ids"].shape[1]:].tolist()
+        out[prompt] = {"text": tok.decode(gen[0], skip_special_tokens=False),
+                       "repeated_4gram_share": round(repeated_ngram_share(new), 3)}
     return out
 
 
@@ -140,6 +166,8 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=1_000_000)
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--shard-size", default="14MB")
+    ap.add_argument("--unlikelihood", type=float, default=0.0,
+                    help="weight of the token-level unlikelihood loss (0: plain cross-entropy)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (off: compile time)")
     args = ap.parse_args()
 
@@ -202,7 +230,8 @@ def main() -> None:
         lr = lr_at(progress, step, args)
         for group in opt.param_groups:
             group["lr"] = lr
-        loss = lm_loss(step_model, random_batch(train, args.batch_size, args.seq_len, gen), dt)
+        loss = lm_loss(step_model, random_batch(train, args.batch_size, args.seq_len, gen), dt,
+                       args.unlikelihood)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -270,6 +299,7 @@ def main() -> None:
                       "schedule": f"cosine over the {args.time_budget:.0f}s budget to "
                                   f"{ttm.MIN_LR_FRACTION} x peak", "grad_clip": 1.0},
         "autocast": "bfloat16",
+        "unlikelihood_weight": args.unlikelihood,
         "compiled": args.compile,
         "corpus": {**{k: v for k, v in corpus.items() if k != "command"},
                    "train_tokens": int(train.numel()), "heldout_tokens": int(held.numel())},

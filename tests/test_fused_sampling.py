@@ -103,3 +103,19 @@ def test_temperature_only_matches_reference():
     got = fused.fused_sample(logits, temps, st.top_ks, st.top_ps, None, seeds, steps, cuts=False, chunk=1024)
     assert got.tolist() == sample(logits, st).tolist()
     assert got[0] == logits[0].argmax() and got[5] == logits[5].argmax()
+
+
+def test_bf16_logits_draw_what_their_fp32_widening_draws():
+    """The LM head's bf16 output goes to the sampler as is (half the bytes, 4 search passes): the same tokens
+    as the float32 widening of the same values, greedy, temperature and every cut."""
+    fused = _interpreted()
+    gen = torch.Generator().manual_seed(16)
+    vocab = 1100
+    t, k, p, mp, seeds, steps = _rows(vocab, gen)
+    narrow = (torch.randn(len(t), vocab, generator=gen) * 3).bfloat16()
+    wide = narrow.float()
+    got = fused.fused_sample(narrow, t, k, p, mp, seeds, steps, chunk=512)
+    assert got.tolist() == fused.fused_sample(wide, t, k, p, mp, seeds, steps, chunk=512).tolist()
+    assert got.tolist() == _reference(wide, t, k, p, mp, seeds, steps).tolist()
+    st = SamplingTensors(t, k, p, seeds, steps, all_greedy=False, any_top_k_p=True, min_ps=mp)
+    assert sample(narrow, st).tolist() == got.tolist()  # the torch path widens bf16 logits itself

@@ -121,7 +121,7 @@ class PrefillGraphRunner:
         self.extend_lens = torch.zeros(r, dtype=torch.int32, device=dev)
         self.extend_start = torch.zeros(r, dtype=torch.int32, device=dev)
         self.logit_idx = torch.zeros(r, dtype=torch.int64, device=dev)
-        self.logits = torch.zeros(r, runner.model_config.vocab_size, dtype=torch.float32, device=dev)
+        self.logits = torch.zeros(r, runner.model_config.vocab_size, dtype=runner.dtype, device=dev)
         self.metas = {shape: self._meta(shape) for shape in self.shapes}  # built once: no per-step host work
         self.graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
         self.replays = 0  # steps served by this runner (graph replays, or padded eager runs on a CPU)

@@ -60,7 +60,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.
 
 # --- notebooks/05_scheduler.ipynb, cell 22 (id c05-022) ---
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """logits `[B, V]` float32 → next token ids `[B]` int64."""
+    """logits `[B, V]` (float32, or a bf16 model's own) → next token ids `[B]` int64."""
     if st.all_greedy:
         return logits.argmax(dim=-1)
     if logits.is_cuda:
@@ -68,6 +68,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         if fused.triton is not None:  # no sort, no host sync: a few passes over the logits
             return fused.fused_sample(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds,
                                       st.steps, cuts=st.any_top_k_p)
+    logits = logits.float()  # a bf16 model's logits, widened: the maths below is float32
     greedy_tokens = logits.argmax(dim=-1)
     inv_t = 1.0 / st.temperatures.clamp_min(1e-6)
     if st.any_top_k_p:

@@ -47,11 +47,13 @@ if triton is not None:
 
     @triton.jit
     def _mix32(x):
-        # hashing.mix32 in Triton: int64 lanes holding 32-bit values, masked after each multiply, the same
-        # arithmetic as the torch version whatever Triton's rules for mixing unsigned types and large constants
-        x = x & 0xFFFFFFFF
-        x = ((x ^ (x >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
-        x = ((x ^ (x >> 15)) * 0x846CA68B) & 0xFFFFFFFF
+        # hashing.mix32 in native uint32 lanes: a uint32 multiply wraps modulo 2**32, which is exactly the
+        # torch version's masked int64 product, and shifts of unsigned values are logical. (int64 lanes, as
+        # torch uses, made this the costliest part of the draw: 64-bit multiplies are emulated on the GPU.)
+        m1 = tl.full([], 0x7FEB352D, tl.uint32)
+        m2 = tl.full([], 0x846CA68B, tl.uint32)
+        x = (x ^ (x >> 16)) * m1
+        x = (x ^ (x >> 15)) * m2
         return x ^ (x >> 16)
 
     @triton.jit
@@ -83,7 +85,7 @@ if triton is not None:
             low = tl.zeros([BLOCK], tl.int32)
             for off in range(0, CHUNK, BLOCK):
                 idx = chunk * CHUNK + off + tl.arange(0, BLOCK)
-                x = tl.load(logits_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf"))
+                x = tl.load(logits_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
                 best = tl.maximum(best, x)
                 low = tl.maximum(low, x.to(tl.int32, bitcast=True) & 0xFFFF)
             tl.store(pmax_ptr + row * num_chunks + chunk, tl.max(best, axis=0))
@@ -128,7 +130,7 @@ if triton is not None:
             for off in range(0, CHUNK, BLOCK):
                 idx = chunk * CHUNK + off + tl.arange(0, BLOCK)
                 mask = idx < vocab
-                x = tl.load(logits_ptr + row * stride + idx, mask=mask, other=float("-inf"))
+                x = tl.load(logits_ptr + row * stride + idx, mask=mask, other=float("-inf")).to(tl.float32)
                 above = (x[:, None] >= cand[None, :]) & mask[:, None]
                 if PHASE == 0:
                     acc += above.to(tl.float32)  # counts: exact in fp32 up to 2**24 per lane
@@ -178,7 +180,7 @@ if triton is not None:
         flags = tl.load(flags_ptr + row)
         greedy = (flags & _SAMPLES) == 0
         inv_t = tl.load(inv_t_ptr + row)
-        h = tl.load(row_hash_ptr + row)  # int64, < 2**32
+        h = tl.load(row_hash_ptr + row).to(tl.uint32)  # stored as int64, < 2**32
         if CUTS:
             threshold = _key_to_float(tl.load(lo_ptr + row))
             # rows without min-p (greedy ones included: their max is not computed) keep everything
@@ -191,7 +193,7 @@ if triton is not None:
             idx = start + off + tl.arange(0, BLOCK)
             mask = idx < vocab
             x = tl.load(logits_ptr + row * stride + idx, mask=mask, other=float("-inf")).to(tl.float32)
-            bits = _mix32(h ^ ((idx.to(tl.int64) * 0x85EBCA77) & 0xFFFFFFFF))
+            bits = _mix32(h ^ (idx.to(tl.uint32) * tl.full([], 0x85EBCA77, tl.uint32)))
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             g = -tl.log(-tl.log(u))
             s = x * inv_t
@@ -217,16 +219,28 @@ def row_flags(temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Te
     return (temperatures > 0).int() * (SAMPLES + cuts)
 
 
+# Launch shapes. They are the same for every batch size on purpose: a row's top-p weight is summed in an order
+# set by the chunk and block sizes, and a row's token must never depend on the batch it is in.
+# scripts/gpu_sampling_tune.py times the alternatives on a GPU; the defaults are its pick on an H200.
+LAUNCH = {"chunk": 4096, "stats_block": 1024, "search_block": 256, "search_warps": 4, "draw_block": 1024,
+          "draw_warps": 4}
+
+
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                  min_ps: torch.Tensor | None, seeds: torch.Tensor, steps: torch.Tensor, cuts: bool = True,
-                 chunk: int = 4096) -> torch.Tensor:
+                 chunk: int | None = None) -> torch.Tensor:
     """Next tokens [B] (int64). `cuts=False` (no row uses top-k, top-p or min-p) skips the search: one pass.
 
-    A row's token does not depend on `cuts` as long as that row has no cut, nor on the other rows.
+    `logits` may be float32 or the LM head's bfloat16 (widened in the kernels, half the bytes per pass, and
+    4 search passes per cut instead of 8: a bf16 key has only 16 bits). A row's token depends neither on
+    `cuts` (as long as that row has no cut) nor on the other rows.
     """
     b, vocab = logits.shape
     dev = logits.device
+    cfg = LAUNCH
+    chunk = chunk or cfg["chunk"]
     num_chunks = triton.cdiv(vocab, chunk)
+    passes = NUM_PASSES // 2 if logits.dtype == torch.bfloat16 else NUM_PASSES
     temps = temperatures.float()
     inv_t = 1.0 / temps.clamp_min(1e-6)  # computed by torch, as the reference does
     if min_ps is None:
@@ -244,19 +258,22 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch
         plow = torch.empty(b, num_chunks, dtype=torch.int32, device=dev)
         part = torch.empty(b, num_chunks, NUM_CANDIDATES, dtype=torch.float32, device=dev)
         _stats_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, pmax, plow, num_chunks,
-                                       CHUNK=chunk, BLOCK=1024)
+                                       CHUNK=chunk, BLOCK=min(cfg["stats_block"], chunk))
         _init_kernel[(b,)](flags, pmax, plow, row_max, unit, lo, hi, b, num_chunks, NC_PAD=nc_pad)
+        top_ps = top_ps.float()
         for phase in (0, 1):  # top-k, then top-p over the top-k survivors
-            for p in range(NUM_PASSES):
+            for p in range(passes):
                 _search_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, hi, unit, row_max,
                                                 inv_t, part, b, num_chunks, PHASE=phase, NC=NUM_CANDIDATES,
-                                                CHUNK=chunk, BLOCK=256, enable_fp_fusion=False)
-                _narrow_kernel[(b,)](flags, lo, hi, unit, zk, top_ks, top_ps.float(), part, b, num_chunks,
+                                                CHUNK=chunk, BLOCK=min(cfg["search_block"], chunk),
+                                                num_warps=cfg["search_warps"], enable_fp_fusion=False)
+                _narrow_kernel[(b,)](flags, lo, hi, unit, zk, top_ks, top_ps, part, b, num_chunks,
                                      PHASE=phase, FIRST=p == 0, NC=NUM_CANDIDATES, NC_PAD=nc_pad)
     vals = torch.empty(b, num_chunks, dtype=torch.float32, device=dev)
     idxs = torch.empty(b, num_chunks, dtype=torch.int32, device=dev)
     _draw_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, row_max, inv_t, log_min_p,
                                   row_hash(seeds, steps), vals, idxs, num_chunks, CUTS=cuts, CHUNK=chunk,
-                                  BLOCK=1024, enable_fp_fusion=False)
+                                  BLOCK=min(cfg["draw_block"], chunk), num_warps=cfg["draw_warps"],
+                                  enable_fp_fusion=False)
     best = vals.argmax(dim=1, keepdim=True)
     return idxs.gather(1, best).squeeze(1).long()

@@ -86,7 +86,8 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 logit_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits `[len(logit_indices), vocab]` (float32) for the chosen token rows (all when None)."""
+        """Logits `[len(logit_indices), vocab]` for the chosen token rows (all when None), in the model's dtype:
+        the sampler widens them to float32 itself, so a bf16 model hands it half the bytes to read."""
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
@@ -94,4 +95,4 @@ class DecoderLM(nn.Module):
         x, _ = self.norm(x, residual)
         if logit_indices is not None:
             x = x[logit_indices]  # only the last token of each request needs the costly LM head
-        return self.lm_head(x).float()
+        return self.lm_head(x)
