@@ -26,7 +26,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from minisgl.bench.runner import environment  # noqa: E402
 from minisgl.bench.workloads import WORKLOADS, sweep_cells, sweep_workload  # noqa: E402
 
-CONFIGS = {"qwen3-0.6b": ("assets/configs/qwen3-0.6b", "06"), "qwen3-8b": ("assets/configs/qwen3-8b", "8")}
+CONFIGS = {"qwen3-0.6b": ("assets/configs/qwen3-0.6b", "06"), "qwen3-8b": ("assets/configs/qwen3-8b", "8"),
+           "qwen3.5-0.8b": ("assets/configs/qwen3.5-0.8b", "35")}
+# Qwen3.5 is a multimodal checkpoint: SGLang runs its text part only, as in shared/anchors.md
+MODEL_EXTRA = {"qwen3.5-0.8b": {"enable_multimodal": False}}
 
 
 def sampling_dict(p) -> dict:
@@ -99,7 +102,7 @@ def main() -> None:
 
     kw = dict(model_path=os.path.abspath(path), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               attention_backend="triton", sampling_backend="pytorch", grammar_backend="none", random_seed=0,
-              log_level="warning", **json.loads(args.extra))
+              log_level="warning", **MODEL_EXTRA.get(args.model, {}), **json.loads(args.extra))
     t0 = time.perf_counter()
     llm = Engine(**kw)
     sa = llm.server_args
