@@ -248,10 +248,12 @@ def main() -> int:
             case(check_gdr, f"gdr_{name}_chunked_{prec}", lens, config=dict(prefill="chunked", dot_precision=prec))
         case(check_gdr, f"gdr_{name}_recurrent", lens, config=dict(prefill="recurrent"))
     if not args.quick:
-        for bv in (16, 32, 64):
-            for warps in (4, 8):
-                case(check_gdr, "sweep_chunked_prefill_1x2048", [2048],
-                     config=dict(chunk_block_v=bv, chunk_warps=warps))
+        for name, lens in prefill_cases[:2]:
+            for bv, warps, stages in ((16, 4, 1), (32, 4, 1), (32, 8, 1), (64, 8, 1), (16, 4, 2), (32, 4, 2)):
+                case(check_gdr, f"sweep_chunked_{name}", lens,
+                     config=dict(chunk_block_v=bv, chunk_warps=warps, chunk_stages=stages))
+        for warps in (4, 8, 16):
+            case(check_gdr, "sweep_prepare_prefill_8x512", [512] * 8, config=dict(prepare_warps=warps))
         for bs in (64, 256):
             for bv in (16, 32, 64):
                 for warps in (2, 4, 8):

@@ -24,8 +24,10 @@ Kernels (none reads anything on the host, so every launch can be captured in a C
 - delta rule, recurrent: one program per (sequence, value head, Dv block), its [Dk, BLOCK_V] state tile in
   registers, looping over the sequence's tokens. The decode path (T == N, one iteration), and the fallback
   prefill path (`GDN_CONFIG["prefill"] = "recurrent"`).
-- delta rule, chunked (the default prefill path): the same grid, looping over chunks of 64 tokens with the
-  WY/UT form of the recurrence (dense [64, 64] and [64, D] products on the tensor cores instead of 64 steps).
+- delta rule, chunked (the default prefill path): the WY/UT form over chunks of 64 tokens. A first launch,
+  one program per (sequence, chunk, value head), solves each chunk's triangular system and forms its
+  matrices (fp32 scratch, 320 floats per token and head); the second, on the recurrent kernel's grid, walks
+  each sequence's chunks with the state in registers: dense [64, D] products on the tensor cores per chunk.
 """
 
 from __future__ import annotations
@@ -109,12 +111,14 @@ def _use_triton(x: torch.Tensor) -> bool:
 # Launch settings, overridable so scripts can sweep them on the GPU (scripts/gpu_gdn_check.py).
 #   conv_*: channel block / token block / warps of the conv kernels;
 #   decode_block_v (0: by batch size) / decode_warps: the recurrent kernel on a decode step;
-#   prefill: "chunked" or "recurrent"; chunk_block_v / chunk_warps / recurrent_block_v / recurrent_warps;
-#   dot_precision: the chunked kernel's fp32 tl.dot ("tf32", "tf32x3" or "ieee").
+#   prefill: "chunked" or "recurrent"; prepare_warps, chunk_block_v (0: by batch size) / chunk_warps /
+#   chunk_stages: the chunked path's two kernels (one stage: compiled for sm_90, deeper pipelining of the chunk
+#   loop took 150-260 KB of shared memory and spilled more); recurrent_block_v / recurrent_warps: the
+#   recurrent kernel on a prefill; dot_precision: the chunked kernels' fp32 tl.dot ("tf32", "tf32x3" or "ieee").
 GDN_CONFIG: dict = dict(
     conv_decode_block_c=256, conv_decode_warps=4, conv_block_c=128, conv_block_t=32, conv_warps=4,
-    decode_block_v=0, decode_warps=4, prefill="chunked", chunk_block_v=32, chunk_warps=8,
-    recurrent_block_v=32, recurrent_warps=4, dot_precision="tf32x3",
+    decode_block_v=0, decode_warps=4, prefill="chunked", prepare_warps=8, chunk_block_v=0, chunk_warps=4,
+    chunk_stages=1, recurrent_block_v=32, recurrent_warps=4, dot_precision="tf32",
 )
 _CHUNK = 64  # tokens per chunk of the chunked delta rule
 
@@ -271,15 +275,27 @@ def _dot(a, b, PRECISION: tl.constexpr):
         return tl.dot(a, b, input_precision="tf32")
 
 
+# The chunked form of the recurrence, over chunks of BT tokens. With gc the cumulative log decay inside the chunk,
+# gamma = exp(gc), Gam[i, j] = exp(gc_i - gc_j) (i >= j), q and k normalised (q scaled) and S0 the state
+# entering the chunk:
+#   (I + L) D = diag(b) V - diag(b gamma) K S0,   L = strict_tril(diag(b) (K K^T * Gam))
+# so D = U - W S0 with Tinv = (I + L)^-1, U = Tinv (b V), W = Tinv (b gamma K); D's rows are b_t (v_t - the
+# prediction of the state before token t). Then
+#   O = (gamma Q) S0 + A D,  A = tril(Q K^T * Gam);     S = gamma_last S0 + (K * gamma_last / gamma)^T D.
+# _gdr_chunk_prepare_kernel computes W, U and A of every chunk in parallel (the solve is 64 dependent steps);
+# _gdr_chunk_kernel then walks each sequence's chunks in order: products with the state only.
+
+
 @_jit
-def _gdr_chunk_solve_kernel(
-    K, G, Beta, Cu, Tinv, stride_kt, stride_kh, stride_gt, stride_gh, stride_bt, stride_bh, stride_it, stride_ih,
-    GROUP: tl.constexpr, DK: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+def _gdr_chunk_prepare_kernel(
+    Q, K, V, G, Beta, Cu, Wt, Ut, At,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
+    stride_wt, stride_wh, stride_ut, stride_uh, stride_at, stride_ah, scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # One (sequence, chunk, value head): Tinv = (I + L)^-1 with L = strict_tril(diag(b) (K K^T * Gam)) (see
-    # _gdr_chunk_kernel), by forward substitution, row i of Tinv stored at token row c0 + i. Every chunk of
-    # every sequence is solved in parallel here, so the sequential kernel only does matrix products.
-    # (Not by (I - L)(I + L^2)(I + L^4)...: with similar keys and b ~ 1 that cancels catastrophically.)
+    # One (sequence, chunk, value head); row i of W / U / A stored at token row c0 + i. Tinv by forward
+    # substitution (not by (I - L)(I + L^2)(I + L^4)...: with similar keys and b ~ 1 that cancels away).
     n = tl.program_id(0)
     c0 = tl.load(Cu + n).to(tl.int64) + tl.program_id(1) * BT
     end = tl.load(Cu + n + 1).to(tl.int64)
@@ -288,40 +304,49 @@ def _gdr_chunk_solve_kernel(
         hk = h // GROUP
         offs_t = tl.arange(0, BT)
         offs_k = tl.arange(0, BLOCK_K)
+        offs_v = tl.arange(0, BLOCK_DV)
         rows = c0 + offs_t
         rmask = rows < end
-        k = tl.load(K + rows[:, None] * stride_kt + hk * stride_kh + offs_k[None, :],
-                    mask=rmask[:, None] & (offs_k < DK)[None, :], other=0.0).to(tl.float32)
+        mk = rmask[:, None] & (offs_k < DK)[None, :]
         g = tl.load(G + rows * stride_gt + h * stride_gh, mask=rmask, other=0.0).to(tl.float32)
         b = tl.load(Beta + rows * stride_bt + h * stride_bh, mask=rmask, other=0.0).to(tl.float32)
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
         gc = tl.cumsum(g, 0)
+        lower = offs_t[:, None] >= offs_t[None, :]
         strict = offs_t[:, None] > offs_t[None, :]
-        lmat = tl.where(strict, _dot(k, tl.trans(k), PRECISION) * tl.exp(
-            tl.where(strict, gc[:, None] - gc[None, :], 0.0)) * b[:, None], 0.0)
+        gam = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))  # 0 above the diagonal
+        k = tl.load(K + rows[:, None] * stride_kt + hk * stride_kh + offs_k[None, :], mask=mk,
+                    other=0.0).to(tl.float32)
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        q = tl.load(Q + rows[:, None] * stride_qt + hk * stride_qh + offs_k[None, :], mask=mk,
+                    other=0.0).to(tl.float32)
+        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
+        amat = _dot(q, tl.trans(k), PRECISION) * gam
+        tl.store(At + rows[:, None] * stride_at + h * stride_ah + offs_t[None, :], amat, mask=rmask[:, None])
+        lmat = tl.where(strict, _dot(k, tl.trans(k), PRECISION) * gam * b[:, None], 0.0)
         inv = (offs_t[:, None] == offs_t[None, :]).to(tl.float32)
         for i in range(1, BT):  # row i = e_i - sum_{j < i} L[i, j] row j (rows j < i are final)
             is_row = offs_t[:, None] == i
             l_i = tl.sum(tl.where(is_row, lmat, 0.0), 0)
             row = (offs_t == i).to(tl.float32) - tl.sum(l_i[:, None] * inv, 0)
             inv = tl.where(is_row, row[None, :], inv)
-        tl.store(Tinv + rows[:, None] * stride_it + h * stride_ih + offs_t[None, :], inv, mask=rmask[:, None])
+        w = _dot(inv, k * (b * tl.exp(gc))[:, None], PRECISION)
+        tl.store(Wt + rows[:, None] * stride_wt + h * stride_wh + offs_k[None, :], w, mask=mk)
+        mv = rmask[:, None] & (offs_v < DV)[None, :]
+        v = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + offs_v[None, :], mask=mv,
+                    other=0.0).to(tl.float32)
+        u = _dot(inv, v * b[:, None], PRECISION)
+        tl.store(Ut + rows[:, None] * stride_ut + h * stride_uh + offs_v[None, :], u, mask=mv)
 
 
 @_jit
 def _gdr_chunk_kernel(
-    Q, K, V, G, Beta, State, Slots, Cu, Tinv, Out,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
-    stride_s0, stride_s1, stride_s2, stride_ot, stride_oh, stride_it, stride_ih, scale,
+    Q, K, G, State, Slots, Cu, Wt, Ut, At, Out,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_s0, stride_s1, stride_s2,
+    stride_wt, stride_wh, stride_ut, stride_uh, stride_at, stride_ah, stride_ot, stride_oh, scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # The recurrence over a chunk of BT tokens at once. With gc the cumulative log decay inside the chunk,
-    # gamma = exp(gc), Gam[i, j] = exp(gc_i - gc_j) (i >= j), and S0 the state entering the chunk:
-    #   (I + L) D = diag(b) V - diag(b gamma) K S0,  L = strict_tril(diag(b) (K K^T * Gam))
-    # so D = U - W S0 with Tinv = (I + L)^-1 (from _gdr_chunk_solve_kernel), U = Tinv (b V),
-    # W = Tinv (b gamma K); D's rows are b_t (v_t - S_{t-1}-prediction). Then
-    #   O = (gamma Q) S0 + tril(Q K^T * Gam) D,   S = gamma_last S0 + (K * gamma_last / gamma)^T D.
+    # One (sequence, value head, Dv block): the state tile [Dk, BLOCK_V] in registers across the chunks.
     n = tl.program_id(0)
     h = tl.program_id(1)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -336,36 +361,29 @@ def _gdr_chunk_kernel(
     sp = State + slot * stride_s0 + h * stride_s1 + offs_k[:, None] * stride_s2 + offs_v[None, :]
     smask = kmask[:, None] & vmask[None, :]
     s = tl.load(sp, mask=smask, other=0.0).to(tl.float32)
-    lower = offs_t[:, None] >= offs_t[None, :]
     for c0 in range(start, end, BT):
         rows = c0 + offs_t
         rmask = rows < end
         mk = rmask[:, None] & kmask[None, :]
-        q = tl.load(Q + rows[:, None] * stride_qt + hk * stride_qh + offs_k[None, :], mask=mk,
-                    other=0.0).to(tl.float32)
-        k = tl.load(K + rows[:, None] * stride_kt + hk * stride_kh + offs_k[None, :], mask=mk,
-                    other=0.0).to(tl.float32)
-        v = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
-                    mask=rmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
+        mv = rmask[:, None] & vmask[None, :]
         g = tl.load(G + rows * stride_gt + h * stride_gh, mask=rmask, other=0.0).to(tl.float32)
-        b = tl.load(Beta + rows * stride_bt + h * stride_bh, mask=rmask, other=0.0).to(tl.float32)
-        inv = tl.load(Tinv + rows[:, None] * stride_it + h * stride_ih + offs_t[None, :],
-                      mask=rmask[:, None] & (offs_t < end - c0)[None, :], other=0.0)
-        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale)[:, None]
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
         gc = tl.cumsum(g, 0)  # padded rows add 0: gc of the last row is the chunk's total
         g_last = tl.sum(g, 0)
-        gam = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))  # 0 above the diagonal
-        eg = tl.exp(gc)
-        w = _dot(inv, k * (b * eg)[:, None], PRECISION)
-        u = _dot(inv, v * b[:, None], PRECISION)
+        w = tl.load(Wt + rows[:, None] * stride_wt + h * stride_wh + offs_k[None, :], mask=mk, other=0.0)
+        u = tl.load(Ut + rows[:, None] * stride_ut + h * stride_uh + offs_v[None, :], mask=mv, other=0.0)
         d = u - _dot(w, s, PRECISION)  # [BT, BLOCK_V]
-        qk = _dot(q, tl.trans(k), PRECISION) * gam
-        o = _dot(q * eg[:, None], s, PRECISION) + _dot(qk, d, PRECISION)
+        q = tl.load(Q + rows[:, None] * stride_qt + hk * stride_qh + offs_k[None, :], mask=mk,
+                    other=0.0).to(tl.float32)
+        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * scale * tl.exp(gc))[:, None]
+        a = tl.load(At + rows[:, None] * stride_at + h * stride_ah + offs_t[None, :], mask=rmask[:, None],
+                    other=0.0)
+        o = _dot(q, s, PRECISION) + _dot(a, d, PRECISION)
         tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_v[None, :], o.to(Out.dtype.element_ty),
-                 mask=rmask[:, None] & vmask[None, :])
-        k_dec = k * tl.exp(g_last - gc)[:, None]
-        s = s * tl.exp(g_last) + _dot(tl.trans(k_dec), d, PRECISION)
+                 mask=mv)
+        k = tl.load(K + rows[:, None] * stride_kt + hk * stride_kh + offs_k[None, :], mask=mk,
+                    other=0.0).to(tl.float32)
+        k = k * (tl.rsqrt(tl.sum(k * k, 1) + 1e-6) * tl.exp(g_last - gc))[:, None]
+        s = s * tl.exp(g_last) + _dot(tl.trans(k), d, PRECISION)
     tl.store(sp, s.to(State.dtype.element_ty), mask=smask)
 
 
@@ -422,9 +440,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def _decode_block_v(n: int, hv: int, dv: int) -> int:
-    if GDN_CONFIG["decode_block_v"]:
-        return GDN_CONFIG["decode_block_v"]
+def _block_v(key: str, n: int, hv: int, dv: int) -> int:
+    if GDN_CONFIG[key]:
+        return GDN_CONFIG[key]
     # small batches: narrower tiles for more programs (about two per SM on an H200)
     return 16 if n * hv * triton.cdiv(dv, 32) < 264 else 32
 
@@ -453,21 +471,25 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     shape = dict(GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=max(16, triton.next_power_of_2(dk)))
     args = (q, k, v, g, beta, state, slots, cu_seqlens, out)
     if t == n or cfg["prefill"] == "recurrent":
-        bv = _decode_block_v(n, hv, dv) if t == n else cfg["recurrent_block_v"]
+        bv = _block_v("decode_block_v", n, hv, dv) if t == n else cfg["recurrent_block_v"]
         warps = cfg["decode_warps"] if t == n else cfg["recurrent_warps"]
         _gdr_recurrent_kernel[(n, hv, triton.cdiv(dv, bv))](*args, *strides, **shape, BLOCK_V=bv, num_warps=warps)
         return out
-    # Tinv [T, Hv, 64]: row t holds the solve's row for token t in its chunk (chunks start at each sequence's
-    # first token). The grid bounds every sequence's chunk count by T's, so most programs of a batch of many
-    # sequences exit at once.
-    tinv = torch.empty(t, hv, _CHUNK, dtype=torch.float32, device=v.device)
+    # Scratch, row t for token t (chunks start at each sequence's first token): W [T, Hv, Dk], U [T, Hv, Dv],
+    # A [T, Hv, 64], fp32. The prepare grid bounds every sequence's chunk count by T's, so in a batch of many
+    # sequences most of its programs exit at once.
+    wt = torch.empty(t, hv, dk, dtype=torch.float32, device=v.device)
+    ut = torch.empty(t, hv, dv, dtype=torch.float32, device=v.device)
+    at = torch.empty(t, hv, _CHUNK, dtype=torch.float32, device=v.device)
+    scratch = (wt.stride(0), wt.stride(1), ut.stride(0), ut.stride(1), at.stride(0), at.stride(1))
     prec = cfg["dot_precision"]
-    _gdr_chunk_solve_kernel[(n, triton.cdiv(t, _CHUNK), hv)](
-        k, g, beta, cu_seqlens, tinv, k.stride(0), k.stride(1), g.stride(0), g.stride(1), beta.stride(0),
-        beta.stride(1), tinv.stride(0), tinv.stride(1), GROUP=hv // hk, DK=dk, BLOCK_K=shape["BLOCK_K"], BT=_CHUNK,
-        PRECISION=prec, num_warps=4)
-    bv = cfg["chunk_block_v"]
+    _gdr_chunk_prepare_kernel[(n, triton.cdiv(t, _CHUNK), hv)](
+        q, k, v, g, beta, cu_seqlens, wt, ut, at, *strides[:10], *scratch, strides[-1], **shape,
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)), BT=_CHUNK, PRECISION=prec, num_warps=cfg["prepare_warps"],
+        num_stages=1)
+    bv = _block_v("chunk_block_v", n, hv, dv)
     _gdr_chunk_kernel[(n, hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, state, slots, cu_seqlens, tinv, out, *strides[:-1], tinv.stride(0), tinv.stride(1),
-        strides[-1], **shape, BLOCK_V=bv, BT=_CHUNK, PRECISION=prec, num_warps=cfg["chunk_warps"])
+        q, k, g, state, slots, cu_seqlens, wt, ut, at, out, *strides[:4], *strides[6:8], *strides[10:13],
+        *scratch, *strides[13:], **shape, BLOCK_V=bv, BT=_CHUNK, PRECISION=prec, num_warps=cfg["chunk_warps"],
+        num_stages=cfg["chunk_stages"])
     return out
