@@ -169,6 +169,25 @@ def test_gated_delta_rule_chunked_similar_keys(force_triton, monkeypatch):
     torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["chunked", "recurrent"])
+def test_gated_delta_rule_dk_ne_dv_and_empty_sequence(force_triton, monkeypatch, mode):
+    monkeypatch.setitem(gdn.GDN_CONFIG, "prefill", mode)
+    monkeypatch.setitem(gdn.GDN_CONFIG, "dot_precision", "ieee")
+    gen = torch.Generator().manual_seed(6)
+    t, hk, hv, dk, dv = 12, 1, 2, 16, 32
+    q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
+    v = torch.randn(t, hv, dv, generator=gen)
+    g, beta = -torch.rand(t, hv, generator=gen), torch.rand(t, hv, generator=gen)
+    state = torch.randn(5, hv, dk, dv, generator=gen)
+    cu = torch.tensor([0, 3, 3, 12], dtype=torch.int32)  # the second sequence is empty: its state stays
+    slots = torch.tensor([4, 1, 2])
+    ref_state = state.clone()
+    ref = gdn.gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, cu)
+    out = gdn.gated_delta_rule(q, k, v, g, beta, state, slots, cu)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
+
+
 def test_gdn_cpu_path_without_force():
     """Without the flag, CPU tensors take the torch reference."""
     assert os.environ.get("MINISGL_FORCE_TRITON", "0") != "1"
