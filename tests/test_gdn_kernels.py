@@ -1,0 +1,199 @@
+"""Gated DeltaNet Triton kernels (minisgl/kernels/gdn.py) under the Triton interpreter, on CPU, against the
+torch references: causal_conv1d (decode and varlen, sequences shorter than K-1) and gated_delta_rule (decode,
+recurrent and chunked prefill, head sharing, slots out of order, strided q/k/v views), fp32 and bf16.
+
+Skipped when Triton is not installed (CI without it). Shapes are tiny: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton (and any kernel module) is imported
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (the GPU kernels are optional)")
+
+
+def _patch_interpreter() -> None:
+    """numpy >= 2.4 refuses int() on a 1-element array, which the interpreter uses for scalar tensors in
+    `range(start, end)` loops with runtime bounds (as in tests/test_triton_kernels.py)."""
+    import triton.runtime.interpreter as interp
+
+    original = interp._patch_lang_tensor
+    if getattr(original, "_minisgl_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._minisgl_patched = True
+    interp._patch_lang_tensor = patched
+
+
+_patch_interpreter()
+
+# A kernel module imported earlier in the session (by another test) was decorated without the interpreter.
+if "minisgl.kernels.gdn" in sys.modules:
+    importlib.reload(sys.modules["minisgl.kernels.gdn"])
+
+from minisgl.kernels import gdn  # noqa: E402
+
+LENS = [1, 2, 3, 7, 17]  # mixed extend batch: two shorter than K - 1 = 3
+
+
+@pytest.fixture
+def force_triton(monkeypatch):
+    monkeypatch.setenv("MINISGL_FORCE_TRITON", "1")
+
+
+def _tol(dtype: torch.dtype) -> float:
+    # The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest): allow 2 bf16 ulps.
+    return 1e-5 if dtype == torch.float32 else 2 ** -6
+
+
+def _batch(lens: list[int], num_slots: int, gen: torch.Generator):
+    """cu_seqlens for the lengths and distinct slots in a shuffled order (never slot 0, kept as a witness)."""
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    slots = torch.randperm(num_slots - 1, generator=gen)[: len(lens)] + 1
+    return cu, slots
+
+
+# ------------------------------------------------------------------ causal_conv1d ---------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [LENS, [1] * 5, [2, 1]], ids=["varlen", "decode", "short"])
+def test_causal_conv1d(force_triton, dtype, lens):
+    gen = torch.Generator().manual_seed(0)
+    c, kw, num_slots = 32, 4, 9
+    t = sum(lens)
+    big = torch.randn(t, 3 * c, generator=gen).to(dtype)
+    x = big[:, c: 2 * c]  # a strided view, as a slice of a projection output
+    weight = torch.randn(c, kw, generator=gen).to(dtype)
+    bias = torch.randn(c, generator=gen).to(dtype)
+    state = torch.randn(num_slots, c, kw - 1, generator=gen).to(dtype)
+    cu, slots = _batch(lens, num_slots, gen)
+    ref_state = state.clone()
+    ref = gdn.causal_conv1d_ref(x, weight, bias, ref_state, slots, cu)
+    out = gdn.causal_conv1d(x, weight, bias, state, slots, cu)
+    tol = _tol(dtype)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    # the new states are copies of inputs / old state (exact), and rows not in the batch are untouched
+    assert torch.equal(state, ref_state)
+
+
+def test_causal_conv1d_no_bias_fp32_state_bf16_input(force_triton):
+    gen = torch.Generator().manual_seed(1)
+    c, kw, num_slots = 48, 4, 6  # C not a multiple of the channel block
+    lens = [5, 1, 2]
+    x = torch.randn(sum(lens), c, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(c, kw, generator=gen)
+    state = torch.randn(num_slots, c, kw - 1, generator=gen)
+    cu, slots = _batch(lens, num_slots, gen)
+    ref_state = state.clone()
+    ref = gdn.causal_conv1d_ref(x, weight, None, ref_state, slots, cu)
+    out = gdn.causal_conv1d(x, weight, None, state, slots, cu)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
+    assert torch.equal(state, ref_state)
+
+
+# ------------------------------------------------------------------ gated_delta_rule ------------------------
+
+
+def _gdr_inputs(lens, hk, hv, d, dtype, num_slots, gen):
+    t = sum(lens)
+    # q, k, v as views into one projection output (token stride > row width)
+    proj = torch.randn(t, (2 * hk + hv) * d + 8, generator=gen).to(dtype)
+    q = proj[:, : hk * d].view(t, hk, d)
+    k = proj[:, hk * d: 2 * hk * d].view(t, hk, d)
+    v = proj[:, 2 * hk * d: (2 * hk + hv) * d].view(t, hv, d)
+    g = (-torch.rand(t, hv, generator=gen) * 0.5).to(dtype)  # log decays in (-0.5, 0]
+    beta = torch.rand(t, hv, generator=gen).to(dtype)
+    state = torch.randn(num_slots, hv, d, d, generator=gen) * 0.1
+    cu, slots = _batch(lens, num_slots, gen)
+    return q, k, v, g, beta, state, slots, cu
+
+
+def _check_gdr(lens, hk, hv, d, dtype, mode, monkeypatch, seed=0):
+    monkeypatch.setitem(gdn.GDN_CONFIG, "prefill", mode)
+    monkeypatch.setitem(gdn.GDN_CONFIG, "dot_precision", "ieee")
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, g, beta, state, slots, cu = _gdr_inputs(lens, hk, hv, d, dtype, 8, gen)
+    ref_state = state.clone()
+    ref = gdn.gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, cu)
+    out = gdn.gated_delta_rule(q, k, v, g, beta, state, slots, cu)
+    assert out.shape == v.shape and out.dtype == v.dtype
+    tol = 1e-4 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
+    untouched = torch.ones(state.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(state[untouched], ref_state[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["chunked", "recurrent"])
+def test_gated_delta_rule_varlen(force_triton, monkeypatch, dtype, mode):
+    _check_gdr(LENS, 2, 4, 16, dtype, mode, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_rule_decode(force_triton, monkeypatch, dtype):
+    _check_gdr([1] * 5, 2, 4, 16, dtype, "chunked", monkeypatch)
+
+
+def test_gated_delta_rule_chunks_cross(force_triton, monkeypatch):
+    """Sequences over one chunk of 64 (and one ending on its boundary), no head sharing, Dk = Dv = 32."""
+    _check_gdr([70, 64, 3], 2, 2, 32, torch.float32, "chunked", monkeypatch, seed=3)
+
+
+def test_gated_delta_rule_chunked_similar_keys(force_triton, monkeypatch):
+    """Near-identical keys, beta = 1, no decay: the chunk's triangular solve must stay stable (a Neumann-series
+    inverse loses everything here)."""
+    monkeypatch.setitem(gdn.GDN_CONFIG, "dot_precision", "ieee")
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, g, beta, state, slots, cu = _gdr_inputs([66, 5], 1, 2, 16, torch.float32, 4, gen)
+    k = (k + 5 * k[:1]).contiguous()
+    g, beta = torch.zeros_like(g), torch.ones_like(beta)
+    ref_state = state.clone()
+    ref = gdn.gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, cu)
+    out = gdn.gated_delta_rule(q, k, v, g, beta, state, slots, cu)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["chunked", "recurrent"])
+def test_gated_delta_rule_dk_ne_dv_and_empty_sequence(force_triton, monkeypatch, mode):
+    monkeypatch.setitem(gdn.GDN_CONFIG, "prefill", mode)
+    monkeypatch.setitem(gdn.GDN_CONFIG, "dot_precision", "ieee")
+    gen = torch.Generator().manual_seed(6)
+    t, hk, hv, dk, dv = 12, 1, 2, 16, 32
+    q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
+    v = torch.randn(t, hv, dv, generator=gen)
+    g, beta = -torch.rand(t, hv, generator=gen), torch.rand(t, hv, generator=gen)
+    state = torch.randn(5, hv, dk, dv, generator=gen)
+    cu = torch.tensor([0, 3, 3, 12], dtype=torch.int32)  # the second sequence is empty: its state stays
+    slots = torch.tensor([4, 1, 2])
+    ref_state = state.clone()
+    ref = gdn.gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, cu)
+    out = gdn.gated_delta_rule(q, k, v, g, beta, state, slots, cu)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
+
+
+def test_gdn_cpu_path_without_force():
+    """Without the flag, CPU tensors take the torch reference."""
+    assert os.environ.get("MINISGL_FORCE_TRITON", "0") != "1"
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, g, beta, state, slots, cu = _gdr_inputs([3, 1], 1, 2, 16, torch.float32, 4, gen)
+    ref_state = state.clone()
+    assert torch.equal(gdn.gated_delta_rule(q, k, v, g, beta, state, slots, cu),
+                       gdn.gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, cu))
+    assert torch.equal(state, ref_state)
