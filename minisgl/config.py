@@ -39,6 +39,9 @@ class EngineConfig:
                                      "share of the GPU memory left free after the weights given to the KV pool "
                                      "(not SGLang's --mem-fraction-static, which counts the weights too)")
     kv_cache_tokens: int = _opt(16384, "--kv-cache-tokens", "KV pool size on a CPU, in tokens")
+    state_snapshots: int | None = _opt(None, "--state-snapshots",
+                                       "hybrid models (Qwen3.5): linear-attention state snapshots the prefix cache "
+                                       "may keep (default: max running requests)")
     # scheduler
     max_running_requests: int = _opt(256, "--max-running-requests", "requests decoding at once, at most")
     chunked_prefill_size: int = _opt(8192, "--chunked-prefill-size",
