@@ -97,6 +97,8 @@ class EngineConfig:
             raise ValueError("max_running_requests must be >= 1")
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be >= 0, got {self.state_snapshots}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
 

@@ -206,11 +206,7 @@ class HybridLayer(nn.Module):
     def forward(self, x, positions, rotary, attn, state):
         # HF adds the residual in the model dtype, outside the norm: so do we (bf16 tokens stay comparable)
         h = self.input_layernorm(x)
-        if self.is_linear:
-            h = self.linear_attn(h, attn, state)
-        else:
-            h = self.self_attn(h, positions, rotary, attn)
-        x = x + h
+        x = x + (self.linear_attn(h, attn, state) if self.is_linear else self.self_attn(h, positions, rotary, attn))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
