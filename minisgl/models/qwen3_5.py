@@ -11,6 +11,10 @@ a full attention with an output gate over the paged KV pool. The other differenc
   matter for images only: with text positions (the same in all three sections) mrope is plain rope.
 
 Semantics follow transformers' `modeling_qwen3_5.py`; the tests check greedy tokens against it.
+
+On a GPU: the projections, the MLP (fused SiLU-and-mul) and the paged attention use the engine's kernels; the
+Gated DeltaNet ops are `minisgl.kernels.gdn`'s (torch references until its Triton kernels land); the norms and
+the partial-rotary RoPE run as plain torch ops for now (the Triton rope kernel takes full-width rotary only).
 """
 
 from __future__ import annotations

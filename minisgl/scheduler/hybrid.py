@@ -18,6 +18,10 @@ order and a snapshot freed and reused by a later step is never read after it is 
 
 With the radix cache off (the naive cache) nothing is matched, cut or snapshotted: every request starts from
 zeros, the ablation's baseline.
+
+Known gap: the base scheduler caches a prefix only for chunks of more than one token, so when a shared prefill
+budget leaves a 1-token chunk that ends on the prompt's boundary, that boundary gets no snapshot (a later hit
+resumes from an earlier one: fewer cached tokens, same tokens out).
 """
 
 from __future__ import annotations
