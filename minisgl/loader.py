@@ -147,6 +147,11 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, load_format
 
     path = resolve_model_path(model)
     hf_config = AutoConfig.from_pretrained(path)
+    if getattr(hf_config, "model_type", "").startswith("qwen3_5"):  # the hybrid model: minisgl/models/qwen3_5.py
+        from minisgl.models.qwen3_5 import build_qwen3_5
+        net, cfg = build_qwen3_5(hf_config, path, read_eos_ids(path, hf_config), dtype, device, load_format, seed,
+                                 max_positions)
+        return LoadedModel(net, cfg, hf_config, path)
     cfg = ModelConfig.from_hf(hf_config, read_eos_ids(path, hf_config))
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -181,3 +181,10 @@ def assert_all_pages_back(llm_or_engine) -> None:
         assert set(cached) | set(free) == set(range(1, alloc.num_pages)), "a page is neither cached nor free"
     else:
         assert cache.cached_pages == 0 and alloc.num_free == alloc.capacity
+    state = getattr(engine.runner, "state_pool", None)
+    if state is not None:  # a hybrid model: a request's state slot is its row (checked above); snapshots
+        held = getattr(cache, "snapshots", {})  # belong to cache nodes (HybridRadixCache.check: all in the tree)
+        free = state._free_snapshots
+        assert len(set(free)) == len(free), "a snapshot slot is on the free list twice"
+        assert len(free) + len(held) == state.num_snapshots, (
+            f"snapshot slots leaked: free {len(free)} + cached {len(held)} != {state.num_snapshots}")

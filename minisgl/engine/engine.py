@@ -34,11 +34,16 @@ class Engine:
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
         self.allocator = PageAllocator(self.runner.num_pages)
-        cache_cls = RadixCache if config.radix_cache else NaiveCache
-        self.cache = cache_cls(self.allocator, config.page_size)
-        self.scheduler = Scheduler(self.allocator, self.runner.req_pool, self.cache, config.page_size,
-                                   config.max_running_requests, config.prefill_budget,
-                                   chunked=config.chunked_prefill)
+        if getattr(self.runner, "state_pool", None) is not None:  # a hybrid model (Qwen3.5): scheduler/hybrid.py
+            from minisgl.scheduler.hybrid import make_hybrid_scheduler
+            self.cache, self.scheduler = make_hybrid_scheduler(config, self.allocator, self.runner.req_pool,
+                                                               self.runner.state_pool)
+        else:
+            cache_cls = RadixCache if config.radix_cache else NaiveCache
+            self.cache = cache_cls(self.allocator, config.page_size)
+            self.scheduler = Scheduler(self.allocator, self.runner.req_pool, self.cache, config.page_size,
+                                       config.max_running_requests, config.prefill_budget,
+                                       chunked=config.chunked_prefill)
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._next_rid = 0

@@ -21,6 +21,7 @@ from minisgl.config import EngineConfig
 from minisgl.engine.prefill_graph import pad_extend_step
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.kvcache import KVCache, ReqToTokenPool
+from minisgl.kvcache.state_pool import HybridAttentionMetadata, StatePool
 from minisgl.loader import DTYPES, load_model
 from minisgl.scheduler import Batch
 
@@ -78,6 +79,12 @@ class ModelRunner:
         self.model, self.model_config, self.hf_config, self.model_path = (
             loaded.model, loaded.config, loaded.hf_config, loaded.path)
         mc = self.model_config
+        # a hybrid model (Qwen3.5) keeps per-request linear-attention state beside a KV pool of its full-attention
+        # layers only
+        self.is_hybrid = getattr(mc, "is_hybrid", False)
+        if self.is_hybrid and self.tp is not None:
+            raise ValueError("tensor parallelism does not run hybrid models (Qwen3.5) yet: use tp_size=1")
+        self.num_kv_layers = len(mc.full_attention_layers) if self.is_hybrid else mc.num_layers
         # this rank's heads: all of them, or its slice under tensor parallelism (which shards the weights here)
         self.num_q_heads, self.num_kv_heads = mc.num_q_heads, mc.num_kv_heads
         if self.tp is not None:
@@ -85,12 +92,20 @@ class ModelRunner:
             self.num_q_heads, self.num_kv_heads = split.num_q, split.num_kv
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.page_size = config.page_size
+        self.max_reqs = config.max_running_requests + 8  # finished requests hold a row until released
+        self.state_pool = None
+        if self.is_hybrid:  # allocated before the KV pool is sized, so the free memory it measures excludes it
+            self.state_pool = StatePool(
+                len(mc.linear_attention_layers), self.max_reqs,
+                config.max_running_requests if config.state_snapshots is None else config.state_snapshots,
+                mc.conv_channels, mc.linear_conv_kernel, mc.linear_num_value_heads, mc.linear_key_head_dim,
+                mc.linear_value_head_dim, self.dtype, self.device)
+            self.model.state_pool = self.state_pool
         self.num_pages = config.num_pages or self._auto_num_pages()
         if self.tp is not None:  # rank 0 hands out pages for every rank: each pool takes the smallest size
             self.num_pages = self.tp.agree_num_pages(self.num_pages)
-        self.kv_cache = KVCache(mc.num_layers, self.num_pages, self.page_size, self.num_kv_heads, mc.head_dim,
+        self.kv_cache = KVCache(self.num_kv_layers, self.num_pages, self.page_size, self.num_kv_heads, mc.head_dim,
                                 self.dtype, self.device)
-        self.max_reqs = config.max_running_requests + 8  # finished requests hold a row until released
         self.req_pool = ReqToTokenPool(self.max_reqs, self.max_model_len + self.page_size, self.device)
         backend = config.attention_backend
         if backend == "auto":
@@ -100,7 +115,8 @@ class ModelRunner:
                                    head_dim=mc.head_dim, scale=mc.head_dim ** -0.5,
                                    max_context_len=self.max_model_len)
         self.graph_runner = None
-        if config.cuda_graph and self.device.type == "cuda" and self.attn.supports_cuda_graph:
+        # hybrid models run eagerly for now: the graph runners do not fill the state slots yet
+        if config.cuda_graph and self.device.type == "cuda" and self.attn.supports_cuda_graph and not self.is_hybrid:
             from minisgl.engine.cuda_graph import CudaGraphRunner
             self.graph_runner = CudaGraphRunner(self, config.cuda_graph_max_bs)
         # --- prefill graphs (engine/prefill_graph.py): extend steps replayed per token bucket ---
@@ -117,7 +133,7 @@ class ModelRunner:
 
     def _auto_num_pages(self) -> int:
         mc, cfg = self.model_config, self.config
-        per_token = KVCache.bytes_per_token(mc.num_layers, self.num_kv_heads, mc.head_dim, self.dtype)
+        per_token = KVCache.bytes_per_token(self.num_kv_layers, self.num_kv_heads, mc.head_dim, self.dtype)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -171,6 +187,8 @@ class ModelRunner:
                 pad_to, token_src, positions, loc, rows, prefix, extend, start, logit_idx)
         parts = [token_src, positions, loc, rows, prefix + extend, prefix, extend, start, logit_idx, token_dst,
                  seeds, steps, top_ks, writes.ravel()]
+        if self.is_hybrid:  # the linear-attention layers' state slots (slot = row) and sequence bounds, same copy
+            parts += [rows, np.append(start, t)]
         # Each part starts on a 16-byte boundary: Triton compiles a kernel variant per pointer alignment, and
         # unaligned views would make the variant depend on the batch's token count.
         padded = [n + n % 2 for n in map(len, parts)]
@@ -184,15 +202,17 @@ class ModelRunner:
         floats[2, :s] = [r.params.min_p for r in reqs]
         dev_ints, dev_floats = self._to_device(ints), self._to_device(floats)
         (src_d, pos, out_loc, rows_d, seq_lens, prefix_d, extend_d, start_d, logit_d, dst_d, seeds_d, steps_d,
-         topk_d, writes_d) = (chunk[:len(part)] for chunk, part in zip(dev_ints.split(padded), parts))
+         topk_d, writes_d, *state_d) = (chunk[:len(part)] for chunk, part in zip(dev_ints.split(padded), parts))
         self.req_pool.apply_writes(writes_d.view(3, writes.shape[1]), n_slot_writes)
         input_ids = self.req_pool.token_ids.view(-1)[src_d]
-        meta = AttentionMetadata(
+        meta = (HybridAttentionMetadata if self.is_hybrid else AttentionMetadata)(
             is_decode=batch.is_decode, req_pool_indices=rows_d, seq_lens=seq_lens.int(),
             prefix_lens=prefix_d.int(), extend_lens=extend_d.int(), extend_start=start_d.int(),
             out_cache_loc=out_loc, max_seq_len=int((prefix + extend).max()), max_extend_len=int(extend.max()),
             seq_lens_cpu=(prefix + extend).tolist(), prefix_lens_cpu=prefix.tolist(),
             extend_lens_cpu=extend.tolist())
+        if state_d:
+            meta.state_slots, meta.cu_seqlens = state_d[0], state_d[1].int()
         sampling = SamplingTensors(
             temperatures=dev_floats[0, :s], top_ps=dev_floats[1, :s], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
             all_greedy=all(x == 0 for x in temps), min_ps=dev_floats[2, :s],
@@ -216,6 +236,12 @@ class ModelRunner:
             tokens = self.graph_runner.run(input_ids, positions, meta, sampling)  # the sampler is in the graph
         elif shape is not None:  # prefill graph (engine/prefill_graph.py)
             logits = self.prefill_graph.run(shape, input_ids, positions, meta, logit_idx, len(batch.sample_rows))
+            tokens = sample(logits, sampling)
+        elif self.state_pool is not None:  # hybrid: start admitted requests' state, snapshot it after the layers
+            self.attn.prepare(meta)
+            self.state_pool.start(batch.state_inits)
+            logits = self.model(input_ids, positions, self.attn, logit_idx)
+            self.state_pool.save(batch.state_saves)
             tokens = sample(logits, sampling)
         else:
             self.attn.prepare(meta)

@@ -71,13 +71,17 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                    cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    half = cos_sin.shape[-1] // 2
+    # The table's width is the rotary dim: partial rotary (Qwen3.5 turns the first quarter of each head) keeps
+    # the dims past it as they are.
+    rotary_dim = cos_sin.shape[-1]
+    half = rotary_dim // 2
     cs = cos_sin[positions]
     cos, sin = cs[:, None, :half].to(q.dtype), cs[:, None, half:].to(q.dtype)
 
     def rot(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x1, x2 = x[..., :half], x[..., half:rotary_dim]
+        turned = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        return torch.cat(turned + [x[..., rotary_dim:]] if rotary_dim < x.shape[-1] else turned, dim=-1)
 
     q.copy_(rot(q))
     k.copy_(rot(k))
@@ -302,7 +306,9 @@ def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> bool:
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX-style rotary embedding in place. q: [T, Hq, D], k: [T, Hkv, D] (token/head strides free, last dim
-    contiguous, e.g. slices of a fused qkv output); cos_sin: [max_pos, D] fp32 = [cos | sin]."""
+    contiguous, e.g. slices of a fused qkv output); cos_sin: [max_pos, R] fp32 = [cos | sin], R = the rotary dim
+    (R < D: partial rotary, only the first R dims of each head turn; the Triton kernel takes R == D only, so a
+    partial table runs the torch reference on a GPU too)."""
     if not _use_triton(q) or not _rope_fits(q, k, cos_sin):
         return apply_rope_ref(q, k, positions, cos_sin)
     if q.shape[0]:
