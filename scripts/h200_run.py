@@ -22,6 +22,9 @@ Sections (comma separated):
   sampling_check, prefill_check   the GPU self-checks of the fused sampler and the prefill graphs
   tune_sampling  time the fused sampler's launch shapes (scripts/gpu_sampling_tune.py) and keep the pick for
              the sections after it in this process
+  gdn_check  the Gated DeltaNet Triton kernels vs their references, timed (scripts/gpu_gdn_check.py --quick)
+  qwen35     W2, W1, W3 on Qwen3.5-0.8B shapes (dummy bf16), and W2 with CUDA Graph off
+  w3_06      W3 on Qwen3-0.6B (the prefix-cache share to compare Qwen3.5's with)
   profile_small06  the batch-1/64 decode and W2-request profiles on Qwen3-0.6B (with MINISGL_ROOT: an A/B)
 Each section's result (or its traceback) is written as soon as it ends, so a timeout keeps what finished.
 """
@@ -45,7 +48,8 @@ sys.path.insert(0, os.environ.get("MINISGL_ROOT") or os.path.join(os.path.dirnam
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.bench.runner import environment, run_workload, write_json  # noqa: E402
 
-CONFIGS = {"qwen3-0.6b": "assets/configs/qwen3-0.6b", "qwen3-8b": "assets/configs/qwen3-8b"}
+CONFIGS = {"qwen3-0.6b": "assets/configs/qwen3-0.6b", "qwen3-8b": "assets/configs/qwen3-8b",
+           "qwen3.5-0.8b": "assets/configs/qwen3.5-0.8b"}
 
 
 def log(*a):
@@ -337,8 +341,21 @@ SECTIONS = {
     "sampling_check": lambda: script_main("gpu_sampling_check"),
     "prefill_check": lambda: script_main("gpu_prefill_check"),
     "tune_sampling": lambda: tune_sampling(),
+    "gdn_check": lambda: gdn_check(),
+    "qwen35": lambda: bench("qwen3.5-0.8b", [("default", ["w2", "w1", "w3"], {}),
+                                             ("no_cuda_graph", ["w2"], {"cuda_graph": False})]),
+    "w3_06": lambda: bench("qwen3-0.6b", [("default", ["w3"], {})]),
     "profile_small06": lambda: profile_small_batches("qwen3-0.6b"),
 }
+
+
+def gdn_check() -> dict:
+    """The Gated DeltaNet kernels against their torch references at Qwen3.5-0.8B shapes, timed."""
+    import subprocess
+    path = "/tmp/gdn_check.json"
+    rc = subprocess.run([sys.executable, "scripts/gpu_gdn_check.py", "--out", path, "--quick"]).returncode
+    with open(path) as f:
+        return {"returncode": rc, **json.load(f)}
 
 
 def tune_sampling() -> dict:
