@@ -23,7 +23,8 @@ Sections (comma separated):
   tune_sampling  time the fused sampler's launch shapes (scripts/gpu_sampling_tune.py) and keep the pick for
              the sections after it in this process
   gdn_check  the Gated DeltaNet Triton kernels vs their references, timed (scripts/gpu_gdn_check.py --quick)
-  qwen35     W2, W1, W3 on Qwen3.5-0.8B shapes (dummy bf16), and W2 with CUDA Graph off
+  qwen35     W2, W1, W3 on Qwen3.5-0.8B shapes (dummy bf16)
+  qwen35_check  Qwen3.5 greedy tokens with CUDA Graph on and off, and a radix second pass (QWEN35_CHECK_DTYPES)
   w3_06      W3 on Qwen3-0.6B (the prefix-cache share to compare Qwen3.5's with)
   profile_small06  the batch-1/64 decode and W2-request profiles on Qwen3-0.6B (with MINISGL_ROOT: an A/B)
 Each section's result (or its traceback) is written as soon as it ends, so a timeout keeps what finished.
@@ -342,11 +343,37 @@ SECTIONS = {
     "prefill_check": lambda: script_main("gpu_prefill_check"),
     "tune_sampling": lambda: tune_sampling(),
     "gdn_check": lambda: gdn_check(),
-    "qwen35": lambda: bench("qwen3.5-0.8b", [("default", ["w2", "w1", "w3"], {}),
-                                             ("no_cuda_graph", ["w2"], {"cuda_graph": False})]),
+    "qwen35": lambda: bench("qwen3.5-0.8b", [("default", ["w2", "w1", "w3"], {})]),
     "w3_06": lambda: bench("qwen3-0.6b", [("default", ["w3"], {})]),
+    "qwen35_check": lambda: qwen35_check(),
     "profile_small06": lambda: profile_small_batches("qwen3-0.6b"),
 }
+
+
+def qwen35_check() -> dict:
+    """Qwen3.5 on the GPU, greedy: CUDA Graph on and off give the same tokens (fp32 and bf16), and a second pass
+    over the same prompts (radix hits restored from state snapshots) gives them again."""
+    import random
+    rng = random.Random(35)
+    prompts = [[rng.randint(0, 9999) for _ in range(rng.randint(100, 300))] for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    out = {}
+    for dtype in os.environ.get("QWEN35_CHECK_DTYPES", "float32,bfloat16").split(","):
+        runs = {}
+        for label, kw in (("graph", {}), ("no_graph", {"cuda_graph": False})):
+            llm = LLM(CONFIGS["qwen3.5-0.8b"], load_format="dummy", dtype=dtype, **kw)
+            first = [o.token_ids for o in llm.generate(prompts, sp, progress=False)]
+            second = llm.generate(prompts, sp, progress=False)
+            runs[label] = {"tokens": first, "second_pass_same": [o.token_ids for o in second] == first,
+                           "second_pass_cached_tokens": sum(o.num_cached_prompt_tokens for o in second),
+                           "graph_steps": llm.engine.stats["graph_steps"], "steps": llm.engine.stats["steps"]}
+            llm = None
+            free_gpu()
+        same = runs["graph"]["tokens"] == runs["no_graph"]["tokens"]
+        out[dtype] = {"graph_equals_no_graph": same, **{k: {x: y for x, y in v.items() if x != "tokens"}
+                                                       for k, v in runs.items()}}
+        log("qwen35_check", dtype, out[dtype])
+    return out
 
 
 def gdn_check() -> dict:

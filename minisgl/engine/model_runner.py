@@ -115,13 +115,16 @@ class ModelRunner:
                                    head_dim=mc.head_dim, scale=mc.head_dim ** -0.5,
                                    max_context_len=self.max_model_len)
         self.graph_runner = None
-        # hybrid models run eagerly for now: the graph runners do not fill the state slots yet
-        if config.cuda_graph and self.device.type == "cuda" and self.attn.supports_cuda_graph and not self.is_hybrid:
-            from minisgl.engine.cuda_graph import CudaGraphRunner
+        if config.cuda_graph and self.device.type == "cuda" and self.attn.supports_cuda_graph:
+            if self.is_hybrid:  # decode graphs that also refresh each row's state slot (engine/hybrid_graph.py)
+                from minisgl.engine.hybrid_graph import HybridCudaGraphRunner as CudaGraphRunner
+            else:
+                from minisgl.engine.cuda_graph import CudaGraphRunner
             self.graph_runner = CudaGraphRunner(self, config.cuda_graph_max_bs)
         # --- prefill graphs (engine/prefill_graph.py): extend steps replayed per token bucket ---
+        # (not for hybrid models yet: their extend steps carry state slots the prefill graphs do not refresh)
         self.prefill_graph = None
-        if (self.graph_runner is not None and config.prefill_graph_max_tokens > 0
+        if (self.graph_runner is not None and config.prefill_graph_max_tokens > 0 and not self.is_hybrid
                 and getattr(self.attn, "supports_extend_cuda_graph", False)):
             from minisgl.engine.prefill_graph import build_prefill_graphs, graph_pool_of
             self.prefill_graph = build_prefill_graphs(self, config.prefill_graph_max_tokens,
@@ -232,20 +235,18 @@ class ModelRunner:
     def _forward(self, batch: Batch) -> StepOutput:
         shape = self.prefill_graph.shape_for(batch) if self.prefill_graph is not None else None
         input_ids, positions, meta, logit_idx, sampling, token_dst = self.prepare(batch, pad_to=shape)
+        if self.state_pool is not None:  # hybrid: admitted requests start from zeros or a prefix snapshot
+            self.state_pool.start(batch.state_inits)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             tokens = self.graph_runner.run(input_ids, positions, meta, sampling)  # the sampler is in the graph
         elif shape is not None:  # prefill graph (engine/prefill_graph.py)
             logits = self.prefill_graph.run(shape, input_ids, positions, meta, logit_idx, len(batch.sample_rows))
             tokens = sample(logits, sampling)
-        elif self.state_pool is not None:  # hybrid: start admitted requests' state, snapshot it after the layers
-            self.attn.prepare(meta)
-            self.state_pool.start(batch.state_inits)
-            logits = self.model(input_ids, positions, self.attn, logit_idx)
-            self.state_pool.save(batch.state_saves)
-            tokens = sample(logits, sampling)
         else:
             self.attn.prepare(meta)
             tokens = sample(self.model(input_ids, positions, self.attn, logit_idx), sampling)
+        if self.state_pool is not None:  # hybrid: snapshots of the state after this step's layers
+            self.state_pool.save(batch.state_saves)
         self.store_tokens(token_dst, tokens)
         if self.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
