@@ -166,12 +166,3 @@ def test_a_long_push_ending_inside_a_character_keeps_only_that_character_back():
     ts, pieces = stream(ids, [len(ids) - 1])  # every byte but the last one, then the last
     assert "".join(pieces) == text == ts.final_text()
     assert "\ufffd" not in pieces[0]
-
-
-def test_an_open_character_after_an_invalid_byte_and_special_tokens_is_kept_back():
-    """A long push holding an invalid byte, special tokens and, at its end, the first byte of a character whose
-    last byte comes next: the invalid byte's U+FFFD is released, the open character waits (found by hypothesis)."""
-    ids = [0] * 16 + [97, 0, 0, 129, 0, 0, 97]  # <|endoftext|>s, byte A1 (invalid alone), byte C2, then A1
-    for cuts in ([20], [17, 20], [21]):
-        ts, pieces = stream(ids, cuts, ["a"])
-        assert "".join(pieces) == decode(ids) == ts.final_text() == "\ufffd\u00a1"

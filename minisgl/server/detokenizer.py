@@ -58,12 +58,9 @@ class IncrementalDetokenizer:
             return ""
         end = len(self.ids)
         if window.endswith(REPLACEMENT):  # many tokens at once, the last character still open: keep it back
-            # Back off to just before the open character: the first shorter decode that the window extends.
-            # Not "the first decode without U+FFFD": an invalid byte earlier in the push is a final U+FFFD, and
-            # special tokens decode to nothing, so the open character's bytes may sit further back than 3 tokens.
-            for k in range(1, min(MAX_HELD_TOKENS, end - self._released)):
+            for k in range(1, 4):
                 head = self._decode(self.ids[self._window_start:end - k])
-                if len(head) < len(window) and window.startswith(head) and head.startswith(self._window_text):
+                if not head.endswith(REPLACEMENT) and head.startswith(self._window_text):
                     window, end = head, end - k
                     break
         piece = window[len(self._window_text):]
