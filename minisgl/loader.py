@@ -78,8 +78,9 @@ def _fused_slice(param: torch.Tensor, cfg: ModelConfig, fused: str, part: int) -
     return param.narrow(0, start, size)
 
 
-# --- notebooks/01_model.ipynb, cell 34 (id c01-034) ---
-def load_safetensors(model: DecoderLM, cfg: ModelConfig, path: str) -> None:
+# --- notebooks/01_model.ipynb, cell 34 (id c01-034a) ---
+def checkpoint_files(path: str) -> list[str]:
+    """The .safetensors files of a checkpoint folder: the ones its index names, or else every one there."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -88,6 +89,12 @@ def load_safetensors(model: DecoderLM, cfg: ModelConfig, path: str) -> None:
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {path}")
+    return files
+
+
+# --- notebooks/01_model.ipynb, cell 35 (id c01-034) ---
+def load_safetensors(model: DecoderLM, cfg: ModelConfig, path: str) -> None:
+    files = checkpoint_files(path)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for fname in files:
@@ -125,7 +132,7 @@ def load_safetensors(model: DecoderLM, cfg: ModelConfig, path: str) -> None:
         raise ValueError(f"checkpoint in {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-# --- notebooks/01_model.ipynb, cell 35 (id c01-035) ---
+# --- notebooks/01_model.ipynb, cell 36 (id c01-035) ---
 @torch.no_grad()
 def init_dummy(model: DecoderLM, seed: int) -> None:
     """Seeded random weights at a scale that keeps activations finite in bf16."""
@@ -140,36 +147,37 @@ def init_dummy(model: DecoderLM, seed: int) -> None:
             p.normal_(0.0, std, generator=gen)
 
 
-# --- notebooks/01_model.ipynb, cell 36 (id c01-036) ---
+# --- notebooks/01_model.ipynb, cell 37 (id c01-036) ---
 def load_model(model: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
                seed: int = 0, max_positions: int | None = None) -> LoadedModel:
     from transformers import AutoConfig
 
     path = resolve_model_path(model)
     hf_config = AutoConfig.from_pretrained(path)
-    if getattr(hf_config, "model_type", "").startswith("qwen3_5"):  # the hybrid model: minisgl/models/qwen3_5.py
-        from minisgl.models.qwen3_5 import build_qwen3_5
-        net, cfg = build_qwen3_5(hf_config, path, read_eos_ids(path, hf_config), dtype, device, load_format, seed,
-                                 max_positions)
-        return LoadedModel(net, cfg, hf_config, path)
-    cfg = ModelConfig.from_hf(hf_config, read_eos_ids(path, hf_config))
+    # the model's config, module, dummy init and checkpoint reader: this file's, or the hybrid Qwen3.5's
+    config_cls, model_cls, init, load = ModelConfig, DecoderLM, init_dummy, load_safetensors
+    if getattr(hf_config, "model_type", "").startswith("qwen3_5"):  # minisgl/models/qwen3_5.py
+        from minisgl.models import qwen3_5 as hybrid
+        config_cls, model_cls, init, load = (hybrid.Qwen35Config, hybrid.Qwen35LM, hybrid.init_dummy,
+                                             hybrid.load_safetensors)
+    cfg = config_cls.from_hf(hf_config, read_eos_ids(path, hf_config))
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            net = DecoderLM(cfg, max_positions)
+            net = model_cls(cfg, max_positions)
     finally:
         torch.set_default_dtype(old)
     if load_format == "dummy":
-        init_dummy(net, seed)
+        init(net, seed)
     else:
-        load_safetensors(net, cfg, path)
+        load(net, cfg, path)
     net.rotary.cos_sin = net.rotary.cos_sin.float()  # the rotary table stays fp32 whatever the dtype
     net.eval().requires_grad_(False)
     return LoadedModel(net, cfg, hf_config, path)
 
 
-# --- notebooks/01_model.ipynb, cell 37 (id c01-037) ---
+# --- notebooks/01_model.ipynb, cell 38 (id c01-037) ---
 def to_hf_state_dict(model: DecoderLM, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our weights under Hugging Face names (fused tensors split), e.g. to load a transformers peer."""
     out = {}

@@ -13,13 +13,12 @@ a full attention with an output gate over the paged KV pool. The other differenc
 Semantics follow transformers' `modeling_qwen3_5.py`; the tests check greedy tokens against it.
 
 On a GPU: the projections, the MLP (fused SiLU-and-mul) and the paged attention use the engine's kernels; the
-Gated DeltaNet ops are `minisgl.kernels.gdn`'s (torch references until its Triton kernels land); the norms and
+Gated DeltaNet ops are `minisgl.kernels.gdn`'s (Triton kernels on CUDA tensors); the norms and
 the partial-rotary RoPE run as plain torch ops for now (the Triton rope kernel takes full-width rotary only).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -33,13 +32,7 @@ from minisgl.kernels import gdn
 from minisgl.models.config import ModelConfig
 from minisgl.models.layers import MLP, RotaryEmbedding
 
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
-
-
-def is_qwen3_5(hf_config) -> bool:
-    """Whether a transformers config is a Qwen3.5 (the multimodal wrapper, the text model, or the MoE)."""
-    return getattr(hf_config, "model_type", "") in MODEL_TYPES + MOE_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -255,17 +248,11 @@ def _our_name(hf_name: str) -> str | None:
     return hf_name  # lm_head.weight
 
 
-def load_safetensors(model: Qwen35LM, path: str) -> None:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {path}")
+def load_safetensors(model: Qwen35LM, cfg: Qwen35Config, path: str) -> None:
+    from minisgl.loader import checkpoint_files  # not at the top: the loader imports this module
+    files = checkpoint_files(path)
     params = dict(model.named_parameters(remove_duplicate=False))
-    tied = model.cfg.tie_word_embeddings
+    tied = cfg.tie_word_embeddings
     loaded: set[str] = set()
     for fname in files:
         with safe_open(os.path.join(path, fname), framework="pt", device="cpu") as f:
@@ -316,25 +303,3 @@ def init_dummy(model: Qwen35LM, seed: int) -> None:
         else:
             std = 0.02 if "embed" in name else 1.0 / max(p.shape[1], 1) ** 0.5
             p.normal_(0.0, std, generator=gen)
-
-
-def build_qwen3_5(hf_config, path: str, eos_token_ids: tuple[int, ...], dtype: torch.dtype,
-                  device: torch.device, load_format: str, seed: int,
-                  max_positions: int | None) -> tuple[Qwen35LM, Qwen35Config]:
-    """The model with its weights (the checkpoint's, or seeded dummy ones); `minisgl.loader.load_model` calls this
-    for a Qwen3.5 config."""
-    cfg = Qwen35Config.from_hf(hf_config, eos_token_ids)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            net = Qwen35LM(cfg, max_positions)
-    finally:
-        torch.set_default_dtype(old)
-    if load_format == "dummy":
-        init_dummy(net, seed)
-    else:
-        load_safetensors(net, path)
-    net.rotary.cos_sin = net.rotary.cos_sin.float()  # the rotary table stays fp32 whatever the dtype
-    net.eval().requires_grad_(False)
-    return net, cfg
