@@ -32,10 +32,11 @@ Kernels (none reads anything on the host, so every launch can be captured in a C
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+# the same decorator and dispatch rule as the elementwise kernels (CUDA tensors, or MINISGL_FORCE_TRITON=1)
+from minisgl.kernels.elementwise import _jit, _use_triton
 
 try:
     import triton
@@ -94,18 +95,6 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 
 
 # ------------------------------------------------------------ Triton kernels --------------------------------
-
-
-def _jit(fn=None, **options):
-    if fn is None:  # used as @_jit(do_not_specialize=...)
-        return lambda f: _jit(f, **options)
-    return triton.jit(fn, **options) if triton is not None else fn
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    if triton is None:
-        return False
-    return x.is_cuda or os.environ.get("MINISGL_FORCE_TRITON", "0") == "1"
 
 
 # Launch settings, overridable so scripts can sweep them on the GPU (scripts/gpu_gdn_check.py).
