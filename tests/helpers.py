@@ -188,3 +188,26 @@ def assert_all_pages_back(llm_or_engine) -> None:
         assert len(set(free)) == len(free), "a snapshot slot is on the free list twice"
         assert len(free) + len(held) == state.num_snapshots, (
             f"snapshot slots leaked: free {len(free)} + cached {len(held)} != {state.num_snapshots}")
+
+
+def use_triton_interpreter(*kernel_modules: str) -> None:
+    """Run Triton kernels on the CPU: call after setting TRITON_INTERPRET=1 and importing triton. Patches the
+    interpreter for numpy >= 2.4 (it refuses int() on a 1-element array, which the interpreter uses for scalar
+    tensors in `range(start, end)` loops with runtime bounds) and re-imports the named modules that another test
+    may have imported, and so decorated, without the interpreter."""
+    import importlib
+    import sys
+
+    import triton.runtime.interpreter as interp
+
+    original = interp._patch_lang_tensor
+    if not getattr(original, "_minisgl_patched", False):
+        def patched(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        patched._minisgl_patched = True
+        interp._patch_lang_tensor = patched
+    for name in kernel_modules:
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])

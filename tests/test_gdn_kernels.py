@@ -7,9 +7,7 @@ Skipped when Triton is not installed (CI without it). Shapes are tiny: the inter
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton (and any kernel module) is imported
 
@@ -18,29 +16,9 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (the GPU kernels are optional)")
 
+from helpers import use_triton_interpreter  # noqa: E402
 
-def _patch_interpreter() -> None:
-    """numpy >= 2.4 refuses int() on a 1-element array, which the interpreter uses for scalar tensors in
-    `range(start, end)` loops with runtime bounds (as in tests/test_triton_kernels.py)."""
-    import triton.runtime.interpreter as interp
-
-    original = interp._patch_lang_tensor
-    if getattr(original, "_minisgl_patched", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._minisgl_patched = True
-    interp._patch_lang_tensor = patched
-
-
-_patch_interpreter()
-
-# A kernel module imported earlier in the session (by another test) was decorated without the interpreter.
-if "minisgl.kernels.gdn" in sys.modules:
-    importlib.reload(sys.modules["minisgl.kernels.gdn"])
+use_triton_interpreter("minisgl.kernels.gdn")  # numpy patch; re-decorate the module if imported before
 
 from minisgl.kernels import gdn  # noqa: E402
 

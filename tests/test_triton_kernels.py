@@ -7,9 +7,7 @@ batches with and without prefixes, and decode lengths that cross split boundarie
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton (and any kernel module) is imported
 
@@ -18,30 +16,11 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (the GPU kernels are optional)")
 
+from helpers import use_triton_interpreter  # noqa: E402
 
-def _patch_interpreter() -> None:
-    """numpy >= 2.4 refuses int() on a 1-element array, which the interpreter uses for scalar tensors in
-    `range(start, end)` loops with runtime bounds. Read the element explicitly instead."""
-    import triton.runtime.interpreter as interp
+# numpy patch; re-decorate the kernel modules another test imported before
+use_triton_interpreter("minisgl.kernels.attention", "minisgl.kernels.elementwise", "minisgl.attention.triton_backend")
 
-    original = interp._patch_lang_tensor
-    if getattr(original, "_minisgl_patched", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._minisgl_patched = True
-    interp._patch_lang_tensor = patched
-
-
-_patch_interpreter()
-
-# A kernel module imported earlier in the session (by another test) was decorated without the interpreter.
-for _name in ("minisgl.kernels.attention", "minisgl.kernels.elementwise", "minisgl.attention.triton_backend"):
-    if _name in sys.modules:
-        importlib.reload(sys.modules[_name])
 
 from minisgl.attention.base import AttentionMetadata  # noqa: E402
 from minisgl.attention.torch_backend import TorchAttentionBackend  # noqa: E402
