@@ -35,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minisgl.kernels import gdn  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import capture  # noqa: E402
+
 C, KW = 6144, 4  # conv channels (q, k, v: 2 * 16 * 128 + 16 * 128), kernel width
 HK, HV, D = 16, 16, 128
 DT = torch.bfloat16
@@ -161,14 +164,7 @@ def check_decode_graph(name: str, bs: int, gen, dev, row: dict) -> None:
         return gdn.causal_conv1d(x, weight, None, conv_state, slots, cu), \
             gdn.gated_delta_rule(q, k, v, g, beta, state, slots, cu)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture(step)  # compiled outside the capture
     worst_conv, worst_out, worst_state, ok = 0.0, 0.0, 0.0, True
     for _ in range(3):
         slots.copy_((torch.randperm(num_slots - 1, generator=gen, device=dev)[:bs] + 1).to(torch.int32))

@@ -35,23 +35,13 @@ from minisgl.kernels.attention import (  # noqa: E402
 )
 from minisgl.kvcache.pool import KVCache  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import capture  # noqa: E402
+
 DEV = torch.device("cuda")
 MODELS = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}
 MAX_CONTEXT = 32768
 NUM_SMS = torch.cuda.get_device_properties(DEV).multi_processor_count if torch.cuda.is_available() else 132
-
-
-def capture(fn):
-    """Run fn once on a side stream (compiles, lazy initialisation), then capture it: (graph, fn's output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 def make_cache(lens: list[int], page_size: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator):

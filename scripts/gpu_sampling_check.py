@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -41,6 +40,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minisgl.engine.sampler import SamplingTensors, apply_top_k_top_p, uniform_noise  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import capture, time_graph  # noqa: E402
 
 VOCAB = 151936
 BATCHES = (1, 64, 256, 512)
@@ -116,24 +118,11 @@ def check_tokens(b: int, kind: str, gen: torch.Generator) -> dict:
                 ok=alone_bad + sub_bad == 0 and len(diff) <= max(1, b // 256))
 
 
-def capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 def check_graph(b: int, gen: torch.Generator) -> dict:
     """Capture once, then replay with new logits and new settings copied into the static buffers."""
     logits = make_logits(b, gen, "bf16")
     st = mixed_settings(b, gen)
-    graph, out = capture(lambda: fused(logits, st))
+    graph, out = capture(lambda: fused(logits, st), warmups=2)
     bad = 0
     for _ in range(3):
         new_logits, new = make_logits(b, gen, "bf16"), mixed_settings(b, gen)
@@ -178,20 +167,6 @@ def check_engine() -> dict:
                 graphs=graph_steps, ok=not any(differ.values()) and not any(alone.values()) and sampled > 0)
 
 
-def time_graph(fn, iters: int = 50) -> float:
-    """Median microseconds of one replay of fn captured in a CUDA graph."""
-    graph, _ = capture(fn)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def time_batch(b: int, kind: str, gen: torch.Generator) -> dict:
     logits = make_logits(b, gen, kind)
     w1_cuts = uniform_settings(b, 0.6, 50, 0.95)
@@ -213,7 +188,7 @@ def time_batch(b: int, kind: str, gen: torch.Generator) -> dict:
     out = dict(batch=b, logits=kind)
     for name, fn in cases.items():
         try:
-            out[name + "_us"] = round(time_graph(fn), 1)
+            out[name + "_us"] = round(time_graph(fn, warmups=2), 1)
         except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
             out[name + "_us"] = None
             out[name + "_error"] = repr(e)[:300]

@@ -14,15 +14,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_timing import time_graph  # noqa: E402
 
 VOCAB = 151936
 BATCHES = (64, 256, 512)
@@ -38,27 +41,6 @@ def _settings(b: int, top_k: int, top_p: float, min_p: float) -> dict:
 
 CASES = {"top_k_top_p": (50, 0.95, 0.0), "top_p": (VOCAB, 0.95, 0.0), "min_p": (VOCAB, 1.0, 0.05),
          "temperature": (VOCAB, 1.0, 0.0)}
-
-
-def _time(fn, iters: int = 20) -> float:
-    """Median microseconds of one replay of fn captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def candidates() -> list[dict]:
@@ -92,7 +74,8 @@ def main(out_dir: str | Path = ".", apply: bool = False) -> dict:
             for case, (k, p, mp) in CASES.items():
                 st = _settings(b, k, p, mp)
                 try:
-                    row["us"][f"{case}_b{b}"] = round(_time(lambda x=logits[b], st=st: fused.fused_sample(x, **st)), 1)
+                    draw = partial(fused.fused_sample, logits[b], **st)
+                    row["us"][f"{case}_b{b}"] = round(time_graph(draw, iters=20), 1)
                 except Exception:  # noqa: BLE001 - a shape that fails to compile just drops out
                     res["errors"].append(f"{label} {case} b{b}: {traceback.format_exc()[-600:]}")
                     row["us"][f"{case}_b{b}"] = None
