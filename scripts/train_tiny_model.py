@@ -321,17 +321,17 @@ def encode_corpus(tok: PreTrainedTokenizerFast, docs: list[str]) -> tuple[torch.
 # =========================================================================================
 # Model and training
 # =========================================================================================
-def make_config(tok: PreTrainedTokenizerFast) -> Qwen3Config:
-    eot = tok.convert_tokens_to_ids("<|endoftext|>")
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+def qwen3_config(eot: int, im_end: int, hidden: int, mlp: int, layers: int, heads: int, kv_heads: int,
+                 dtype: str) -> Qwen3Config:
+    """The embedded model's architecture at a given size (this script's CPU model, or the GPU trainer's)."""
     return Qwen3Config(
         vocab_size=VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
         max_position_embeddings=2048,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
@@ -339,8 +339,14 @@ def make_config(tok: PreTrainedTokenizerFast) -> Qwen3Config:
         bos_token_id=eot,
         eos_token_id=[eot, im_end],
         pad_token_id=eot,
-        dtype="float32",
+        dtype=dtype,
     )
+
+
+def make_config(tok: PreTrainedTokenizerFast) -> Qwen3Config:
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    return qwen3_config(eot, im_end, hidden=256, mlp=768, layers=4, heads=4, kv_heads=2, dtype="float32")
 
 
 def lr_at(step: int, total: int) -> float:

@@ -56,23 +56,7 @@ SAMPLE_TOKENS = 60
 
 def make_config(args) -> Qwen3Config:
     eot, im_end = 0, 2  # <|endoftext|>, <|im_end|> in the shipped tokenizer
-    return Qwen3Config(
-        vocab_size=ttm.VOCAB_SIZE,
-        hidden_size=args.hidden,
-        intermediate_size=args.mlp,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=True,
-        bos_token_id=eot,
-        eos_token_id=[eot, im_end],
-        pad_token_id=eot,
-        dtype="bfloat16",
-    )
+    return ttm.qwen3_config(eot, im_end, args.hidden, args.mlp, args.layers, args.heads, args.kv_heads, "bfloat16")
 
 
 def lr_at(progress: float, step: int, args) -> float:
