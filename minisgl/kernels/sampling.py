@@ -75,6 +75,16 @@ if triton is not None:
         return lo + unit * (((hi - lo) // unit) * j // NC)
 
     @triton.jit
+    def _bracket(flags_ptr, lo_ptr, hi_ptr, unit_ptr, row, num_rows, PHASE: tl.constexpr):
+        """A row's bracket [lo, hi) in this phase (0: top-k, 1: top-p), its search unit, and whether the row
+        still searches: it has this cut and the bracket is wider than one unit."""
+        lo = tl.load(lo_ptr + row)
+        hi = tl.load(hi_ptr + PHASE * num_rows + row)
+        unit = tl.load(unit_ptr + row)
+        wanted = (tl.load(flags_ptr + row) & (_TOP_K << PHASE)) != 0
+        return lo, hi, unit, wanted & (hi - lo > unit)
+
+    @triton.jit
     def _stats_kernel(logits_ptr, stride, vocab, flags_ptr, pmax_ptr, plow_ptr, num_chunks,
                       CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         # grid (rows, chunks): the chunk's max logit, and whether any logit has low 16 key bits set
@@ -118,11 +128,8 @@ if triton is not None:
         # grid (rows, chunks): count (top-k) or weight (top-p) of the chunk's tokens at or above each candidate
         row = tl.program_id(0)
         chunk = tl.program_id(1)
-        lo = tl.load(lo_ptr + row)
-        hi = tl.load(hi_ptr + PHASE * num_rows + row)
-        unit = tl.load(unit_ptr + row)
-        wanted = (tl.load(flags_ptr + row) & (_TOP_K << PHASE)) != 0
-        if wanted & (hi - lo > unit):
+        lo, hi, unit, searching = _bracket(flags_ptr, lo_ptr, hi_ptr, unit_ptr, row, num_rows, PHASE)
+        if searching:
             cand = _key_to_float(_candidates(lo, hi, unit, NC))
             inv_t = tl.load(inv_t_ptr + row)
             s_max = tl.load(max_ptr + row) * inv_t
@@ -146,11 +153,8 @@ if triton is not None:
                        NC_PAD: tl.constexpr):
         # grid (rows,): sum the chunks' partials, keep the bracket [last qualifying, first failing candidate)
         row = tl.program_id(0)
-        lo = tl.load(lo_ptr + row)
-        hi = tl.load(hi_ptr + PHASE * num_rows + row)
-        unit = tl.load(unit_ptr + row)
-        wanted = (tl.load(flags_ptr + row) & (_TOP_K << PHASE)) != 0
-        if wanted & (hi - lo > unit):
+        lo, hi, unit, searching = _bracket(flags_ptr, lo_ptr, hi_ptr, unit_ptr, row, num_rows, PHASE)
+        if searching:
             c = tl.arange(0, NC_PAD)
             j = tl.arange(0, NC)
             tile = tl.load(part_ptr + (row * num_chunks + c[:, None]) * NC + j[None, :],
