@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.environ.get("MINISGL_ROOT") or os.path.join(os.path.dirname(__file__), ".."))
 
 from minisgl import LLM, SamplingParams  # noqa: E402
+from minisgl.bench.runner import environment  # noqa: E402
 
 
 def main() -> None:
@@ -82,7 +83,7 @@ def main() -> None:
         s[0] += 1
         s[1] += h.time_range.end - h.time_range.start
     out = {
-        "label": a.label, "root": os.environ.get("MINISGL_ROOT", "this checkout"),
+        "label": a.label, "root": os.environ.get("MINISGL_ROOT", "this checkout"), "environment": environment(),
         "unprofiled_ms_per_step": unprofiled_ms, "profiled_steps": a.steps,
         "window_us": window, "gpu_busy_us_sum": busy, "gpu_activities": len(gpu),
         "activities_per_step": len(gpu) / a.steps, "idle_us_per_step": sum(g["idle_us"] for g in gaps) / a.steps,
