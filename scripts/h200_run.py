@@ -280,6 +280,24 @@ def flashinfer_section() -> dict:
     return out
 
 
+def profile_w1_slices(model: str, sizes=(1, 64, 256), top: int = 30) -> dict:
+    """Decode steps at several batch sizes of W1's requests (kernels by kind and by name), then one W2 request's
+    prefill (host launch time against kernel time): where a model's step time goes."""
+    from minisgl.bench.profile import profile_request, profile_w1_slice
+    from minisgl.bench.runner import warm_up
+    from minisgl.bench.workloads import w2_latency
+    llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
+    warm_up(llm)
+    out = {f"decode_bs{n}": profile_w1_slice(llm, num_requests=n, warm_steps=max(8, n // 8), steps=20,
+                                             keep_intervals=0, top=top) for n in sizes}
+    prompts = w2_latency().prompts
+    out["w2_request_unprofiled"] = [profile_request(llm, p, profiled=False) for p in prompts[:3]]
+    out["w2_request"] = profile_request(llm, prompts[3])
+    llm = None
+    free_gpu()
+    return out
+
+
 def profile_small_batches(model: str) -> dict:
     """Decode at batch 1 and 64 (kernel time by kind: how much of a step is GEMMs), then one W2 request:
     the prefill's host launch time against its kernel time."""
@@ -347,6 +365,7 @@ SECTIONS = {
     "w3_06": lambda: bench("qwen3-0.6b", [("default", ["w3"], {})]),
     "qwen35_check": lambda: qwen35_check(),
     "profile_small06": lambda: profile_small_batches("qwen3-0.6b"),
+    "profile35": lambda: profile_w1_slices("qwen3.5-0.8b"),
 }
 
 

@@ -27,7 +27,8 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 _KINDS = (  # (kind, name fragments), first match wins; names are lower-cased kernel names
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "cublas")),
     ("attention", ("decode_stage", "_extend_kernel", "batchdecode", "batchprefill", "flashinfer")),
-    ("norm", ("rms_norm",)),
+    ("gdn", ("_gdr_", "_conv_")),  # Qwen3.5's Gated DeltaNet kernels (kernels/gdn.py)
+    ("norm", ("rms_norm", "norm")),
     ("rope", ("rope",)),
     ("kv_store", ("store_kv",)),
     ("silu_and_mul", ("silu",)),
@@ -88,7 +89,7 @@ def host_phases(engine, steps: int) -> dict:
 
 
 def profile_w1_slice(llm, num_requests: int = 64, warm_steps: int = 40, steps: int = 30,
-                     keep_intervals: int = 3000) -> dict:
+                     keep_intervals: int = 3000, top: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     w = w1_offline()
@@ -117,8 +118,10 @@ def profile_w1_slice(llm, num_requests: int = 64, warm_steps: int = 40, steps: i
     n_graph = after["graph_steps"] - before["graph_steps"]
     by_kind = _time_by_kind(kernels)
     by_name: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for e in kernels:
         by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + e.time_range.end - e.time_range.start
+        counts[e.name[:80]] = counts.get(e.name[:80], 0) + 1
     per_step = max(n_steps, 1)
     t0 = min((s for s, _ in intervals), default=0.0)
     timeline = [[round(e.time_range.start - t0, 2), round(e.time_range.end - e.time_range.start, 2), e.name[:60]]
@@ -135,7 +138,8 @@ def profile_w1_slice(llm, num_requests: int = 64, warm_steps: int = 40, steps: i
         # per step: kernel count and summed kernel time (ms) of each kind, e.g. how much of a step is GEMMs
         "by_kind_per_step": {k: {"kernels": n / per_step, "ms": t / 1e3 / per_step} for k, (n, t) in by_kind.items()},
         "top_kernels_ms_per_step": {k: t / 1e3 / per_step
-                                    for k, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]},
+                                    for k, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]},
+        "kernel_counts_per_step": {k: n / per_step for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]},
         "timeline_us": timeline,
     }
 
