@@ -164,7 +164,9 @@ def test_invalid_utf8_is_released_after_a_bounded_hold():
     assert lone, "the byte-level vocabulary has lone continuation bytes"
     ts = TextStream(TOK)
     ids = [lone[0]] * (4 * MAX_HELD_TOKENS)
-    pieces = [ts.push([t]) for t in ids]
+    pieces = []
+    for t in ids:
+        pieces.append(ts.push([t]))
+        assert len(ts.detok._text_ids) - ts.detok._window_start <= MAX_HELD_TOKENS  # the window stays short
     assert "".join(pieces), "text of an invalid sequence is released, not held (and re-decoded) forever"
-    assert len(ts.detok.ids) - ts.detok._window_start <= MAX_HELD_TOKENS  # the decode window stays short
     assert "".join(pieces) + ts.finish() == TOK.decode(ids, skip_special_tokens=True)

@@ -4,10 +4,12 @@ Two layers:
 
 * `IncrementalDetokenizer` turns a growing list of token ids into text pieces. A byte-level tokenizer can
   split one UTF-8 character over several tokens; decoding such a prefix gives U+FFFD (the replacement
-  character) at the end. A piece is released only when the decoded text does not end in U+FFFD, so no
-  character is ever cut in two. Each decode covers a short window that starts one settled stretch back:
-  tokenizers that drop a leading space when a slice starts at a word (SentencePiece) see the same
-  left context in both decodes that are compared, so the pieces agree with a decode of everything.
+  character) at the end. A piece is released when the decoded text does not end in U+FFFD, so no
+  character is ever cut in two. Text that keeps ending in U+FFFD (invalid bytes) is released once the
+  window grows long, all but the tokens that may still finish a character. Each decode covers a short
+  window that starts one settled stretch back: tokenizers that drop a leading space when a slice starts at
+  a word (SentencePiece) see the same left context in both decodes that are compared, so the pieces agree
+  with a decode of everything. Special tokens the decode skips are left out of the window.
 * `TextStream` adds stop strings on top (the cuts live in `minisgl.stop_strings`): text is emitted only up
   to the first stop string, and a tail that could still grow into a stop string is held back until the
   next token settles it. `finish()` returns the rest, so the concatenation of every piece equals
@@ -22,20 +24,28 @@ from minisgl.stop_strings import first_stop, partial_stop_len, trim_at_stop
 __all__ = ["IncrementalDetokenizer", "TextStream", "first_stop", "partial_stop_len", "trim_at_stop"]
 
 REPLACEMENT = "\ufffd"
-# A UTF-8 character spans at most 4 bytes, so at most 4 byte tokens: text still unsettled after this many
-# tokens is a genuinely invalid sequence (U+FFFD in the full decode too). Releasing it then keeps every
-# decode window short, so a stream never re-decodes a growing tail on the event loop.
+# A UTF-8 character spans at most 4 bytes, so at most 4 byte tokens: a window of this many tokens whose text
+# still ends in U+FFFD holds a genuinely invalid sequence (U+FFFD in the full decode too). Releasing it then
+# keeps every decode window short, so a stream never re-decodes a growing tail on the event loop.
 MAX_HELD_TOKENS = 16
+# An unfinished character lacks at least one of its at most 4 bytes, so it spans at most 3 tokens: only
+# these are kept back when a long window is released.
+MAX_OPEN_TOKENS = 3
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self._window_start = 0  # first token of the decode window
-        self._released = 0  # tokens whose text has been handed out
-        self._window_text = ""  # decode(ids[_window_start:_released])
+        self.ids: list[int] = []  # every token pushed
+        # The tokens that make text: special tokens the decode skips are left out, so they neither count
+        # towards a hold nor sit between the bytes of one character in a decode window.
+        self._text_ids: list[int] = []
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", ())) if skip_special_tokens else frozenset()
+        self._silent: dict[int, bool] = {}
+        self._window_start = 0  # first text token of the decode window
+        self._released = 0  # text tokens whose text has been handed out
+        self._window_text = ""  # decode(_text_ids[_window_start:_released])
         self.text = ""  # every piece handed out, concatenated
 
     def _decode(self, ids: list[int]) -> str:
@@ -43,29 +53,65 @@ class IncrementalDetokenizer:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def _makes_text(self, token: int) -> bool:
+        if token not in self._special:
+            return True
+        if token not in self._silent:  # only drop a special token the decode really skips
+            self._silent[token] = self._decode([token]) == ""
+        return not self._silent[token]
+
     def push(self, new_ids) -> str:
         """Add tokens; return the newly settled text ('' while a character is still incomplete)."""
-        self.ids.extend(int(t) for t in new_ids)
-        if len(self.ids) == self._released:
+        new = [int(t) for t in new_ids]
+        self.ids.extend(new)
+        self._text_ids.extend(t for t in new if self._makes_text(t))
+        ids = self._text_ids
+        if len(ids) == self._released:
             return ""
-        window = self._decode(self.ids[self._window_start:])
-        unsettled = window.endswith(REPLACEMENT) or not window.startswith(self._window_text)
-        if unsettled and len(self.ids) - self._released < MAX_HELD_TOKENS:
-            return ""  # an unfinished character (or a decode that still rewrites its left context)
-        if not window.startswith(self._window_text):  # held too long: restart the window here
-            self._window_start = self._released = len(self.ids)
+        window = self._decode(ids[self._window_start:])
+        if not window.startswith(self._window_text):  # a decode that still rewrites its left context
+            if len(ids) - self._released < MAX_HELD_TOKENS:
+                return ""
+            self._window_start = self._released = len(ids)  # held too long: restart the window here
             self._window_text = ""
             return ""
-        end = len(self.ids)
-        if window.endswith(REPLACEMENT):  # many tokens at once, the last character still open: keep it back
-            for k in range(1, 4):
-                head = self._decode(self.ids[self._window_start:end - k])
-                if not head.endswith(REPLACEMENT) and head.startswith(self._window_text):
-                    window, end = head, end - k
-                    break
-        piece = window[len(self._window_text):]
+        if not window.endswith(REPLACEMENT):
+            return self._release(window, len(ids))
+        if len(ids) - self._window_start < MAX_HELD_TOKENS:
+            return ""  # the last character may still be unfinished
+        # The window has grown long and its text still ends in U+FFFD: release all that no later token can
+        # change and keep back only what may be an unfinished character.
+        return self._release(*self._settled_head(window))
+
+    def _settled_head(self, window: str) -> tuple[str, int]:
+        """(text, end): the decode of the window's tokens up to `end` that no later token can change, with
+        every token that may hold part of an unfinished character left out."""
+        ids, start = self._text_ids, self._window_start
+        ends = range(len(ids) - 1, max(self._released, len(ids) - MAX_OPEN_TOKENS) - 1, -1)
+        heads = []
+        for end in ends:
+            head = self._decode(ids[start:end])
+            if not head.startswith(self._window_text):
+                continue
+            # A head that ends in a whole character is final for any decoder (SentencePiece's byte
+            # fallback included, which shows an unfinished run of byte tokens as one U+FFFD per byte).
+            if not head.endswith(REPLACEMENT):
+                return head, end
+            heads.append((head, end))
+        # Every nearby cut ends in U+FFFD too: invalid bytes come just before the open one. Byte-level BPE
+        # decodes with a lossy UTF-8 decode, where only the last U+FFFD can still change: it may be a lead
+        # byte whose character is not complete yet, while every earlier one is an invalid byte (a lone
+        # continuation byte, or a lead byte cut off by what followed) that no later byte turns into a
+        # character. So the text that leaves out just the last U+FFFD is settled.
+        for head, end in heads:
+            if len(head) < len(window) and window.startswith(head):
+                return head, end
+        return window, len(ids)  # no cut keeps the decode consistent: release all (the bounded hold)
+
+    def _release(self, text: str, end: int) -> str:
+        piece = text[len(self._window_text):]
         self._window_start, self._released = self._released, end
-        self._window_text = self._decode(self.ids[self._window_start:self._released])
+        self._window_text = self._decode(self._text_ids[self._window_start:self._released])
         self.text += piece
         return piece
 
