@@ -3,11 +3,12 @@
 """CUDA Graph runner for decode steps.
 
 A decode step of a small model is a few hundred short kernels; launching them one by one from Python costs
-more than running them. So we record ("capture") the whole step once per batch size and replay it with
-one call: the forward and the sampler, so a replay hands back the next tokens. A graph replays fixed
-addresses, so every input (the sampling settings included) lives in a fixed buffer that is refreshed in
-place before each replay; a batch is padded up to the next captured size, with padded rows writing their
-K/V to the reserved slot 0 and sampling greedily.
+more than running them. So we record ("capture") the whole step once per batch size and sampler and replay it
+with one call: the forward, the sampler and the write of the tokens into the token-id table, so a step is one
+launch and a replay hands back the next tokens. A graph replays fixed addresses, so every input (the sampling
+settings included) lives in a fixed buffer that is refreshed in place before each replay; a batch is padded
+up to the next captured size, with padded rows writing their K/V to the reserved slot 0, sampling greedily
+and writing their token to a cell of the table no request uses.
 """
 
 from __future__ import annotations
@@ -70,8 +71,15 @@ class CudaGraphRunner:
             temperatures=torch.zeros(n, **f32), top_ks=torch.ones(n, **i64), top_ps=torch.ones(n, **f32),
             seeds=torch.zeros(n, **i64), steps=torch.zeros(n, **i64), all_greedy=False, any_top_k_p=True,
             min_ps=torch.zeros(n, **f32))
-        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (batch size, "forward"/sampler)
-        self.outputs: dict[tuple[int, str], torch.Tensor] = {}  # what each graph writes: logits, tokens
+        # Where each row's token goes in the token-id table (flat index row * width + position; notebook 02),
+        # written by the graph itself. Padded rows write to the table's last cell: its column lies past every
+        # position a request reaches (the table is a page wider than the context), so no one ever reads it.
+        pool = getattr(runner, "req_pool", None)
+        self.token_table = None if pool is None else pool.token_ids.view(-1)
+        self.spare_cell = 0 if pool is None else self.token_table.numel() - 1
+        self.token_dst = torch.full((n,), self.spare_cell, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (batch size, sampler): a whole step
+        self.outputs: dict[tuple[int, str], torch.Tensor] = {}  # the tokens each graph writes
         self.last_run_used_graph = False
         self.attn.init_cuda_graph_state(n)
         self._capture_all()
@@ -88,11 +96,16 @@ class CudaGraphRunner:
         return SamplingTensors(s.temperatures[:bs], s.top_ks[:bs], s.top_ps[:bs], s.seeds[:bs], s.steps[:bs],
                                all_greedy=False, any_top_k_p=cuts, min_ps=s.min_ps[:bs])
 
-    def _sample(self, logits: torch.Tensor, bs: int, sampler: str) -> torch.Tensor:
-        """What a sampler's graph records: the next tokens from the forward graph's logits."""
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, bs: int, sampler: str) -> torch.Tensor:
+        """What one graph records: the forward, the sampler on its logits, the tokens into the token table."""
+        logits = self.model(input_ids, positions, self.attn)
         if sampler == "greedy":
-            return logits.argmax(dim=-1)
-        return sample(logits, self._sampling(bs, cuts=sampler == "cuts"))
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = sample(logits, self._sampling(bs, cuts=sampler == "cuts"))
+        if self.token_table is not None:  # the next step reads its input ids from there (notebook 07)
+            self.token_table[self.token_dst[:bs]] = tokens.long()
+        return tokens
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -100,19 +113,23 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream()
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
             self.attn.prepare_for_capture(self._meta(bs))
-            logits = self._record((bs, "forward"), pool, stream, self.model, self.input_ids[:bs],
-                                  self.positions[:bs], self.attn)
+            args = (self.input_ids[:bs], self.positions[:bs], bs)
+            self._warm_up(stream, [(self._step, (*args, sampler)) for sampler in SAMPLERS])
             for sampler in SAMPLERS:
-                self._record((bs, sampler), pool, stream, self._sample, logits, bs, sampler)
+                self._record((bs, sampler), pool, stream, self._step, *args, sampler)
         torch.cuda.synchronize()
 
-    def _record(self, key: tuple[int, str], pool, stream, fn, *args) -> torch.Tensor:
-        """Warm fn(*args) up outside a graph, then capture it as graph `key`; its output tensor."""
+    def _warm_up(self, stream, calls) -> None:
+        """Run each fn(*args) twice outside a graph: autotuning and lazy initialisation must not be captured."""
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: autotuning and lazy initialisation must not be captured
-                fn(*args)
+            for fn, args in calls:
+                for _ in range(2):
+                    fn(*args)
         torch.cuda.current_stream().wait_stream(stream)
+
+    def _record(self, key: tuple[int, str], pool, stream, fn, *args) -> torch.Tensor:
+        """Capture fn(*args) (warmed up already) as graph `key`; its output tensor."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             out = fn(*args)
@@ -136,8 +153,11 @@ class CudaGraphRunner:
         s.temperatures[n:bs].zero_()  # padding rows: greedy, no search
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            sampling: SamplingTensors) -> torch.Tensor:
-        """Next tokens `[n]` of a decode batch of n rows, every row sampling."""
+            sampling: SamplingTensors, token_dst: torch.Tensor | None = None) -> torch.Tensor:
+        """Next tokens `[n]` of a decode batch of n rows, every row sampling: one replay, one launch.
+
+        With `token_dst` (flat token-table indices, one per row) the replay also writes the tokens there.
+        The result is a view of the graph's output, valid until the next replay: copy it to keep it."""
         n = meta.batch_size
         bs = padded_size(self.batch_sizes, n)
         self.input_ids[:n].copy_(input_ids)
@@ -146,6 +166,10 @@ class CudaGraphRunner:
         self.req_pool_indices[:n].copy_(meta.req_pool_indices)
         self.seq_lens[:n].copy_(meta.seq_lens)
         fill_padding(n, bs, self.out_cache_loc, self.seq_lens, self.positions)
+        if token_dst is not None:
+            self.token_dst[:n].copy_(token_dst)
+        if token_dst is None or bs > n:  # rows without a destination write to the spare cell
+            self.token_dst[0 if token_dst is None else n:bs].fill_(self.spare_cell)
         sampler = sampler_of(sampling)
         if sampler != "greedy":
             self._load_sampling(sampling, n, bs)
@@ -153,6 +177,5 @@ class CudaGraphRunner:
         if meta.seq_lens_cpu is not None:  # host copies for backends that plan on the CPU (FlashInfer): no sync
             static.seq_lens_cpu = list(meta.seq_lens_cpu) + [1] * (bs - n)
         self.attn.prepare_for_replay(static)
-        self.graphs[bs, "forward"].replay()
         self.graphs[bs, sampler].replay()
-        return self.outputs[bs, sampler][:n].clone()
+        return self.outputs[bs, sampler][:n]

@@ -32,8 +32,8 @@ class HybridCudaGraphRunner(CudaGraphRunner):
                                        state_slots=self.state_slots[:bs], cu_seqlens=self.cu_seqlens[:bs + 1])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: HybridAttentionMetadata,
-            sampling: SamplingTensors) -> torch.Tensor:
+            sampling: SamplingTensors, token_dst: torch.Tensor | None = None) -> torch.Tensor:
         n = meta.batch_size
         self.state_slots[:n].copy_(meta.state_slots)
         self.state_slots[n:].fill_(self.dummy_slot)  # padded rows: their state updates go to the dummy slot
-        return super().run(input_ids, positions, meta, sampling)
+        return super().run(input_ids, positions, meta, sampling, token_dst)

@@ -37,7 +37,7 @@ class StepOutput:
     """What a launched step hands back: next tokens on the device and, once `ready` fires, on the host."""
 
     batch: Batch
-    tokens_device: torch.Tensor
+    tokens_device: torch.Tensor  # after a decode graph: its output buffer, which the next replay overwrites
     tokens_host: torch.Tensor
     ready: torch.cuda.Event | None
 
@@ -161,8 +161,9 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, SamplingTensors, torch.Tensor]:
         """Device inputs of a step: (input ids, positions, attention metadata, logit indices, sampling settings,
         token_dst). The table writes the scheduler queued travel in the same copy and are applied first, since
-        the input ids are read from the token table; `token_dst` is where `store_tokens` puts the step's
-        sampled tokens in it. `pad_to` = (tokens, requests) pads the step to a prefill graph's shape."""
+        the input ids are read from the token table; `token_dst` is where the step's sampled tokens go in it
+        (`store_tokens`, or inside the decode graph's replay). `pad_to` = (tokens, requests) pads the step to
+        a prefill graph's shape."""
         writes, n_slot_writes = self.req_pool.take_writes()
         b, t = batch.size, batch.num_tokens
         prefix = np.asarray(batch.prefix_lens, dtype=np.int64)
@@ -237,8 +238,9 @@ class ModelRunner:
         input_ids, positions, meta, logit_idx, sampling, token_dst = self.prepare(batch, pad_to=shape)
         if self.state_pool is not None:  # hybrid: admitted requests start from zeros or a prefix snapshot
             self.state_pool.start(batch.state_inits)
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            tokens = self.graph_runner.run(input_ids, positions, meta, sampling)  # the sampler is in the graph
+        in_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
+        if in_graph:  # one replay: forward, sampler and token-table write (`tokens` is a view, copied below)
+            tokens = self.graph_runner.run(input_ids, positions, meta, sampling, token_dst=token_dst)
         elif shape is not None:  # prefill graph (engine/prefill_graph.py)
             logits = self.prefill_graph.run(shape, input_ids, positions, meta, logit_idx, len(batch.sample_rows))
             tokens = sample(logits, sampling)
@@ -247,11 +249,13 @@ class ModelRunner:
             tokens = sample(self.model(input_ids, positions, self.attn, logit_idx), sampling)
         if self.state_pool is not None:  # hybrid: snapshots of the state after this step's layers
             self.state_pool.save(batch.state_saves)
-        self.store_tokens(token_dst, tokens)
+        if not in_graph:
+            self.store_tokens(token_dst, tokens)
         if self.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
             return StepOutput(batch, tokens, host, ready)
-        return StepOutput(batch, tokens, tokens, None)
+        host = tokens.clone() if in_graph else tokens  # the next replay rewrites a graph's output buffer
+        return StepOutput(batch, tokens, host, None)

@@ -1,0 +1,135 @@
+"""The decode graph runner (engine/cuda_graph.py) on a CPU, through the whole engine.
+
+A CPU has no CUDA graphs, so `ReplayGraph` stands in for one (as in notebook 06): "capture" calls the step once
+and keeps its output tensor, `replay()` calls it again on the captured views of the static buffers and writes
+the result into that same tensor. Everything else is the runner's own code: the static buffers, padding, the
+sampler chosen per batch, and the step a graph records (forward, sampler, token-table write). The checks:
+a decode step is one replay of one graph; the tokens equal the eager engine's for greedy and seeded sampling
+of every kind, with and without overlap, alone or in a batch; the graph writes each row's token into the
+token table and padded rows touch only the spare cell.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from minisgl import SamplingParams
+from minisgl.engine.cuda_graph import SAMPLERS, CudaGraphRunner
+from tests.helpers import VOCAB, assert_all_pages_back
+
+PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 10) + 5 for j in range(n)] for i, n in enumerate([5, 17, 9, 30, 2, 12, 8, 21])]
+SETTINGS = [dict(temperature=0.0), dict(temperature=0.9), dict(temperature=1.2, top_k=20, top_p=0.9),
+            dict(temperature=1.0, min_p=0.05), dict(temperature=1.5, top_p=0.8), dict(temperature=0.0),
+            dict(temperature=0.7, top_k=5), dict(temperature=2.0)]
+
+
+class ReplayGraph:
+    """A stand-in for torch.cuda.CUDAGraph on a CPU; counts its replays."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.output = fn()
+        self.replays = 0
+
+    def replay(self):
+        self.output.copy_(self.fn())
+        self.replays += 1
+
+
+class Hooks:
+    """The torch attention backend plus the three CUDA Graph hooks (on a CPU they only point it at the meta)."""
+
+    supports_cuda_graph = True
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def init_cuda_graph_state(self, max_bs):
+        pass
+
+    def prepare_for_capture(self, meta):
+        self.backend.prepare(meta)
+
+    def prepare_for_replay(self, meta):
+        self.backend.prepare(meta)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+class CpuGraphs(CudaGraphRunner):
+    """The real runner with ReplayGraph stand-ins for the capture: one per (batch size, sampler), like the GPU's."""
+
+    def _capture_all(self):
+        for bs in reversed(self.batch_sizes):
+            self.attn.prepare_for_capture(self._meta(bs))
+            ids, pos = self.input_ids[:bs], self.positions[:bs]
+            for s in SAMPLERS:
+                graph = ReplayGraph(lambda ids=ids, pos=pos, bs=bs, s=s: self._step(ids, pos, bs, s))
+                self.graphs[bs, s], self.outputs[bs, s] = graph, graph.output
+
+
+def with_cpu_graphs(llm, max_bs=8, batch_sizes=None):
+    """Give the LLM's model runner CPU replay graphs; returns the graph runner."""
+    r = llm.engine.runner
+    view = SimpleNamespace(model=r.model, attn=Hooks(r.attn), device=r.device, max_model_len=r.max_model_len,
+                           req_pool=r.req_pool)
+    r.graph_runner = CpuGraphs(view, max_bs, batch_sizes)
+    return r.graph_runner
+
+
+def params(i, max_tokens=12):
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=100 + i, **SETTINGS[i % len(SETTINGS)])
+
+
+def test_one_graph_per_size_and_sampler(qwen3_path, make_llm):
+    graphs = with_cpu_graphs(make_llm(qwen3_path), max_bs=8)
+    assert set(graphs.graphs) == {(bs, s) for bs in (1, 2, 4, 8) for s in SAMPLERS}
+
+
+def test_graph_tokens_equal_eager_and_one_replay_per_step(qwen3_path, make_llm):
+    all_params = [params(i) for i in range(len(PROMPTS))]
+    eager = [o.token_ids for o in make_llm(qwen3_path).generate(PROMPTS, all_params)]
+    for switches in ({}, dict(overlap=False)):
+        llm = make_llm(qwen3_path, **switches)
+        graphs = with_cpu_graphs(llm, max_bs=8, batch_sizes=[1, 2, 4, 8])
+        out = [o.token_ids for o in llm.generate(PROMPTS, all_params)]
+        assert out == eager, switches
+        stats = llm.engine.stats
+        replays = sum(g.replays for g in graphs.graphs.values())
+        assert stats["graph_steps"] > 0 and replays == stats["graph_steps"], "a decode step is one replay"
+        for i in (2, 3, 5):  # alone, through the batch-1 graphs: what it drew in the batch
+            assert llm.generate([PROMPTS[i]], all_params[i])[0].token_ids == eager[i], (switches, i)
+        assert_all_pages_back(llm)
+
+
+@torch.inference_mode()
+def test_graph_writes_tokens_to_the_table_and_padding_to_the_spare_cell(qwen3_path, make_llm):
+    llm = make_llm(qwen3_path)
+    runner = llm.engine.runner
+    graphs = with_cpu_graphs(llm, max_bs=4, batch_sizes=[4])
+    reqs = [llm.engine.add_request(p, params(i)) for i, p in enumerate(PROMPTS[:3])]
+    while not all(len(r.output_ids) >= 2 for r in reqs):  # prefill (eager), then a decode step or two
+        llm.engine.step()
+    batch = llm.engine.scheduler.schedule()
+    assert batch.is_decode and batch.size == 3
+    width = runner.req_pool.max_context_len
+    graphs.token_dst[3] = batch.reqs[0].row * width  # a stale destination from an earlier, larger batch
+    before = runner.req_pool.token_ids.clone()
+    out = runner.forward(batch)
+    tokens = out.wait()
+    after = runner.req_pool.token_ids
+    changed = (before != after).view(-1).nonzero().view(-1).tolist()
+    dst = [r.row * width + p + 1 for r, p in zip(batch.reqs, batch.prefix_lens)]
+    assert [after.view(-1)[d].item() for d in dst] == tokens, "each row's token lands at (row, next position)"
+    assert set(changed) <= set(dst) | {graphs.spare_cell}, "the padded row writes the spare cell only"
+    assert graphs.spare_cell // width == runner.req_pool.max_reqs - 1 and graphs.spare_cell % width >= \
+        runner.max_model_len, "the spare cell lies past every position a request can reach"
+    # the step's tokens reach the host; let the engine resolve the step and finish
+    for token, row in zip(tokens, batch.sample_rows):
+        req = batch.reqs[row]
+        req.num_pending -= 1
+        req.output_ids.append(token)
+    llm.engine.run(reqs)
