@@ -201,9 +201,14 @@ def sampler_launch() -> dict | None:
 
 def sweep(model: str) -> dict:
     from minisgl.bench.runner import run_sweep
+    t0 = time.perf_counter()
     llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
-    res = {"kv_pool_tokens": llm.engine.runner.kv_capacity_tokens,
-           "max_running_requests": llm.config.max_running_requests, "sampler_launch": sampler_launch(), "cells": {}}
+    graphs = llm.engine.runner.graph_runner
+    res = {"startup_s": time.perf_counter() - t0, "kv_pool_tokens": llm.engine.runner.kv_capacity_tokens,
+           # the engine's resolved value (0/None in the config = sized from memory; older packages: the config's)
+           "max_running_requests": llm.engine.scheduler.max_running,
+           "cuda_graph_batch_sizes": list(graphs.batch_sizes) if graphs is not None else [],
+           "sampler_launch": sampler_launch(), "cells": {}}
     from minisgl.bench.workloads import sweep_cells
     for cell in sweep_cells():
         res["cells"].update(run_sweep(llm, [cell]))
