@@ -25,12 +25,20 @@ def main(folder: str) -> None:
              "the same requests from minisgl.bench.workloads for both engines).", ""]
     ours = section(d / "run8_sweep.json", "sweep06")
     theirs = section(d / "run8_sglang06.json", "sglang_sweep_06")
+    graphs = ours.get("cuda_graph_batch_sizes")  # recorded from the sized-from-memory change on
     lines += ["## Batch-mix sweep, Qwen3-0.6B (output tok/s)", "",
               f"minisgl max_running_requests {ours['max_running_requests']}, KV pool {ours['kv_pool_tokens']:,} "
-              "tokens.", "", "| cell | minisgl | SGLang | ratio |", "|---|---|---|---|"]
+              "tokens" + (f", decode CUDA graphs for {len(graphs)} batch sizes up to {max(graphs)}" if graphs else "")
+              + (f", engine start-up {ours['startup_s']:.1f} s" if "startup_s" in ours else "") + "."]
+    # per cell, where recorded: the largest decode step, and how many decode steps replayed the graphs in pieces
+    split = all("max_decode_batch" in c["engine"] for c in ours["cells"].values())
+    extra = " max decode batch | decode steps in graph pieces |" if split else ""
+    lines += ["", "| cell | minisgl | SGLang | ratio |" + extra, "|---|---|---|---|" + "---|" * (2 if split else 0)]
     for name, cell in ours["cells"].items():
         a, b = cell["output_tok_per_s"], theirs[name]["output_tok_per_s"]
-        lines.append(f"| {name} | {a:,.0f} | {b:,.0f} | {a / b:.2f}x |")
+        e = cell["engine"]
+        more = f" {e['max_decode_batch']} | {e['graph_split_steps']} of {e['decode_steps']} |" if split else ""
+        lines.append(f"| {name} | {a:,.0f} | {b:,.0f} | {a / b:.2f}x |" + more)
     q = section(d / "run8_qwen35.json", "qwen35")["default"]
     s35 = json.loads((d / "run8_sglang35.json").read_text())["sections"]
     sw = {k: s35[f"sglang_{k}_35"]["result"] for k in ("w1", "w2", "w3")}
