@@ -3,6 +3,10 @@
 Each field also carries its command-line flag (SGLang's name where SGLang has the setting), so the one flag
 set of `python -m minisgl {generate,bench,serve}` is generated from this class: `add_engine_args` adds the
 flags to a parser, `engine_kwargs_from_args` reads back the ones given (unset flags keep the defaults here).
+
+Sizes left to the engine: `num_pages` None and `max_running_requests` 0/None are sized at start-up from the
+device's memory (engine/model_runner.py, engine/sizing.py); an explicit value always wins. The engine's own
+config (`Engine.config`, `LLM.config`) carries the resolved `max_running_requests`.
 """
 
 from __future__ import annotations
@@ -43,7 +47,10 @@ class EngineConfig:
                                        "hybrid models (Qwen3.5): linear-attention state snapshots the prefix cache "
                                        "may keep (default: max running requests)")
     # scheduler
-    max_running_requests: int = _opt(256, "--max-running-requests", "requests decoding at once, at most")
+    max_running_requests: int | None = _opt(
+        None, "--max-running-requests",
+        "requests running at once, at most; 0 or unset = auto: sized from the KV pool and the memory a request "
+        "row costs, 256..1024 (hybrid models: at most 256; engine/sizing.py)")
     chunked_prefill_size: int = _opt(8192, "--chunked-prefill-size",
                                      "prefill tokens per step, long prompts cut into chunks of this size; "
                                      "<= 0 turns chunked prefill off")
@@ -55,7 +62,11 @@ class EngineConfig:
     overlap: bool = _opt(True, "--disable-overlap-schedule", "resolve each step before scheduling the next",
                          disable=True)
     cuda_graph: bool = _opt(True, "--disable-cuda-graph", "launch decode steps eagerly", disable=True)
-    cuda_graph_max_bs: int = _opt(256, "--cuda-graph-max-bs", "largest decode batch captured in a CUDA Graph")
+    cuda_graph_max_bs: int = _opt(256, "--cuda-graph-max-bs",
+                                  "largest decode batch captured in a CUDA Graph (at most max_running_requests)")
+    cuda_graph_split: bool = _opt(True, "--disable-cuda-graph-split",
+                                  "decode steps larger than the largest graph run eagerly, not as graph-sized "
+                                  "pieces (engine/graph_pieces.py)", disable=True)
     # prefill/extend steps as CUDA Graphs too (with cuda_graph on, Triton attention; engine/prefill_graph.py)
     prefill_graph_max_tokens: int = _opt(4096, "--prefill-graph-max-tokens",
                                          "largest prefill/extend step (tokens) replayed as a CUDA graph; token "
@@ -93,8 +104,12 @@ class EngineConfig:
             raise ValueError(f"unknown load_format {self.load_format!r}")
         if self.prefill_graph_max_tokens < 0 or self.prefill_graph_max_reqs < 1:
             raise ValueError("prefill_graph_max_tokens must be >= 0 (0 = off) and prefill_graph_max_reqs >= 1")
-        if self.max_running_requests < 1:
-            raise ValueError("max_running_requests must be >= 1")
+        if self.max_running_requests is not None and (
+                not isinstance(self.max_running_requests, int) or self.max_running_requests < 0):
+            raise ValueError(f"max_running_requests must be an integer >= 1, or 0/None for auto, got "
+                             f"{self.max_running_requests!r}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
         if self.state_snapshots is not None and self.state_snapshots < 0:

@@ -37,8 +37,8 @@ class LLM:
     def __init__(self, model: str, **switches) -> None:
         """switches: EngineConfig's fields (overlap=False, chunked_prefill_size=0, ...). The old
         `chunked_prefill=False` is refused with a TypeError that names its new spelling."""
-        self.config = make_config(model, **switches)
-        self.engine = Engine(self.config)
+        self.engine = Engine(make_config(model, **switches))
+        self.config = self.engine.config  # the engine's, with max_running_requests resolved (0/None = auto)
         self.tokenizer = load_tokenizer(self.engine.runner.model_path)
 
     def close(self) -> None:

@@ -18,6 +18,10 @@ Sections (comma separated):
   sample06   W1, W1 with top-k/top-p and W2 on Qwen3-0.6B, defaults (one engine)
   sample8    the same on Qwen3-8B
   sweep06    the batch-mix sweep (64-1024 requests, prompts up to 4k, greedy and top-k/top-p) on Qwen3-0.6B
+  sweep06_mr256  the same with max_running_requests=256 (the fixed default before it was sized from memory)
+  large_decode06  decode steps of 256/512/1024 rows on Qwen3-0.6B: above the largest graph in graph-sized
+             pieces (default), eagerly (--disable-cuda-graph-split), and with graphs up to 512; ms per step,
+             engine start-up (graph capture) time and memory
   ab06       W2 then W1 on Qwen3-0.6B, defaults: run once with MINISGL_ROOT=<older package> for an A/B
   sampling_check, prefill_check   the GPU self-checks of the fused sampler and the prefill graphs
   tune_sampling  time the fused sampler's launch shapes (scripts/gpu_sampling_tune.py) and keep the pick for
@@ -199,18 +203,88 @@ def sampler_launch() -> dict | None:
         return None
 
 
-def sweep(model: str) -> dict:
+def sweep(model: str, **kw) -> dict:
     from minisgl.bench.runner import run_sweep
-    llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
-    res = {"kv_pool_tokens": llm.engine.runner.kv_capacity_tokens,
-           "max_running_requests": llm.config.max_running_requests, "sampler_launch": sampler_launch(), "cells": {}}
+    t0 = time.perf_counter()
+    llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16", **kw)
+    graphs = llm.engine.runner.graph_runner
+    res = {"settings": kw, "startup_s": time.perf_counter() - t0,
+           "kv_pool_tokens": llm.engine.runner.kv_capacity_tokens,
+           # the scheduler's: the resolved value where the config leaves it to the engine (0/None)
+           "max_running_requests": llm.engine.scheduler.max_running,
+           "cuda_graph_batch_sizes": list(graphs.batch_sizes) if graphs is not None else [],
+           "sampler_launch": sampler_launch(), "cells": {}}
     from minisgl.bench.workloads import sweep_cells
     for cell in sweep_cells():
         res["cells"].update(run_sweep(llm, [cell]))
         r = res["cells"][cell.name]
-        log("sweep", cell.name, round(r["output_tok_per_s"]), r["engine"])
+        log("sweep", cell.name, round(r["output_tok_per_s"]),
+            {k: v for k, v in r["engine"].items() if k != "cuda_graph_batch_sizes"})
     llm = None
     free_gpu()
+    return res
+
+
+LARGE_DECODE_CONFIGS = (("pieces", {}), ("eager", {"cuda_graph_split": False}),
+                        ("graphs512", {"cuda_graph_max_bs": 512}))
+
+
+def large_decode(model: str, sizes=(256, 512, 1024), prompt_len: int = 512, out: int = 64) -> dict:
+    """Decode steps above the largest captured graph: graph-sized pieces vs eager vs larger graphs. For each
+    engine setting and batch size, `bs` requests of `prompt_len` random tokens are prefilled, then the steps
+    in which all of them decode together are timed (greedy, then top-k/top-p)."""
+    import random
+
+    from minisgl.bench.runner import flush_prefix_cache, warm_up
+    res = {}
+    for label, kw in LARGE_DECODE_CONFIGS:
+        free_gpu()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        llm = None
+        try:
+            llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16", **kw)
+            engine = llm.engine
+            graphs = engine.runner.graph_runner
+            r = {"settings": kw, "startup_s": time.perf_counter() - t0,
+                 "max_running_requests": engine.scheduler.max_running,
+                 "cuda_graph_batch_sizes": list(graphs.batch_sizes) if graphs is not None else [],
+                 "kv_pool_tokens": engine.runner.kv_capacity_tokens,
+                 "reserved_after_start_bytes": torch.cuda.memory_reserved(),
+                 "free_after_start_bytes": torch.cuda.mem_get_info()[0], "steps": {}}
+            warm_up(llm)
+            vocab = min(engine.model_config.vocab_size, 10000)
+            for bs in sizes:
+                if bs > engine.scheduler.max_running:
+                    continue
+                for sampling, skw in (("greedy", {"temperature": 0.0}),
+                                      ("topkp", {"temperature": 0.8, "top_k": 50, "top_p": 0.95})):
+                    flush_prefix_cache(llm)
+                    rng = random.Random(bs)
+                    params = SamplingParams(max_tokens=out, ignore_eos=True, **skw)
+                    reqs = [engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
+                            for _ in range(bs)]
+                    while not all(q.output_ids for q in reqs):  # prefill (chunks mixed with early decodes)
+                        engine.step()
+                    torch.cuda.synchronize()
+                    before = dict(engine.stats)
+                    t1 = time.perf_counter()
+                    engine.run(reqs)
+                    torch.cuda.synchronize()
+                    wall = time.perf_counter() - t1
+                    d = {k: engine.stats[k] - before[k] for k in ("steps", "decode_steps", "graph_steps",
+                                                                   "graph_split_steps")}
+                    r["steps"][f"bs{bs}_{sampling}"] = {
+                        "ms_per_step": 1e3 * wall / max(d["steps"], 1), "wall_s": wall,
+                        "out_tok_per_s": sum(len(q.output_ids) - 1 for q in reqs) / wall, **d}
+                    log("large_decode", label, bs, sampling, round(r["steps"][f"bs{bs}_{sampling}"]["ms_per_step"], 3))
+            r["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            res[label] = r
+        except Exception:
+            res[label] = {"settings": kw, "error": traceback.format_exc()}
+            log("large_decode", label, "FAILED", res[label]["error"])
+        llm = None
+        free_gpu()
     return res
 
 
@@ -356,6 +430,8 @@ SECTIONS = {
     "sample06": lambda: bench("qwen3-0.6b", [("default", ["w1", "w1_topkp", "w2"], {})]),
     "sample8": lambda: bench("qwen3-8b", [("default", ["w1", "w1_topkp", "w2"], {})]),
     "sweep06": lambda: sweep("qwen3-0.6b"),
+    "sweep06_mr256": lambda: sweep("qwen3-0.6b", max_running_requests=256),
+    "large_decode06": lambda: large_decode("qwen3-0.6b"),
     "ab06": lambda: bench("qwen3-0.6b", [("default", ["w2", "w1"], {})]),
     "sampling_check": lambda: script_main("gpu_sampling_check"),
     "prefill_check": lambda: script_main("gpu_prefill_check"),

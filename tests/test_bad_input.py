@@ -198,7 +198,8 @@ def test_a_bad_request_in_a_batch_runs_nothing(ctx_llm, qwen3_path):
 @pytest.mark.parametrize("kw,match", [(dict(page_size=0), "page_size"), (dict(dtype="float8"), "dtype"),
                                       (dict(load_format="pickle"), "load_format"),
                                       (dict(attention_backend="magic"), "attention_backend"),
-                                      (dict(max_running_requests=0), "max_running_requests")])
+                                      (dict(max_running_requests=-1), "max_running_requests"),
+                                      (dict(cuda_graph_max_bs=0), "cuda_graph_max_bs")])
 def test_bad_engine_config(kw, match, qwen3_path):
     with pytest.raises(ValueError, match=match):
         EngineConfig(model=qwen3_path, **kw).validate()

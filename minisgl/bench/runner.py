@@ -64,6 +64,10 @@ def _engine_stats(llm) -> dict:
     s = dict(e.stats)
     s["cuda_graph_hit_rate"] = (s["graph_steps"] / s["decode_steps"]) if s["decode_steps"] else None
     s["retractions"] = e.scheduler.num_retractions
+    # the sizes the engine chose (max_running_requests 0/None = sized from memory) and the decode graphs' sizes
+    s["max_running_requests"] = e.scheduler.max_running
+    graphs = e.runner.graph_runner
+    s["cuda_graph_batch_sizes"] = list(graphs.batch_sizes) if graphs is not None else []
     return s
 
 

@@ -170,7 +170,11 @@ class TensorParallel:
 
     def agree_num_pages(self, num_pages: int) -> int:
         """Rank 0 hands out page numbers for every rank: each pool gets the smallest size of them all."""
-        t = torch.tensor([num_pages], dtype=torch.int64, device=self.device)
+        return self.agree_min(num_pages)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's `value` (sizes each rank measured from its own free memory)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         try:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
         except Exception as e:  # the first collective: a rank that died loading shows up here

@@ -29,8 +29,9 @@ from minisgl.scheduler import NEED_SYNC, Req, ReqStatus, Scheduler
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
-        self.config = config
         self.runner = ModelRunner(config)
+        # the runner's config: max_running_requests 0/None (auto) is resolved there, from the memory it measured
+        self.config = config = self.runner.config
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
         self.allocator = PageAllocator(self.runner.num_pages)
@@ -48,7 +49,8 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._next_rid = 0
         self._inflight: StepOutput | None = None
-        self.stats = {"steps": 0, "decode_steps": 0, "graph_steps": 0}
+        # graph_split_steps: decode steps above the largest graph, replayed in graph-sized pieces
+        self.stats = {"steps": 0, "decode_steps": 0, "graph_steps": 0, "graph_split_steps": 0, "max_decode_batch": 0}
 
     # --- requests ------------------------------------------------------------------------------------
     def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
@@ -132,9 +134,12 @@ class Engine:
         self.stats["steps"] += 1
         if batch.is_decode:
             self.stats["decode_steps"] += 1
+            self.stats["max_decode_batch"] = max(self.stats["max_decode_batch"], batch.size)
         out = self.runner.forward(batch)
-        if self.runner.graph_runner is not None and self.runner.graph_runner.last_run_used_graph:
+        graphs = self.runner.graph_runner
+        if graphs is not None and graphs.last_run_used_graph:
             self.stats["graph_steps"] += 1
+            self.stats["graph_split_steps"] += batch.size > graphs.max_bs
         return out
 
     def _resolve(self, out: StepOutput) -> None:

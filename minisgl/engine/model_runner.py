@@ -18,8 +18,10 @@ import torch
 
 from minisgl.attention import AttentionMetadata, create_backend
 from minisgl.config import EngineConfig
+from minisgl.engine.graph_pieces import run_in_pieces
 from minisgl.engine.prefill_graph import pad_extend_step
 from minisgl.engine.sampler import SamplingTensors, sample
+from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_bytes
 from minisgl.kvcache import KVCache, ReqToTokenPool
 from minisgl.kvcache.state_pool import HybridAttentionMetadata, StatePool
 from minisgl.loader import DTYPES, load_model
@@ -92,6 +94,8 @@ class ModelRunner:
             self.num_q_heads, self.num_kv_heads = split.num_q, split.num_kv
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.page_size = config.page_size
+        # max_running_requests 0/None: sized from memory here, and the rest of the engine sees the resolved count
+        self.config = config = self._resolve_max_running(config)
         self.max_reqs = config.max_running_requests + 8  # finished requests hold a row until released
         self.state_pool = None
         if self.is_hybrid:  # allocated before the KV pool is sized, so the free memory it measures excludes it
@@ -101,12 +105,13 @@ class ModelRunner:
                 mc.conv_channels, mc.linear_conv_kernel, mc.linear_num_value_heads, mc.linear_key_head_dim,
                 mc.linear_value_head_dim, self.dtype, self.device)
             self.model.state_pool = self.state_pool
+        # the request table before the KV pool, so the free memory the pool is sized from excludes it
+        self.req_pool = ReqToTokenPool(self.max_reqs, self.max_model_len + self.page_size, self.device)
         self.num_pages = config.num_pages or self._auto_num_pages()
         if self.tp is not None:  # rank 0 hands out pages for every rank: each pool takes the smallest size
             self.num_pages = self.tp.agree_num_pages(self.num_pages)
         self.kv_cache = KVCache(self.num_kv_layers, self.num_pages, self.page_size, self.num_kv_heads, mc.head_dim,
                                 self.dtype, self.device)
-        self.req_pool = ReqToTokenPool(self.max_reqs, self.max_model_len + self.page_size, self.device)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
@@ -120,7 +125,8 @@ class ModelRunner:
                 from minisgl.engine.hybrid_graph import HybridCudaGraphRunner as CudaGraphRunner
             else:
                 from minisgl.engine.cuda_graph import CudaGraphRunner
-            self.graph_runner = CudaGraphRunner(self, config.cuda_graph_max_bs)
+            self.graph_runner = CudaGraphRunner(self, graph_max_bs(config.cuda_graph_max_bs,
+                                                                   config.max_running_requests))
         # --- prefill graphs (engine/prefill_graph.py): extend steps replayed per token bucket ---
         # (not for hybrid models yet: their extend steps carry state slots the prefill graphs do not refresh)
         self.prefill_graph = None
@@ -134,17 +140,47 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.ready()
 
-    def _auto_num_pages(self) -> int:
+    def _pool_budget(self) -> int | None:
+        """Device memory the pools (request rows, hybrid state, KV) may use now: what is free less a reserve for
+        activations; None on a CPU, where the KV pool is sized by kv_cache_tokens."""
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        reserve = 4 << 30  # activations of a full prefill chunk, CUDA Graph pools, the sampler's buffers
+        return max(free - reserve, 0)
+
+    def _kv_tokens(self, budget: int | None) -> int:
+        """KV pool tokens from a pool budget (`_pool_budget`), or kv_cache_tokens on a CPU."""
         mc, cfg = self.model_config, self.config
+        if budget is None:
+            return cfg.kv_cache_tokens
         per_token = KVCache.bytes_per_token(self.num_kv_layers, self.num_kv_heads, mc.head_dim, self.dtype)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(self.device)
-            reserve = 4 << 30  # activations of a full prefill chunk, CUDA Graph pools, the sampler's buffers
-            tokens = int((free - reserve) * cfg.kv_memory_fraction) // per_token
-        else:
-            tokens = cfg.kv_cache_tokens
-        return max(tokens // self.page_size, 2)
+        return int(budget * cfg.kv_memory_fraction) // per_token
+
+    def _auto_num_pages(self) -> int:
+        return max(self._kv_tokens(self._pool_budget()) // self.page_size, 2)
+
+    def _resolve_max_running(self, config: EngineConfig) -> EngineConfig:
+        """The config with max_running_requests resolved: an explicit count wins; 0/None is sized from the KV
+        pool the memory can hold (before either is allocated) and the memory a request row costs
+        (engine/sizing.py)."""
+        if config.max_running_requests:
+            return config
+        mc = self.model_config
+        budget = self._pool_budget()
+        kv_tokens = config.num_pages * self.page_size if config.num_pages else self._kv_tokens(budget)
+        slot_bytes = slots_per_row = 0
+        if self.is_hybrid:  # its own state slot, and by default room for one snapshot (state_snapshots None)
+            slot_bytes = StatePool.bytes_per_slot(
+                len(mc.linear_attention_layers), mc.conv_channels, mc.linear_conv_kernel, mc.linear_num_value_heads,
+                mc.linear_key_head_dim, mc.linear_value_head_dim, self.dtype)
+            slots_per_row = 2 if config.state_snapshots is None else 1
+        per_row = row_bytes(self.max_model_len + self.page_size, slot_bytes, slots_per_row)
+        rows = auto_max_running_requests(kv_tokens, per_row, budget, hybrid=self.is_hybrid)
+        if self.tp is not None:  # every rank's request table must hold the rows rank 0 schedules
+            rows = self.tp.agree_min(rows)
+        return config.with_(max_running_requests=rows)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -241,6 +277,8 @@ class ModelRunner:
         in_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
         if in_graph:  # one replay: forward, sampler and token-table write (`tokens` is a view, copied below)
             tokens = self.graph_runner.run(input_ids, positions, meta, sampling, token_dst=token_dst)
+        elif self.graph_runner is not None and batch.is_decode and self.config.cuda_graph_split:
+            tokens = run_in_pieces(self.graph_runner, input_ids, positions, meta, sampling)  # engine/graph_pieces.py
         elif shape is not None:  # prefill graph (engine/prefill_graph.py)
             logits = self.prefill_graph.run(shape, input_ids, positions, meta, logit_idx, len(batch.sample_rows))
             tokens = sample(logits, sampling)
