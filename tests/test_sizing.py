@@ -144,19 +144,26 @@ class EagerGraphs:
         self.runner, self.max_bs, self.batch_sizes = runner, max_bs, list(range(1, max_bs + 1))
         self.last_run_used_graph = False
         self.sizes_run: list[int] = []
+        self.outputs: dict[int, torch.Tensor] = {}
 
     def can_run(self, batch) -> bool:
         self.last_run_used_graph = batch.is_decode and batch.size <= self.max_bs
         return self.last_run_used_graph
 
-    def run(self, input_ids, positions, meta, sampling):
+    def run(self, input_ids, positions, meta, sampling, token_dst=None):
         n = meta.batch_size
         assert n <= self.max_bs and input_ids.shape[0] == positions.shape[0] == n
         assert meta.extend_start.tolist() == list(range(n)) and meta.seq_lens_cpu == meta.seq_lens.tolist()
         self.sizes_run.append(n)
         self.runner.attn.prepare(meta)
         logits = self.runner.model(input_ids, positions, self.runner.attn, torch.arange(n))
-        return sample(logits, sampling)
+        # like a replay: the tokens land in one output buffer per size, which the next run of that size rewrites,
+        # and the token table is written when the step gives destinations
+        out = self.outputs.setdefault(n, torch.empty(n, dtype=torch.int64))
+        out.copy_(sample(logits, sampling))
+        if token_dst is not None:
+            self.runner.store_tokens(token_dst, out)
+        return out
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["pieces", "eager"])
