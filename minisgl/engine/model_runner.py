@@ -18,7 +18,7 @@ import torch
 
 from minisgl.attention import AttentionMetadata, create_backend
 from minisgl.config import EngineConfig
-from minisgl.engine.prefill_graph import pad_extend_step
+from minisgl.engine.prefill_graph import pad_extend_step, pad_state_step
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.kvcache import KVCache, ReqToTokenPool
 from minisgl.kvcache.state_pool import HybridAttentionMetadata, StatePool
@@ -122,9 +122,9 @@ class ModelRunner:
                 from minisgl.engine.cuda_graph import CudaGraphRunner
             self.graph_runner = CudaGraphRunner(self, config.cuda_graph_max_bs)
         # --- prefill graphs (engine/prefill_graph.py): extend steps replayed per token bucket ---
-        # (not for hybrid models yet: their extend steps carry state slots the prefill graphs do not refresh)
+        # (hybrid models too: their state slots and sequence bounds are two more fixed buffers)
         self.prefill_graph = None
-        if (self.graph_runner is not None and config.prefill_graph_max_tokens > 0 and not self.is_hybrid
+        if (self.graph_runner is not None and config.prefill_graph_max_tokens > 0
                 and getattr(self.attn, "supports_extend_cuda_graph", False)):
             from minisgl.engine.prefill_graph import build_prefill_graphs, graph_pool_of
             self.prefill_graph = build_prefill_graphs(self, config.prefill_graph_max_tokens,
@@ -185,13 +185,18 @@ class ModelRunner:
         steps = np.asarray([r.num_outputs_scheduled for r in reqs], dtype=np.int64)
         top_ks = np.asarray([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], dtype=np.int64)
         loc = np.asarray(batch.out_cache_loc, np.int64)
+        if self.is_hybrid:  # the linear-attention layers' state slots (slot = row) and sequence bounds
+            state_slots, cu_seqlens = rows, np.append(start, t)
+            if pad_to is not None:  # padded requests: the dummy slot, empty (prefill_graph.pad_state_step)
+                state_slots, cu_seqlens = pad_state_step(pad_to, state_slots, cu_seqlens,
+                                                         self.state_pool.dummy_slot)
         if pad_to is not None:  # prefill graph: padded on the host, so the one upload has the graph's shapes
             token_src, positions, loc, rows, prefix, extend, start, logit_idx = pad_extend_step(
                 pad_to, token_src, positions, loc, rows, prefix, extend, start, logit_idx)
         parts = [token_src, positions, loc, rows, prefix + extend, prefix, extend, start, logit_idx, token_dst,
                  seeds, steps, top_ks, writes.ravel()]
-        if self.is_hybrid:  # the linear-attention layers' state slots (slot = row) and sequence bounds, same copy
-            parts += [rows, np.append(start, t)]
+        if self.is_hybrid:  # in the same copy
+            parts += [state_slots, cu_seqlens]
         # Each part starts on a 16-byte boundary: Triton compiles a kernel variant per pointer alignment, and
         # unaligned views would make the variant depend on the batch's token count.
         padded = [n + n % 2 for n in map(len, parts)]
