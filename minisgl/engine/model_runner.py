@@ -95,11 +95,12 @@ class ModelRunner:
         self.max_reqs = config.max_running_requests + 8  # finished requests hold a row until released
         self.state_pool = None
         if self.is_hybrid:  # allocated before the KV pool is sized, so the free memory it measures excludes it
-            self.state_pool = StatePool(
-                len(mc.linear_attention_layers), self.max_reqs,
-                config.max_running_requests if config.state_snapshots is None else config.state_snapshots,
-                mc.conv_channels, mc.linear_conv_kernel, mc.linear_num_value_heads, mc.linear_key_head_dim,
-                mc.linear_value_head_dim, self.dtype, self.device)
+            shape = (len(mc.linear_attention_layers), mc.conv_channels, mc.linear_conv_kernel,
+                     mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim)
+            snapshots = StatePool.num_snapshots_for(
+                config.state_snapshots, config.state_snapshot_memory_fraction,
+                StatePool.bytes_per_slot(*shape, self.dtype), self.device, fallback=config.max_running_requests)
+            self.state_pool = StatePool(shape[0], self.max_reqs, snapshots, *shape[1:], self.dtype, self.device)
             self.model.state_pool = self.state_pool
         self.num_pages = config.num_pages or self._auto_num_pages()
         if self.tp is not None:  # rank 0 hands out pages for every rank: each pool takes the smallest size
