@@ -45,7 +45,12 @@ class EngineConfig:
     kv_cache_tokens: int = _opt(16384, "--kv-cache-tokens", "KV pool size on a CPU, in tokens")
     state_snapshots: int | None = _opt(None, "--state-snapshots",
                                        "hybrid models (Qwen3.5): linear-attention state snapshots the prefix cache "
-                                       "may keep (default: max running requests)")
+                                       "may keep (default: sized by --state-snapshot-memory-fraction on a GPU, "
+                                       "max running requests on a CPU)")
+    state_snapshot_memory_fraction: float = _opt(0.05, "--state-snapshot-memory-fraction",
+                                                 "hybrid models: share of the GPU memory left free after the "
+                                                 "weights given to prefix-cache state snapshots, when "
+                                                 "--state-snapshots is not given")
     # scheduler
     max_running_requests: int | None = _opt(
         None, "--max-running-requests",
@@ -112,6 +117,9 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
+        if not 0 <= self.state_snapshot_memory_fraction < 1:
+            raise ValueError(f"state_snapshot_memory_fraction must be in [0, 1), got "
+                             f"{self.state_snapshot_memory_fraction}")
         if self.state_snapshots is not None and self.state_snapshots < 0:
             raise ValueError(f"state_snapshots must be >= 0, got {self.state_snapshots}")
         if self.max_prefill_tokens < 1:

@@ -28,7 +28,8 @@ Sections (comma separated):
              the sections after it in this process
   gdn_check  the Gated DeltaNet Triton kernels vs their references, timed (scripts/gpu_gdn_check.py --quick)
   qwen35     W2, W1, W3 on Qwen3.5-0.8B shapes (dummy bf16)
-  qwen35_check  Qwen3.5 greedy tokens with CUDA Graph on and off, and a radix second pass (QWEN35_CHECK_DTYPES)
+  qwen35_check  Qwen3.5 greedy tokens with CUDA Graph on and off, prefill graphs on and off, and a radix second
+             pass (QWEN35_CHECK_DTYPES)
   w3_06      W3 on Qwen3-0.6B (the prefix-cache share to compare Qwen3.5's with)
   profile_small06  the batch-1/64 decode and W2-request profiles on Qwen3-0.6B (with MINISGL_ROOT: an A/B)
 Each section's result (or its traceback) is written as soon as it ends, so a timeout keeps what finished.
@@ -446,27 +447,37 @@ SECTIONS = {
 
 
 def qwen35_check() -> dict:
-    """Qwen3.5 on the GPU, greedy: CUDA Graph on and off give the same tokens (fp32 and bf16), and a second pass
-    over the same prompts (radix hits restored from state snapshots) gives them again."""
+    """Qwen3.5 on the GPU, greedy: CUDA Graph on and off, and prefill graphs on and off, give the same tokens (fp32
+    and bf16), and a second pass over the same prompts (radix hits restored from state snapshots) gives them
+    again. Some prompts share a prefix (a branch point the prefix cache snapshots on the first pass)."""
     import random
     rng = random.Random(35)
     prompts = [[rng.randint(0, 9999) for _ in range(rng.randint(100, 300))] for _ in range(6)]
+    prompts += [prompts[0][:160] + [rng.randint(0, 9999) for _ in range(rng.randint(20, 80))] for _ in range(4)]
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     out = {}
     for dtype in os.environ.get("QWEN35_CHECK_DTYPES", "float32,bfloat16").split(","):
         runs = {}
-        for label, kw in (("graph", {}), ("no_graph", {"cuda_graph": False})):
+        for label, kw in (("graph", {}), ("no_graph", {"cuda_graph": False}),
+                          ("no_prefill_graph", {"prefill_graph_max_tokens": 0})):
             llm = LLM(CONFIGS["qwen3.5-0.8b"], load_format="dummy", dtype=dtype, **kw)
+            pg = llm.engine.runner.prefill_graph
+            replays = pg.replays if pg is not None else 0
             first = [o.token_ids for o in llm.generate(prompts, sp, progress=False)]
             second = llm.generate(prompts, sp, progress=False)
             runs[label] = {"tokens": first, "second_pass_same": [o.token_ids for o in second] == first,
                            "second_pass_cached_tokens": sum(o.num_cached_prompt_tokens for o in second),
-                           "graph_steps": llm.engine.stats["graph_steps"], "steps": llm.engine.stats["steps"]}
+                           "graph_steps": llm.engine.stats["graph_steps"], "steps": llm.engine.stats["steps"],
+                           "prefill_graphs": len(pg.graphs) if pg is not None else 0,
+                           "prefill_graph_steps": (pg.replays - replays) if pg is not None else 0,
+                           "state_snapshots": llm.engine.runner.state_pool.num_snapshots}
             llm = None
             free_gpu()
-        same = runs["graph"]["tokens"] == runs["no_graph"]["tokens"]
-        out[dtype] = {"graph_equals_no_graph": same, **{k: {x: y for x, y in v.items() if x != "tokens"}
-                                                       for k, v in runs.items()}}
+        ref, no_pg = runs["graph"]["tokens"], runs["no_prefill_graph"]["tokens"]
+        out[dtype] = {"graph_equals_no_graph": ref == runs["no_graph"]["tokens"],
+                      "graph_equals_no_prefill_graph": ref == no_pg,
+                      "prompts_equal_no_prefill_graph": sum(a == b for a, b in zip(ref, no_pg)),
+                      **{k: {x: y for x, y in v.items() if x != "tokens"} for k, v in runs.items()}}
         log("qwen35_check", dtype, out[dtype])
     return out
 

@@ -166,6 +166,43 @@ def test_gated_delta_rule_dk_ne_dv_and_empty_sequence(force_triton, monkeypatch,
     torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["chunked", "recurrent"])
+@pytest.mark.parametrize("pad_reqs", [0, 3], ids=["tokens-only", "tokens-and-requests"])
+def test_prefill_graph_padding_touches_only_the_dummy_slot(force_triton, monkeypatch, mode, pad_reqs):
+    """A hybrid prefill graph's padded layout (engine/prefill_graph.pad_state_step): padded requests empty, on the
+    dummy slot, at the end of the real tokens; padded tokens past cu_seqlens[N] belong to none. The real rows'
+    outputs and states equal the unpadded run's, and no slot but the dummy one changes otherwise."""
+    monkeypatch.setitem(gdn.GDN_CONFIG, "prefill", mode)
+    monkeypatch.setitem(gdn.GDN_CONFIG, "dot_precision", "ieee")
+    gen = torch.Generator().manual_seed(7)
+    lens, pad_tokens, num_slots, dummy = [5, 1, 9], 11, 8, 7
+    t = sum(lens)
+    q, k, v, g, beta, state, slots, cu = _gdr_inputs(lens, 2, 4, 16, torch.float32, num_slots - 1, gen)
+    state = torch.cat([state, torch.randn(1, *state.shape[1:], generator=gen)])  # + the dummy slot
+    c, kw = 24, 4
+    x = torch.randn(t, c, generator=gen)
+    weight = torch.randn(c, kw, generator=gen)
+    conv = torch.randn(num_slots, c, kw - 1, generator=gen)
+    ref_conv, ref_state = conv.clone(), state.clone()
+    ref_x = gdn.causal_conv1d_ref(x, weight, None, ref_conv, slots, cu)
+    ref_o = gdn.gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, cu)
+
+    def pad(a, scale=100.0):  # padded tokens carry large values: any leak into a real row or state would show
+        return torch.cat([a, scale * torch.randn(pad_tokens, *a.shape[1:], generator=gen)])
+
+    p_slots = torch.cat([slots, torch.full((pad_reqs,), dummy)])
+    p_cu = torch.cat([cu, torch.full((pad_reqs,), t, dtype=cu.dtype)])
+    out_x = gdn.causal_conv1d(pad(x), weight, None, conv, p_slots, p_cu)
+    p_g, p_beta = pad(g, 1.0).clamp(max=0), pad(beta, 1.0).abs().clamp(max=1)  # no-ops on the real rows
+    out_o = gdn.gated_delta_rule(pad(q), pad(k), pad(v), p_g, p_beta, state, p_slots, p_cu)
+    torch.testing.assert_close(out_x[:t], ref_x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_o[:t], ref_o, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(conv[:dummy], ref_conv[:dummy], rtol=0, atol=0)
+    torch.testing.assert_close(state[:dummy], ref_state[:dummy], rtol=1e-4, atol=1e-4)
+    # an empty sequence keeps its state, so even the dummy slot is left as it was
+    assert torch.equal(conv[dummy], ref_conv[dummy]) and torch.equal(state[dummy], ref_state[dummy])
+
+
 def test_gdn_cpu_path_without_force():
     """Without the flag, CPU tensors take the torch reference."""
     assert os.environ.get("MINISGL_FORCE_TRITON", "0") != "1"

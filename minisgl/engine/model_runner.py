@@ -19,7 +19,7 @@ import torch
 from minisgl.attention import AttentionMetadata, create_backend
 from minisgl.config import EngineConfig
 from minisgl.engine.graph_pieces import run_in_pieces
-from minisgl.engine.prefill_graph import pad_extend_step
+from minisgl.engine.prefill_graph import pad_extend_step, pad_state_step
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_bytes
 from minisgl.kvcache import KVCache, ReqToTokenPool
@@ -99,11 +99,12 @@ class ModelRunner:
         self.max_reqs = config.max_running_requests + 8  # finished requests hold a row until released
         self.state_pool = None
         if self.is_hybrid:  # allocated before the KV pool is sized, so the free memory it measures excludes it
-            self.state_pool = StatePool(
-                len(mc.linear_attention_layers), self.max_reqs,
-                config.max_running_requests if config.state_snapshots is None else config.state_snapshots,
-                mc.conv_channels, mc.linear_conv_kernel, mc.linear_num_value_heads, mc.linear_key_head_dim,
-                mc.linear_value_head_dim, self.dtype, self.device)
+            shape = (len(mc.linear_attention_layers), mc.conv_channels, mc.linear_conv_kernel,
+                     mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim)
+            snapshots = StatePool.num_snapshots_for(
+                config.state_snapshots, config.state_snapshot_memory_fraction,
+                StatePool.bytes_per_slot(*shape, self.dtype), self.device, fallback=config.max_running_requests)
+            self.state_pool = StatePool(shape[0], self.max_reqs, snapshots, *shape[1:], self.dtype, self.device)
             self.model.state_pool = self.state_pool
         # the request table before the KV pool, so the free memory the pool is sized from excludes it
         self.req_pool = ReqToTokenPool(self.max_reqs, self.max_model_len + self.page_size, self.device)
@@ -128,9 +129,9 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(self, graph_max_bs(config.cuda_graph_max_bs,
                                                                    config.max_running_requests))
         # --- prefill graphs (engine/prefill_graph.py): extend steps replayed per token bucket ---
-        # (not for hybrid models yet: their extend steps carry state slots the prefill graphs do not refresh)
+        # (hybrid models too: their state slots and sequence bounds are two more fixed buffers)
         self.prefill_graph = None
-        if (self.graph_runner is not None and config.prefill_graph_max_tokens > 0 and not self.is_hybrid
+        if (self.graph_runner is not None and config.prefill_graph_max_tokens > 0
                 and getattr(self.attn, "supports_extend_cuda_graph", False)):
             from minisgl.engine.prefill_graph import build_prefill_graphs, graph_pool_of
             self.prefill_graph = build_prefill_graphs(self, config.prefill_graph_max_tokens,
@@ -222,13 +223,18 @@ class ModelRunner:
         steps = np.asarray([r.num_outputs_scheduled for r in reqs], dtype=np.int64)
         top_ks = np.asarray([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], dtype=np.int64)
         loc = np.asarray(batch.out_cache_loc, np.int64)
+        if self.is_hybrid:  # the linear-attention layers' state slots (slot = row) and sequence bounds
+            state_slots, cu_seqlens = rows, np.append(start, t)
+            if pad_to is not None:  # padded requests: the dummy slot, empty (prefill_graph.pad_state_step)
+                state_slots, cu_seqlens = pad_state_step(pad_to, state_slots, cu_seqlens,
+                                                         self.state_pool.dummy_slot)
         if pad_to is not None:  # prefill graph: padded on the host, so the one upload has the graph's shapes
             token_src, positions, loc, rows, prefix, extend, start, logit_idx = pad_extend_step(
                 pad_to, token_src, positions, loc, rows, prefix, extend, start, logit_idx)
         parts = [token_src, positions, loc, rows, prefix + extend, prefix, extend, start, logit_idx, token_dst,
                  seeds, steps, top_ks, writes.ravel()]
-        if self.is_hybrid:  # the linear-attention layers' state slots (slot = row) and sequence bounds, same copy
-            parts += [rows, np.append(start, t)]
+        if self.is_hybrid:  # in the same copy
+            parts += [state_slots, cu_seqlens]
         # Each part starts on a 16-byte boundary: Triton compiles a kernel variant per pointer alignment, and
         # unaligned views would make the variant depend on the batch's token count.
         padded = [n + n % 2 for n in map(len, parts)]

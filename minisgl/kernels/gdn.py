@@ -59,6 +59,8 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     out = torch.empty_like(x)
     keep = weight.shape[1] - 1
     for (start, end), slot in zip(_spans(cu_seqlens), slots.tolist()):
+        if end == start:  # an empty sequence (a padded request of a prefill graph) keeps its state
+            continue
         # [C, K-1 + L]: the request's previous inputs, then this step's
         window = torch.cat([conv_state[slot].float(), x[start:end].float().t()], dim=1)
         y = F.conv1d(window[None], weight.float()[:, None, :], None if bias is None else bias.float(),

@@ -43,6 +43,22 @@ class StatePool:
         conv = conv_channels * (conv_kernel - 1) * torch.empty(0, dtype=dtype).element_size()
         return num_layers * (conv + num_heads * key_dim * value_dim * 4)
 
+    @staticmethod
+    def num_snapshots_for(explicit: int | None, memory_fraction: float, bytes_per_slot: int,
+                          device: torch.device, fallback: int) -> int:
+        """How many snapshot slots to allocate: `explicit` when given; on a GPU, `memory_fraction` of the memory
+        free now (after the weights, before the KV pool) over a slot's bytes; on a CPU, `fallback`.
+
+        Snapshots are what make a hybrid model's prefix cache hit (a hit resumes at a node with one), and a
+        workload with shared prefixes keeps one per branch point beside one per recent prompt, so they are
+        sized from memory rather than from the number of running requests. At least one."""
+        if explicit is not None:
+            return explicit
+        if device.type != "cuda":
+            return fallback
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(int(free * memory_fraction) // bytes_per_slot, 1)
+
     # --- snapshot slots (the prefix cache's) -----------------------------------------------------------
     @property
     def num_free_snapshots(self) -> int:

@@ -7,6 +7,10 @@ state at its end, and the request's state is copied from it (copy on hit):
 - snapshots are taken at page-aligned ends of prefill chunks, and at the last page boundary below the prompt's
   end: the prompt's chunk is cut there so that the state at that point exists (that boundary is the deepest
   point a later `match(prompt[:-1])` can reach);
+- and at the branch point of a shared prefix: when a request's KV match goes deeper than its deepest snapshot
+  (a prompt that shares a system prompt with an earlier one, which cached its KV but snapshotted only its own
+  prompt's end), its prefill is cut at the end of the KV match and the state there is saved. The request itself
+  recomputes that prefix (its linear layers need the state), but every later request sharing it hits there;
 - a match walks the radix tree as usual, then backs up to the deepest node with a snapshot;
 - a snapshot lives as long as its node: evicting a node (LRU, with its pages) frees its snapshot; when the
   snapshot slots run out, the least recently used snapshot is dropped (its node keeps its pages).
@@ -60,6 +64,21 @@ class HybridRadixCache(RadixCache):
             node = node.parent
         return MatchResult(pages, node)
 
+    def kv_match_len(self, token_ids: list[int]) -> int:
+        """Tokens of the longest cached page-aligned prefix of `token_ids`, snapshot or not (RadixCache.match's
+        depth), read only: no split, no LRU touch."""
+        p, node, i = self.page_size, self.root, 0
+        while i + p <= len(token_ids):
+            child = node.children.get(tuple(token_ids[i:i + p]))
+            if child is None:
+                break
+            key = child.key
+            if i + len(key) <= len(token_ids) and key == tuple(token_ids[i:i + len(key)]):
+                i, node = i + len(key), child  # the whole edge (the common case, compared in one go)
+                continue
+            return i + self._common_pages(key, token_ids, i) * p
+        return i
+
     def snapshot_of(self, node) -> int | None:
         """The snapshot slot a request matched at `node` starts from; None: the root (zeros) or no cache."""
         return self.snapshots.get(node)
@@ -99,6 +118,9 @@ class HybridScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._fresh: set[int] = set()  # ids of the requests that may be admitted by the schedule() under way
+        # id(req) -> (req, token): a page boundary where a running prefill stops a chunk and snapshots its state,
+        # the end of the KV it matched past its snapshot (a shared prefix's branch point)
+        self._branch_points: dict[int, tuple[Req, int]] = {}
 
     def schedule(self):
         self._fresh = {id(r) for r in self.waiting}
@@ -113,15 +135,28 @@ class HybridScheduler(Scheduler):
 
     def _build(self, plan: list[tuple[Req, int]]) -> HybridBatch:
         p, snapshots = self.page_size, self.cache.keeps_pages
+        # forget the branch points of requests that passed them or gave their row back (finished, retracted)
+        self._branch_points = {k: (r, b) for k, (r, b) in self._branch_points.items()
+                               if r.row is not None and r.kv_len < b}
         inits, cut = [], []
         for req, n in plan:
             if id(req) in self._fresh:  # just admitted: req.cache_node is still the node it matched
                 inits.append((req.row, self.cache.snapshot_of(req.cache_node) if snapshots else None))
+                self._branch_points.pop(id(req), None)
+                if snapshots:  # the KV matched past the snapshot it starts from: a branch point to snapshot
+                    depth = self.cache.kv_match_len(req.known_ids(req.num_tokens - 1))
+                    if depth > req.kv_len:
+                        self._branch_points[id(req)] = (req, depth)
             if snapshots:
-                # stop the prompt's chunk at the last page boundary below its end, so the state there is saved;
-                # the pages already taken for the rest stay with the request for its next step
+                # stop the prompt's chunk at the last page boundary below its end, so the state there is saved,
+                # and before that at its branch point (a cut leaving a 1-token chunk is skipped: such a chunk is
+                # not cached, so it could not be snapshotted); the pages already taken for the rest stay with the
+                # request for its next step
                 boundary = (req.num_tokens - 1) // p * p
-                if req.kv_len < boundary < req.kv_len + n:
+                branch = self._branch_points.get(id(req), (None, 0))[1]
+                if req.kv_len + 1 < branch < req.kv_len + n:
+                    n = branch - req.kv_len
+                elif req.kv_len < boundary < req.kv_len + n:
                     n = boundary - req.kv_len
             cut.append((req, n))
         batch = super()._build(cut)
