@@ -37,8 +37,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout: the package is not install
 CONFIGS = {"qwen3.5-0.8b": REPO / "assets/configs/qwen3.5-0.8b", "qwen3-0.6b": REPO / "assets/configs/qwen3-0.6b"}
 # ops that launch nothing on a GPU: allocations and tensor metadata
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "sym_size", "sym_stride",
-              "sym_numel", "sym_storage_offset", "is_same_size", "detach", "lift_fresh", "resize_", "set_", "promote_types",
-              "result_type", "resolve_conj", "resolve_neg"}
+              "sym_numel", "sym_storage_offset", "is_same_size", "detach", "lift_fresh", "resize_", "set_",
+              "promote_types", "result_type", "resolve_conj", "resolve_neg"}
 
 
 def _small_config(name: str, layers: int | None, vocab: int, tmp: str) -> tuple[str, dict]:
@@ -138,63 +138,65 @@ def _layer_kind(model, i: int) -> str:
     return types[i] if types else "attention"
 
 
-def measure(name: str, args) -> dict:
+def _run(path: str, bs: int, args, counter: _Counter, mode) -> tuple[list, Counter]:
+    """Prefill bs requests, then one decode step; the counts of each model forward, and the layer kinds."""
     import torch
 
     from minisgl import LLM, SamplingParams
 
+    llm = LLM(path, load_format="dummy", dtype=args.dtype, device="cpu", max_model_len=256,
+              max_running_requests=8, kv_cache_tokens=2048, overlap=False, radix_cache=False,
+              attention_backend="triton" if args.triton else "torch")
+    model = llm.engine.runner.model
+    layer_of = {}
+
+    def pre(mod, _inputs):
+        counter.scope = layer_of[id(mod)]
+
+    def post(mod, _inputs, _out):
+        counter.scope = "head"
+
+    for i, layer in enumerate(model.layers):
+        layer_of[id(layer)] = _layer_kind(model, i)
+        layer.register_forward_pre_hook(pre)
+        layer.register_forward_hook(post)
+    forward = model.forward
+    steps = []
+
+    def counted(input_ids, *a, **kw):
+        counter.counts.clear()
+        counter.syncs.clear()
+        counter.scope, counter.active = "head", True
+        try:
+            with mode:
+                return forward(input_ids, *a, **kw)
+        finally:
+            counter.active = False
+            steps.append((int(input_ids.shape[0]), Counter(counter.counts), Counter(counter.syncs)))
+
+    model.forward = counted
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(bs)
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for _ in range(bs):
+        engine.add_request(torch.randint(3, args.vocab - 2, (args.prompt,), generator=gen).tolist(), sp)
+    engine.step()  # the prefill of all bs requests
+    engine.step()  # a decode step
+    engine.run()
+    return steps, Counter(layer_of.values())
+
+
+def measure(name: str, args) -> dict:
     counter = _Counter()
     mode = _install(counter)
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         path, full_layers = _small_config(name, args.layers, args.vocab, tmp)
         for bs in (1, 8):
-            llm = LLM(path, load_format="dummy", dtype=args.dtype, device="cpu", max_model_len=256,
-                      max_running_requests=8, kv_cache_tokens=2048, overlap=False, radix_cache=False,
-                      attention_backend="triton" if args.triton else "torch")
-            model = llm.engine.runner.model
-            layer_of = {}
-            for i, layer in enumerate(model.layers):
-                layer_of[id(layer)] = _layer_kind(model, i)
-
-                def pre(mod, _inputs):
-                    counter.scope = layer_of[id(mod)]
-
-                def post(mod, _inputs, _out):
-                    counter.scope = "head"
-
-                layer.register_forward_pre_hook(pre)
-                layer.register_forward_hook(post)
-            forward = model.forward
-            steps = []
-
-            def counted(input_ids, *a, **kw):
-                counter.counts.clear()
-                counter.syncs.clear()
-                counter.scope, counter.active = "head", True
-                try:
-                    with mode:
-                        return forward(input_ids, *a, **kw)
-                finally:
-                    counter.active = False
-                    steps.append((int(input_ids.shape[0]), Counter(counter.counts), Counter(counter.syncs)))
-
-            model.forward = counted
-            engine = llm.engine
-            gen = torch.Generator().manual_seed(bs)
-            sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-            for _ in range(bs):
-                engine.add_request(torch.randint(3, args.vocab - 2, (args.prompt,), generator=gen).tolist(), sp)
-            engine.step()  # the prefill of all bs requests
-            engine.step()  # a decode step
-            engine.run()
-            kinds = Counter(layer_of.values())
-            for label, (tokens, counts, syncs) in (("prefill", steps[0]), ("decode", steps[1])):
-                if label == "prefill" and bs != 1:
-                    continue
-                key = f"{label}_bs{bs}" if label == "decode" else f"prefill_1x{args.prompt}"
-                result[key] = _summary(tokens, counts, syncs, kinds, full_layers)
-            llm = None
+            steps, kinds = _run(path, bs, args, counter, mode)
+            if bs == 1:
+                result[f"prefill_1x{args.prompt}"] = _summary(*steps[0], kinds, full_layers)
+            result[f"decode_bs{bs}"] = _summary(*steps[1], kinds, full_layers)
     return result
 
 
