@@ -1,6 +1,10 @@
 """Elementwise ops of the decoder: RMSNorm (plain, fused with the residual add, per head), SiLU-and-mul, RoPE
 (alone, or after Qwen3's per-head q/k norms in the same pass), and the K/V store into the paged pool.
 
+Qwen3.5 adds variants: the zero-centred RMSNorm (scale (1 + w) in fp32, `zero_centred=True` on the norms and on
+`norm_and_rope`), partial rotary (a cos/sin table narrower than the head), the gated RMSNorm of the Gated
+DeltaNet's output (`gated_rms_norm`: norm(x) * w * silu(z)) and the attention's output gate (`sigmoid_mul`).
+
 Each op has a torch reference (`*_ref`, the semantics) and a fused Triton kernel. The public wrappers use
 Triton for CUDA tensors and the reference otherwise; setting MINISGL_FORCE_TRITON=1 sends CPU tensors to
 Triton too, which only works under TRITON_INTERPRET=1 (that is how the kernels are tested without a GPU).
@@ -21,7 +25,8 @@ except ImportError:  # CPU-only installs run the torch references
     triton = None
     tl = None
 
-__all__ = ["apply_rope", "fused_add_rms_norm", "norm_and_rope", "rms_norm", "silu_and_mul", "store_kv"]
+__all__ = ["apply_rope", "fused_add_rms_norm", "gated_rms_norm", "norm_and_rope", "rms_norm", "sigmoid_mul",
+           "silu_and_mul", "store_kv"]
 
 
 def _jit(fn=None, **options):
@@ -58,10 +63,29 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * normed.to(x.dtype)
 
 
-def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def zero_centred_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Qwen3.5 (HF's Qwen3_5RMSNorm): scale by (1 + w), everything in fp32, one rounding at the end.
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = x + residual
-    return rms_norm_ref(new_residual, weight, eps), new_residual
+    norm = zero_centred_rms_norm_ref if zero_centred else rms_norm_ref
+    return norm(new_residual, weight, eps), new_residual
+
+
+def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # HF's Qwen3_5RMSNormGated: the normed x rounded to x's dtype, times w (rounded), times silu(z) in fp32.
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+def sigmoid_mul_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(gate)
 
 
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -89,8 +113,10 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 def norm_and_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                      q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return apply_rope_ref(rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps), positions, cos_sin)
+                      q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                      zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    norm = zero_centred_rms_norm_ref if zero_centred else rms_norm_ref
+    return apply_rope_ref(norm(q, q_weight, eps), norm(k, k_weight, eps), positions, cos_sin)
 
 
 def store_kv_ref(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
@@ -107,7 +133,7 @@ def store_kv_ref(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k:
 def _rms_norm_kernel(
     X, R, W, Y, RES_OUT, n_rows, n_inner,
     stride_x0, stride_x1, stride_r0, stride_r1, stride_y0, stride_y1, stride_o0, stride_o1,
-    N, eps, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, HAS_RES: tl.constexpr,
+    N, eps, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, HAS_RES: tl.constexpr, ZERO_CENTRED: tl.constexpr,
 ):
     # BLOCK_R rows per program (short rows, e.g. per-head norms over 128 values, would leave a program mostly
     # idle). Rows are addressed as (outer, inner) so a [T, H, D] view with any token/head strides (Qwen3's
@@ -133,9 +159,51 @@ def _rms_norm_kernel(
         norm_dtype = X.dtype.element_ty
     var = tl.sum(xf * xf, 1) / N
     rstd = tl.rsqrt(var + eps)
-    normed = (xf * rstd[:, None]).to(norm_dtype).to(tl.float32)
     w = tl.load(W + offs, mask=cmask[None, :], other=0.0).to(tl.float32)
-    tl.store(Y + i0 * stride_y0 + i1 * stride_y1 + offs, (w * normed).to(Y.dtype.element_ty), mask=mask)
+    if ZERO_CENTRED:  # Qwen3.5: (1 + w), all in fp32, rounded once
+        y = xf * rstd[:, None] * (1.0 + w)
+    else:  # Llama / Qwen3: the normed value rounded to the activation dtype before the weight multiply
+        y = w * (xf * rstd[:, None]).to(norm_dtype).to(tl.float32)
+    tl.store(Y + i0 * stride_y0 + i1 * stride_y1 + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@_jit(do_not_specialize=["n_rows"])
+def _gated_rms_norm_kernel(
+    X, Z, W, Y, n_rows, n_inner, stride_x0, stride_x1, stride_z0, stride_z1, stride_y0, stride_y1,
+    N, eps, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    # Rows as in _rms_norm_kernel. Rounded where the torch reference rounds: the normed value, its product with
+    # the weight, and the result (silu(z) stays fp32).
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    i0 = (rows // n_inner).to(tl.int64)[:, None]
+    i1 = (rows % n_inner).to(tl.int64)[:, None]
+    offs = tl.arange(0, BLOCK)
+    cmask = offs < N
+    mask = rmask[:, None] & cmask[None, :]
+    offs = offs[None, :]
+    dt = X.dtype.element_ty
+    xf = tl.load(X + i0 * stride_x0 + i1 * stride_x1 + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(Z + i0 * stride_z0 + i1 * stride_z1 + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 1) / N + eps)
+    w = tl.load(W + offs, mask=cmask[None, :], other=0.0).to(tl.float32)
+    wn = (w * (xf * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(Y + i0 * stride_y0 + i1 * stride_y1 + offs, (wn * (z / (1.0 + tl.exp(-z)))).to(dt), mask=mask)
+
+
+@_jit(do_not_specialize=["n_tokens"])
+def _sigmoid_mul_kernel(X, G, Y, n_tokens, stride_xt, stride_gt, stride_gh, stride_yt, D: tl.constexpr,
+                        WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    # Row t of x [T, H * D] times sigmoid(gate[t]), the gate a [T, H, D] view with any token / head stride.
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < WIDTH
+    dt = Y.dtype.element_ty
+    x = tl.load(X + t * stride_xt + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + t * stride_gt + (offs // D) * stride_gh + offs % D, mask=mask, other=0.0).to(tl.float32)
+    # sigmoid rounded to the activation dtype before the product, as torch's two ops round
+    s = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(Y + t * stride_yt + offs, (x * s).to(dt), mask=mask)
 
 
 @_jit
@@ -151,41 +219,71 @@ def _silu_and_mul_kernel(GU, Out, stride_g, stride_o, inter, BLOCK: tl.constexpr
 
 
 @_jit
-def _rope_heads(X, stride_h, W, cos, sin, offs_d, dmask, eps, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                HALF: tl.constexpr, NORM: tl.constexpr):
-    """Rotate the H heads at X in place; with NORM, RMSNorm each head (times W) first."""
+def _rope_heads(X, stride_h, Y, stride_yh, W, cos, sin, offs_d, dmask, eps, H: tl.constexpr,
+                BLOCK_H: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr,
+                NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    """Rotate the first 2 * HALF dims of the H heads at X, writing them to Y (Y may be X: in place); the REST
+    dims after them (partial rotary) are not turned. With NORM, RMSNorm each whole head (times W, or (1 + W)
+    with ZERO_CENTRED) first."""
     offs_h = tl.arange(0, BLOCK_H)
-    mask = (offs_h < H)[:, None] & dmask[None, :]
+    hmask = (offs_h < H)[:, None]
+    mask = hmask & dmask[None, :]
     p1 = X + offs_h[:, None] * stride_h + offs_d[None, :]
+    y1 = Y + offs_h[:, None] * stride_yh + offs_d[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     dt = X.dtype.element_ty
+    if REST > 0:
+        offs_r = tl.arange(0, BLOCK_REST)
+        rmask = offs_r < REST
+        mask3 = hmask & rmask[None, :]
+        p3 = X + offs_h[:, None] * stride_h + 2 * HALF + offs_r[None, :]
+        x3 = tl.load(p3, mask=mask3, other=0.0).to(tl.float32)
     if NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        ss = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
+        if REST > 0:
+            ss += tl.sum(x3 * x3, 1)
+        rstd = tl.rsqrt(ss / (2 * HALF + REST) + eps)[:, None]
         w1 = tl.load(W + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(W + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        # Rounded where rms_norm then apply_rope round: the normed value, then its product with the weight.
-        x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(dt), mask=mask)
-    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(dt), mask=mask)
+        if ZERO_CENTRED:  # Qwen3.5: (1 + w) in fp32, the norm's output rounded once, then rope
+            x1 = (x1 * rstd * (1.0 + w1)).to(dt).to(tl.float32)
+            x2 = (x2 * rstd * (1.0 + w2)).to(dt).to(tl.float32)
+        else:  # rounded where rms_norm then apply_rope round: the normed value, then its product with the weight
+            x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        if REST > 0:
+            w3 = tl.load(W + 2 * HALF + offs_r, mask=rmask, other=0.0).to(tl.float32)[None, :]
+            if ZERO_CENTRED:
+                x3 = x3 * rstd * (1.0 + w3)
+            else:
+                x3 = w3 * (x3 * rstd).to(dt).to(tl.float32)
+    tl.store(y1, (x1 * cos - x2 * sin).to(dt), mask=mask)
+    tl.store(y1 + HALF, (x2 * cos + x1 * sin).to(dt), mask=mask)
+    if REST > 0:
+        tl.store(Y + offs_h[:, None] * stride_yh + 2 * HALF + offs_r[None, :], x3.to(dt), mask=mask3)
 
 
 @_jit
 def _rope_kernel(
-    Q, K, Pos, CosSin, WQ, WK, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, eps,
-    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
+    Q, K, QOut, Pos, CosSin, WQ, WK, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_cs,
+    eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr,
 ):
-    # One program per token: its q heads and k heads, (normalised and) rotated where they lie.
+    # One program per token: its q heads (to QOut, which may be Q) and k heads (in place), (normalised and)
+    # rotated.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     dmask = offs_d < HALF
     cos = tl.load(CosSin + pos * stride_cs + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(CosSin + pos * stride_cs + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    _rope_heads(Q + t * stride_qt, stride_qh, WQ, cos, sin, offs_d, dmask, eps, HQ, BLOCK_HQ, HALF, NORM)
-    _rope_heads(K + t * stride_kt, stride_kh, WK, cos, sin, offs_d, dmask, eps, HKV, BLOCK_HKV, HALF, NORM)
+    _rope_heads(Q + t * stride_qt, stride_qh, QOut + t * stride_ot, stride_oh, WQ, cos, sin, offs_d, dmask, eps,
+                HQ, BLOCK_HQ, HALF, REST, BLOCK_REST, NORM, ZERO_CENTRED)
+    kp = K + t * stride_kt
+    _rope_heads(kp, stride_kh, kp, stride_kh, WK, cos, sin, offs_d, dmask, eps, HKV, BLOCK_HKV, HALF, REST,
+                BLOCK_REST, NORM, ZERO_CENTRED)
 
 
 @_jit
@@ -223,8 +321,8 @@ def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
     return x, x.shape[0], 1, x.stride(0), 0
 
 
-def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     shape, n = x.shape, x.shape[-1]
     xv, n0, n1, sx0, sx1 = _rows_view(x)
     if residual is not None:
@@ -235,7 +333,9 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         norm_dtype = res_dtype
     else:
         rv, sr0, sr1, res_out, ro, norm_dtype = xv, 0, 0, None, None, x.dtype
-    y = torch.empty(shape, dtype=torch.promote_types(weight.dtype, norm_dtype), device=x.device)
+    # the zero-centred norm returns the activation dtype; the plain one weight * normed's promoted dtype
+    y_dtype = norm_dtype if zero_centred else torch.promote_types(weight.dtype, norm_dtype)
+    y = torch.empty(shape, dtype=y_dtype, device=x.device)
     yv = y.view(n0, n1, n)
     if n0 * n1 == 0:
         return y, res_out
@@ -246,25 +346,65 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         xv, rv, weight, yv, ro if ro is not None else yv, n_rows, n1,
         sx0, sx1, sr0, sr1, yv.stride(0), yv.stride(1),
         ro.stride(0) if ro is not None else 0, ro.stride(1) if ro is not None else 0,
-        n, eps, BLOCK=block, BLOCK_R=block_r, HAS_RES=residual is not None, num_warps=num_warps,
+        n, eps, BLOCK=block, BLOCK_R=block_r, HAS_RES=residual is not None, ZERO_CENTRED=zero_centred,
+        num_warps=num_warps,
     )
     return y, res_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x ([T, H], or [T, heads, D] for per-head norms; any leading strides)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([T, H], or [T, heads, D] for per-head norms; any leading strides).
+    zero_centred: Qwen3.5's norm, scale (1 + w) in fp32, output in x's dtype."""
     if not _use_triton(x):
-        return rms_norm_ref(x, weight, eps)
-    return _launch_rms_norm(x, None, weight, eps)[0]
+        return (zero_centred_rms_norm_ref if zero_centred else rms_norm_ref)(x, weight, eps)
+    return _launch_rms_norm(x, None, weight, eps, zero_centred)[0]
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) in one pass; inputs are not modified."""
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass; inputs are not modified. The sum is rounded to the
+    residual's dtype (as a bf16 add rounds) before the norm reads it."""
     if not _use_triton(x):
-        return fused_add_rms_norm_ref(x, residual, weight, eps)
-    y, res = _launch_rms_norm(x, residual, weight, eps)
+        return fused_add_rms_norm_ref(x, residual, weight, eps, zero_centred)
+    y, res = _launch_rms_norm(x, residual, weight, eps, zero_centred)
     return y, res
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight * silu(z) over the last dim (the Gated DeltaNet's output norm), in x's dtype, one pass.
+    x, z: [T, H, D] or [T, D], any leading strides (z is typically a slice of a projection output)."""
+    if not _use_triton(x) or weight.dtype != x.dtype or z.shape != x.shape:
+        return gated_rms_norm_ref(x, z, weight, eps)
+    n = x.shape[-1]
+    xv, n0, n1, sx0, sx1 = _rows_view(x)
+    zv, _, _, sz0, sz1 = _rows_view(z)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    yv = y.view(n0, n1, n)
+    if n0 * n1 == 0:
+        return y
+    block = triton.next_power_of_2(n)
+    block_r, num_warps = _norm_config(block)
+    _gated_rms_norm_kernel[(triton.cdiv(n0 * n1, block_r),)](
+        xv, zv, weight, yv, n0 * n1, n1, sx0, sx1, sz0, sz1, yv.stride(0), yv.stride(1), n, eps,
+        BLOCK=block, BLOCK_R=block_r, num_warps=num_warps)
+    return y
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) in one pass: Qwen3.5's attention output gate. x: [T, H * D] (last dim contiguous);
+    gate: [T, H, D] with any token / head strides (the gate half of q_proj's per-head [q | gate] output).
+    Returns [T, H * D] in x's dtype."""
+    t, width = x.shape
+    if (not _use_triton(x) or gate.dim() != 3 or gate.stride(-1) != 1 or x.stride(-1) != 1
+            or gate.dtype != x.dtype):
+        return sigmoid_mul_ref(x, gate.reshape(t, width))
+    y = torch.empty(t, width, dtype=x.dtype, device=x.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(width))
+        _sigmoid_mul_kernel[(t, triton.cdiv(width, block))](
+            x, gate, y, t, x.stride(0), gate.stride(0), gate.stride(1), y.stride(0), D=gate.shape[-1],
+            WIDTH=width, BLOCK=block, num_warps=4)
+    return y
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -285,30 +425,34 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> None:
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                 zero_centred: bool = False, q_out: torch.Tensor | None = None) -> None:
     t, hq, d = q.shape
-    hkv, half = k.shape[1], d // 2
+    hkv, half = k.shape[1], cos_sin.shape[-1] // 2
+    rest = d - 2 * half
     norm = q_weight is not None
+    q_out = q if q_out is None else q_out
     _rope_kernel[(t,)](
-        q, k, positions, cos_sin, q_weight if norm else cos_sin, k_weight if norm else cos_sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0), eps,
-        HQ=hq, HKV=hkv, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-        BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, num_warps=4,
+        q, k, q_out, positions, cos_sin, q_weight if norm else cos_sin, k_weight if norm else cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), cos_sin.stride(0),
+        eps, HQ=hq, HKV=hkv, HALF=half, REST=rest, BLOCK_HQ=triton.next_power_of_2(hq),
+        BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_REST=triton.next_power_of_2(max(rest, 1)), NORM=norm, ZERO_CENTRED=zero_centred, num_warps=4,
     )
 
 
 def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> bool:
-    """The kernel's layout: full rotary width, last dims contiguous. Partial rotary / odd layouts take torch."""
-    return (cos_sin.shape[-1] == q.shape[-1] and q.stride(-1) == 1 and k.stride(-1) == 1
-            and cos_sin.stride(-1) == 1 and q.dtype == k.dtype)
+    """The kernel's layout: an even rotary width up to the head's, last dims contiguous, q and k one dtype."""
+    r = cos_sin.shape[-1]
+    return (0 < r <= q.shape[-1] and r % 2 == 0 and q.shape[-1] == k.shape[-1] and q.stride(-1) == 1
+            and k.stride(-1) == 1 and cos_sin.stride(-1) == 1 and q.dtype == k.dtype)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX-style rotary embedding in place. q: [T, Hq, D], k: [T, Hkv, D] (token/head strides free, last dim
     contiguous, e.g. slices of a fused qkv output); cos_sin: [max_pos, R] fp32 = [cos | sin], R = the rotary dim
-    (R < D: partial rotary, only the first R dims of each head turn; the Triton kernel takes R == D only, so a
-    partial table runs the torch reference on a GPU too)."""
+    (R < D: partial rotary, only the first R dims of each head turn)."""
     if not _use_triton(q) or not _rope_fits(q, k, cos_sin):
         return apply_rope_ref(q, k, positions, cos_sin)
     if q.shape[0]:
@@ -317,14 +461,21 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 def norm_and_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                  q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's per-head RMSNorm of q and k, then NeoX RoPE: one launch instead of three. On a GPU q and k
-    (views into the qkv output) are updated in place and returned; the torch path returns new tensors."""
+                  q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, zero_centred: bool = False,
+                  q_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k (Qwen3's; zero_centred: Qwen3.5's, scale (1 + w) in fp32), then NeoX RoPE over
+    the table's width R (R < head dim: partial rotary, the rest of each head normalised only): one launch
+    instead of three. k (a view into the qkv output) is updated in place on a GPU; q too, unless `q_out` (a
+    [T, Hq, D] tensor, e.g. a contiguous one when q is a strided view) is given: then q is left as it is and
+    the result written there. Returns (q or q_out, k); the torch path returns new tensors (or q_out, filled)."""
     if not _use_triton(q) or not _rope_fits(q, k, cos_sin) or q_weight.dtype != q.dtype:
-        return norm_and_rope_ref(q, k, positions, cos_sin, q_weight, k_weight, eps)
+        q_ref, k_ref = norm_and_rope_ref(q, k, positions, cos_sin, q_weight, k_weight, eps, zero_centred)
+        if q_out is None:
+            return q_ref, k_ref
+        return q_out.copy_(q_ref), k_ref
     if q.shape[0]:
-        _launch_rope(q, k, positions, cos_sin, q_weight, k_weight, eps)
-    return q, k
+        _launch_rope(q, k, positions, cos_sin, q_weight, k_weight, eps, zero_centred, q_out)
+    return (q if q_out is None else q_out), k
 
 
 def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,

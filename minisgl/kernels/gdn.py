@@ -1,6 +1,7 @@
 """Gated DeltaNet ops (Qwen3.5's linear-attention layers) over packed variable-length sequences.
 
-Two ops, each reading and writing a per-request state held in a pool (one pool row, "slot", per request):
+Two ops, each reading and writing a per-request state held in a pool (one pool row, "slot", per request),
+and the per-token gates they take (`gdn_gating`: decay g and write strength beta from the a / b projections):
 
 - `causal_conv1d`: the depthwise causal convolution (kernel K) over the q/k/v channels, then SiLU. Each
   sequence's window starts with its slot's last K-1 inputs; the last K-1 inputs are written back.
@@ -45,7 +46,8 @@ except ImportError:  # CPU-only installs run the torch references
     triton = None
     tl = None
 
-__all__ = ["causal_conv1d", "causal_conv1d_ref", "gated_delta_rule", "gated_delta_rule_ref"]
+__all__ = ["causal_conv1d", "causal_conv1d_ref", "gated_delta_rule", "gated_delta_rule_ref", "gdn_gating",
+           "gdn_gating_ref"]
 
 
 def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
@@ -68,6 +70,14 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         out[start:end] = F.silu(y).t().to(x.dtype)
         conv_state[slot] = window[:, window.shape[1] - keep:].to(conv_state.dtype)
     return out
+
+
+def gdn_gating_ref(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """g = -exp(A_log) * softplus(a + dt_bias) in fp32 (A is large: fp16 would overflow) and beta = sigmoid(b)
+    in b's dtype (as HF rounds it). a, b: [T, Hv] (any strides); A_log, dt_bias: [Hv]."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.sigmoid()
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +122,24 @@ GDN_CONFIG: dict = dict(
     chunk_stages=1, recurrent_block_v=32, recurrent_warps=4, dot_precision="tf32",
 )
 _CHUNK = 64  # tokens per chunk of the chunked delta rule
+
+
+@_jit(do_not_specialize=["T"])
+def _gating_kernel(A, B, ALog, DtBias, G, Beta, T, stride_at, stride_bt, stride_gt, stride_et,
+                   H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    mask = (rows < T) & hmask[None, :]
+    offs_h = offs_h[None, :]
+    a = tl.load(A + rows * stride_at + offs_h, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + rows * stride_bt + offs_h, mask=mask, other=0.0).to(tl.float32)
+    a_log = tl.load(ALog + offs_h, mask=hmask[None, :], other=0.0).to(tl.float32)
+    x = a + tl.load(DtBias + offs_h, mask=hmask[None, :], other=0.0).to(tl.float32)
+    # torch's softplus: x itself above 20 (where log(1 + e^x) == x in fp32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    tl.store(G + rows * stride_gt + offs_h, -tl.exp(a_log) * softplus, mask=mask)
+    tl.store(Beta + rows * stride_et + offs_h, (1.0 / (1.0 + tl.exp(-b))).to(Beta.dtype.element_ty), mask=mask)
 
 
 @_jit
@@ -429,6 +457,29 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, conv_state, slots, cu_seqlens, c, *common, *s_strides, K=kw, KP=kp, BLOCK_C=bc,
         num_warps=cfg["conv_decode_warps"])
     return out
+
+
+def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+               dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) of gdn_gating_ref in one launch (ten torch ops otherwise). a, b: [T, Hv] with any token stride
+    (slices of the fused in-projection's output), last dim contiguous. g [T, Hv] fp32, beta [T, Hv] in b's dtype.
+
+    A separate kernel rather than folded into the delta-rule kernels: those keep the reference's (g, beta)
+    interface, which the chunked path reads in two launches (and cumsums), the state-pool tests and the GPU
+    sweep call directly.
+    """
+    if not _use_triton(a) or a.stride(-1) != 1 or b.stride(-1) != 1 or a.dim() != 2:
+        return gdn_gating_ref(a, b, a_log, dt_bias)
+    t, h = a.shape
+    g = torch.empty(t, h, dtype=torch.float32, device=a.device)
+    beta = torch.empty(t, h, dtype=b.dtype, device=b.device)
+    if t:
+        block_h = triton.next_power_of_2(h)
+        block_t = max(1, min(64, 1024 // block_h))
+        _gating_kernel[(triton.cdiv(t, block_t),)](
+            a, b, a_log, dt_bias, g, beta, t, a.stride(0), b.stride(0), g.stride(0), beta.stride(0),
+            H=h, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=1 if block_t * block_h <= 256 else 4)
+    return g, beta
 
 
 def _block_v(key: str, n: int, hv: int, dv: int) -> int:

@@ -12,9 +12,12 @@ a full attention with an output gate over the paged KV pool. The other differenc
 
 Semantics follow transformers' `modeling_qwen3_5.py`; the tests check greedy tokens against it.
 
-On a GPU: the projections, the MLP (fused SiLU-and-mul) and the paged attention use the engine's kernels; the
-Gated DeltaNet ops are `minisgl.kernels.gdn`'s (Triton kernels on CUDA tensors); the norms and
-the partial-rotary RoPE run as plain torch ops for now (the Triton rope kernel takes full-width rotary only).
+On a GPU every step runs few kernels (each costs the GPU ~2-3 us even inside a CUDA graph): the Gated
+DeltaNet's four in-projections are one GEMM (qkv | z | b | a), the attention's q/k/v one GEMM; the norms are
+the engine's Triton RMSNorm kernels with a (1 + w) scale, the residual add fused into them as in DecoderLM; the
+gated norm times silu(z), the decay/beta gates (`gdn.gdn_gating`), the q/k norms with the partial RoPE and the
+sigmoid output gate are one Triton launch each; the conv and the delta rule are `minisgl.kernels.gdn`'s. On a
+CPU each of these runs its torch reference (the semantics).
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
 from minisgl.attention.base import AttentionBackend
+from minisgl.kernels import elementwise as ew
 from minisgl.kernels import gdn
 from minisgl.models.config import ModelConfig
 from minisgl.models.layers import MLP, RotaryEmbedding
@@ -95,17 +98,19 @@ class Qwen35Config(ModelConfig):
 
 
 class ZeroCentredRMSNorm(nn.Module):
-    """RMSNorm that scales by (1 + w), all in fp32, cast back at the end (HF's Qwen3_5RMSNorm)."""
+    """RMSNorm that scales by (1 + w), all in fp32, cast back at the end (HF's Qwen3_5RMSNorm). With a residual,
+    like the engine's RMSNorm: (norm(x + residual), x + residual), the sum rounded to the model dtype first (HF
+    adds the residual in the model dtype)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ew.rms_norm(x, self.weight, self.eps, zero_centred=True)
+        return ew.fused_add_rms_norm(x, residual, self.weight, self.eps, zero_centred=True)
 
 
 class GatedRMSNorm(nn.Module):
@@ -117,9 +122,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+        return ew.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -132,10 +135,9 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_size, self.value_size = self.hk * self.dk, self.hv * self.dv
         channels = cfg.conv_channels
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, channels, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_size, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        # the checkpoint's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a, fused into one matmul (rows in order)
+        self.in_proj_sizes = [channels, self.value_size, self.hv, self.hv]
+        self.in_proj = nn.Linear(cfg.hidden_size, sum(self.in_proj_sizes), bias=False)
         # depthwise: one K-tap filter per channel, stored [C, 1, K] as in the checkpoint
         self.conv1d = nn.Conv1d(channels, channels, cfg.linear_conv_kernel, groups=channels, bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.hv))
@@ -146,17 +148,18 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, attn: AttentionBackend, state) -> torch.Tensor:
         t = x.shape[0]
         slots, cu_seqlens = attn.meta.state_slots, attn.meta.cu_seqlens
-        qkv = gdn.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight[:, 0], None, state.conv[self.state_layer],
+        # column slices of the fused projection: the kernels take their token stride, nothing is copied
+        mixed, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)
+        qkv = gdn.causal_conv1d(mixed, self.conv1d.weight[:, 0], None, state.conv[self.state_layer],
                                 slots, cu_seqlens)
         q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        # decay g = -exp(A_log) * softplus(a + dt_bias), in fp32 (A is large: it would overflow fp16)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        beta = self.in_proj_b(x).sigmoid()
+        # decay g = -exp(A_log) * softplus(a + dt_bias) in fp32, beta = sigmoid(b) in the model dtype
+        g, beta = gdn.gdn_gating(a, b, self.A_log, self.dt_bias)
         # the op L2-normalises q and k and scales q by Dk^-0.5 itself
         o = gdn.gated_delta_rule(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk),
                                  v.view(t, self.hv, self.dv), g, beta, state.recurrent[self.state_layer],
                                  slots, cu_seqlens)
-        o = self.norm(o, self.in_proj_z(x).view(t, self.hv, self.dv))
+        o = self.norm(o, z.view(t, self.hv, self.dv))
         return self.out_proj(o.reshape(t, self.value_size))
 
 
@@ -168,10 +171,11 @@ class GatedAttention(nn.Module):
         self.kv_layer = kv_layer
         self.num_q_heads, self.num_kv_heads, self.head_dim = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_q_heads * cfg.head_dim
-        # per head, q_proj's output is [q (head_dim) | gate (head_dim)]
-        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        # the checkpoint's q_proj, k_proj and v_proj fused into one matmul; per head, q_proj's part of the output
+        # is [q (head_dim) | gate (head_dim)]
+        self.qkv_sizes = [2 * self.q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.qkv_sizes), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.qkv_bias)
         self.q_norm = ZeroCentredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -179,13 +183,17 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 attn: AttentionBackend) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q_gate = self.q_proj(x).view(t, self.num_q_heads, 2 * d)
-        q = self.q_norm(q_gate[..., :d])  # a new tensor: rope may turn it in place
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d))
-        v = self.v_proj(x).view(t, self.num_kv_heads, d)
-        q, k = rotary(q, k, positions)  # the table is rotary_dim wide: the rest of each head is left as it is
+        q_gate, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q_gate = q_gate.view(t, self.num_q_heads, 2 * d)
+        k = k.view(t, self.num_kv_heads, d)
+        v = v.view(t, self.num_kv_heads, d)
+        # zero-centred q/k norms, then rope over the table's rotary_dim (the rest of each head is not turned), in
+        # one launch on a GPU: q goes to a packed tensor (the attention kernels want one), k is turned in place
+        q = torch.empty(t, self.num_q_heads, d, dtype=x.dtype, device=x.device)
+        q, k = ew.norm_and_rope(q_gate[..., :d], k, positions, rotary.cos_sin, self.q_norm.weight,
+                                self.k_norm.weight, self.q_norm.eps, zero_centred=True, q_out=q)
         o = attn.forward(q, k, v, self.kv_layer).reshape(t, self.q_size)
-        return self.o_proj(o * torch.sigmoid(q_gate[..., d:].reshape(t, self.q_size)))
+        return self.o_proj(ew.sigmoid_mul(o, q_gate[..., d:]))
 
 
 class HybridLayer(nn.Module):
@@ -200,11 +208,17 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, positions, rotary, attn, state):
-        # HF adds the residual in the model dtype, outside the norm: so do we (bf16 tokens stay comparable)
-        h = self.input_layernorm(x)
-        x = x + (self.linear_attn(h, attn, state) if self.is_linear else self.self_attn(h, positions, rotary, attn))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, attn, state):
+        # As in DecoderLayer, the residual stream is carried apart so each norm fuses the add in front of it; the
+        # sum is rounded to the model dtype, as HF's add in the model dtype rounds it.
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.linear_attn(h, attn, state) if self.is_linear else self.self_attn(h, positions, rotary, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen35LM(nn.Module):
@@ -225,17 +239,33 @@ class Qwen35LM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 logit_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits in the model's dtype, as DecoderLM's: the sampler widens them to float32 itself."""
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attn, self.state_pool)
+            x, residual = layer(x, residual, positions, self.rotary, attn, self.state_pool)
+        x, _ = self.norm(x, residual)
         if logit_indices is not None:
             x = x[logit_indices]
-        return self.lm_head(self.norm(x)).float()
+        return self.lm_head(x)
 
 
 # --- loading ---------------------------------------------------------------------------------------------
-# our MLP fuses gate and up into one matmul: (fused parameter, which half)
-_MLP_FUSED = {"gate_proj": 0, "up_proj": 1}
+# Our fused matmuls, by the checkpoint's module name: (our module, which part). A part's rows in the fused weight
+# (and bias) follow the module's list of part sizes.
+_FUSED = {
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "in_proj_qkv": ("in_proj", 0), "in_proj_z": ("in_proj", 1), "in_proj_b": ("in_proj", 2),
+    "in_proj_a": ("in_proj", 3),
+}
+
+
+def _part_sizes(owner: nn.Module, fused: str) -> list[int]:
+    if fused == "gate_up_proj":
+        half = owner.gate_up_proj.weight.shape[0] // 2
+        return [half, half]
+    return owner.qkv_sizes if fused == "qkv_proj" else owner.in_proj_sizes
 
 
 def _our_name(hf_name: str) -> str | None:
@@ -262,11 +292,12 @@ def load_safetensors(model: Qwen35LM, cfg: Qwen35Config, path: str) -> None:
                     continue
                 module, leaf = name.rsplit(".", 1)
                 parent, _, child = module.rpartition(".")
-                if child in _MLP_FUSED:
-                    part = _MLP_FUSED[child]
-                    full = params[f"{parent}.gate_up_proj.{leaf}"].data
-                    half = full.shape[0] // 2
-                    target, key = full.narrow(0, part * half, half), f"{parent}.gate_up_proj.{leaf}#{part}"
+                if child in _FUSED and f"{parent}.{_FUSED[child][0]}.{leaf}" in params:
+                    fused, part = _FUSED[child]
+                    sizes = _part_sizes(model.get_submodule(parent), fused)
+                    full = params[f"{parent}.{fused}.{leaf}"].data
+                    target = full.narrow(0, sum(sizes[:part]), sizes[part])
+                    key = f"{parent}.{fused}.{leaf}#{part}"
                 elif name in params:
                     target, key = params[name].data, name
                 else:
@@ -278,7 +309,11 @@ def load_safetensors(model: Qwen35LM, cfg: Qwen35Config, path: str) -> None:
                 loaded.add(key)
     missing = []
     for name, _ in model.named_parameters():
-        keys = [f"{name}#0", f"{name}#1"] if name.endswith("gate_up_proj.weight") else [name]
+        module, _, _ = name.rpartition(".")
+        parent, _, child = module.rpartition(".")
+        fused = {f for f, _ in _FUSED.values()}
+        keys = ([f"{name}#{i}" for i in range(len(_part_sizes(model.get_submodule(parent), child)))]
+                if child in fused else [name])
         missing += [k for k in keys if k not in loaded]
     if missing:
         raise ValueError(f"checkpoint in {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
