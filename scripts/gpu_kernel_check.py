@@ -383,12 +383,71 @@ def check_elementwise(gen: torch.Generator, results: list) -> None:
         4 * k.numel() * 2, tol=1e-12)  # a copy: exact
 
 
+def check_qwen35_elementwise(gen: torch.Generator, results: list) -> None:
+    """Qwen3.5's fused kernels at the 0.8B shapes (hidden 1024; GDN 16 heads of 128; attention 8 q / 2 kv heads
+    of 256, rotary on the first 64 dims, q read from the per-head [q | gate] view) against their references."""
+    from minisgl.kernels import gdn
+    t, hid, dt = 4096, 1024, torch.bfloat16
+
+    def add(name, out, ref, fn, bytes_moved, tol=2 ** -7):
+        outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+        err = max((a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1e-6)
+                  for a, b in zip(outs, refs))
+        ms = do_bench(fn, warmup=10, rep=50)
+        results.append(dict(kernel=name, rel_err=err, ok=err < tol, us=ms * 1e3,
+                            gbps=bytes_moved / (ms * 1e-3) / 1e9))
+
+    x = torch.randn(t, hid, generator=gen, device=DEV, dtype=dt)
+    r = torch.randn(t, hid, generator=gen, device=DEV, dtype=dt)
+    w = (0.1 * torch.randn(hid, generator=gen, device=DEV)).to(dt)  # zero-centred: the scale is 1 + w
+    add("q35_zero_centred_rms_norm", ew.rms_norm(x, w, 1e-6, zero_centred=True),
+        ew.zero_centred_rms_norm_ref(x, w, 1e-6), lambda: ew.rms_norm(x, w, 1e-6, zero_centred=True),
+        2 * x.numel() * 2)
+    add("q35_fused_add_zero_centred", ew.fused_add_rms_norm(x, r, w, 1e-6, zero_centred=True),
+        ew.fused_add_rms_norm_ref(x, r, w, 1e-6, zero_centred=True),
+        lambda: ew.fused_add_rms_norm(x, r.clone(), w, 1e-6, zero_centred=True), 4 * x.numel() * 2)
+    hv, dv = 16, 128
+    proj = torch.randn(t, 2 * hv * dv, generator=gen, device=DEV, dtype=dt)  # [o | z], z a strided slice
+    o, z = proj[:, : hv * dv].reshape(t, hv, dv).contiguous(), proj[:, hv * dv:].view(t, hv, dv)
+    wg = (1 + 0.1 * torch.randn(dv, generator=gen, device=DEV)).to(dt)
+    add("q35_gated_rms_norm", ew.gated_rms_norm(o, z, wg, 1e-6), ew.gated_rms_norm_ref(o, z, wg, 1e-6),
+        lambda: ew.gated_rms_norm(o, z, wg, 1e-6), 3 * o.numel() * 2)
+    hq, hkv, d, rot = 8, 2, 256, 64
+    q_proj = torch.randn(t, hq, 2 * d, generator=gen, device=DEV, dtype=dt)  # per head [q | gate]
+    attn_o = torch.randn(t, hq * d, generator=gen, device=DEV, dtype=dt)
+    gate = q_proj[..., d:]
+    add("q35_sigmoid_mul", ew.sigmoid_mul(attn_o, gate), ew.sigmoid_mul_ref(attn_o, gate.reshape(t, hq * d)),
+        lambda: ew.sigmoid_mul(attn_o, gate), 3 * attn_o.numel() * 2)
+    kv = torch.randn(t, 2 * hkv * d, generator=gen, device=DEV, dtype=dt)
+    q, k = q_proj[..., :d], kv[:, : hkv * d].view(t, hkv, d)
+    wq, wk = [(0.1 * torch.randn(d, generator=gen, device=DEV)).to(dt) for _ in range(2)]
+    inv = 1.0 / (1e7 ** (torch.arange(0, rot, 2, device=DEV).float() / rot))
+    freqs = torch.outer(torch.arange(MAX_CONTEXT, device=DEV).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)  # rot wide: the rest of each head is not turned
+    pos = torch.randint(0, MAX_CONTEXT, (t,), generator=gen, device=DEV)
+    q_ref, k_ref = ew.norm_and_rope_ref(q.clone(), k.clone(), pos, cos_sin, wq, wk, 1e-6, zero_centred=True)
+    k_run = k.clone()
+    q_out = torch.empty(t, hq, d, device=DEV, dtype=dt)
+    ew.norm_and_rope(q, k_run, pos, cos_sin, wq, wk, 1e-6, zero_centred=True, q_out=q_out)
+    add("q35_norm_and_partial_rope", (q_out, k_run), (q_ref, k_ref),
+        lambda: ew.norm_and_rope(q, k.clone(), pos, cos_sin, wq, wk, 1e-6, zero_centred=True, q_out=q_out),
+        2 * (q_out.numel() + k.numel()) * 2, tol=2 ** -6)
+    ab = torch.randn(t, 2 * hv, generator=gen, device=DEV, dtype=dt)  # slices of the fused in-projection
+    a, b = ab[:, :hv], ab[:, hv:]
+    a_log = torch.empty(hv, device=DEV).uniform_(0.01, 16, generator=gen).log()
+    dt_bias = torch.ones(hv, device=DEV)
+    add("q35_gdn_gating", gdn.gdn_gating(a, b, a_log, dt_bias), gdn.gdn_gating_ref(a, b, a_log, dt_bias),
+        lambda: gdn.gdn_gating(a, b, a_log, dt_bias), 4 * t * hv * 2, tol=2 ** -7)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="fewer cases")
     ap.add_argument("--backends-only", default=None,
                     help="comma list (e.g. triton,flashinfer): only the backend checks and timings")
+    ap.add_argument("--elementwise-only", action="store_true",
+                    help="only the elementwise kernels (Qwen3's and Qwen3.5's), not attention")
     args = ap.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     results: list[dict] = []
@@ -401,6 +460,10 @@ def main() -> int:
             results.append(dict(kernel=fn.__name__, args=repr(a), ok=False, error=f"{type(e).__name__}: {e}"))
         print(json.dumps(results[-1]), flush=True)
 
+    if args.elementwise_only:
+        guarded(check_elementwise)
+        guarded(check_qwen35_elementwise)
+        return finish(args, results, t0)
     if args.backends_only:
         names = args.backends_only.split(",")
         for name in names:
@@ -436,6 +499,7 @@ def main() -> int:
         for n in (4096, 32768):
             guarded(check_sdpa_baseline, model, n)
     guarded(check_elementwise)
+    guarded(check_qwen35_elementwise)
     return finish(args, results, t0)
 
 

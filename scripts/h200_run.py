@@ -443,6 +443,7 @@ SECTIONS = {
     "qwen35_check": lambda: qwen35_check(),
     "profile_small06": lambda: profile_small_batches("qwen3-0.6b"),
     "profile35": lambda: profile_w1_slices("qwen3.5-0.8b"),
+    "kernels_ew": lambda: kernels("--elementwise-only"),
 }
 
 
