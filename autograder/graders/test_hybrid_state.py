@@ -19,18 +19,19 @@ def cu_of(lens) -> torch.Tensor:
 
 def naive_delta_rule(q, k, v, g, beta, s0):
     """One sequence, one head at a time, with explicit matrices: (outputs [T, Hv, Dv], final state [Hv, Dk, Dv])."""
-    hv, group, scale = v.shape[1], v.shape[1] // k.shape[1], k.shape[-1] ** -0.5
-    s, out = s0.clone(), torch.zeros(v.shape)
-    for h in range(hv):
-        m = s[h]
-        for t in range(v.shape[0]):
-            kk = k[t, h // group] / k[t, h // group].norm()
-            qq = q[t, h // group] / q[t, h // group].norm() * scale
-            m = math.exp(g[t, h]) * m
-            m = m + beta[t, h] * torch.outer(kk, v[t, h] - m.T @ kk)
-            out[t, h] = m.T @ qq
-        s[h] = m
-    return out, s
+    n_tok, hv, dv = v.shape
+    per_key = hv // k.shape[1]
+    outs, final = torch.zeros(n_tok, hv, dv), []
+    for head in range(hv):
+        mem = s0[head].clone()
+        for t in range(n_tok):
+            key = F.normalize(k[t, head // per_key], dim=0)
+            query = F.normalize(q[t, head // per_key], dim=0) / math.sqrt(k.shape[-1])
+            mem *= math.exp(g[t, head])
+            mem += beta[t, head] * torch.outer(key, v[t, head] - key @ mem)
+            outs[t, head] = query @ mem
+        final.append(mem)
+    return outs, torch.stack(final)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -49,11 +50,11 @@ def test_delta_rule_against_naive(seed):
     before = state.clone()
     out = adapters.gated_delta_rule_ref(q, k, v, g, beta, state, slots, cu_of(lens))
     assert out.shape == v.shape and out.dtype == v.dtype
-    starts = [0, *itertools.accumulate(lens)]
-    for i, (a, b) in enumerate(zip(starts, starts[1:])):
-        ref_o, ref_s = naive_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], before[slots[i]])
-        assert torch.allclose(out[a:b], ref_o, atol=1e-4), f"sequence {i}: outputs"
-        assert torch.allclose(state[slots[i]], ref_s, atol=1e-4), f"sequence {i}: the final state in its slot"
+    bounds = cu_of(lens).tolist()
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        want_o, want_s = naive_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], before[slots[i]])
+        assert torch.allclose(out[a:b], want_o, atol=1e-4), f"outputs of sequence {i} differ"
+        assert torch.allclose(state[slots[i]], want_s, atol=1e-4), f"the state left in sequence {i}'s slot differs"
     untouched = sorted(set(range(n + 2)) - set(slots.tolist()))
     assert torch.equal(state[untouched], before[untouched])
 
@@ -92,8 +93,8 @@ def test_conv_against_padded_conv(seed):
     slots = torch.tensor(rng.sample(range(n + 1), n))
     before = state.clone()
     out = adapters.causal_conv1d_ref(x, weight, bias, state, slots, cu_of(lens))
-    starts = [0, *itertools.accumulate(lens)]
-    for i, (a, b) in enumerate(zip(starts, starts[1:])):
+    bounds = cu_of(lens).tolist()
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         seq = torch.cat([before[slots[i]].t(), x[a:b]])
         assert torch.allclose(out[a:b], padded_conv(seq, weight, bias)[kw - 1:], atol=1e-5), f"sequence {i}"
         assert torch.equal(state[slots[i]], seq[len(seq) - (kw - 1):].t()), f"sequence {i}: the new window"
