@@ -37,6 +37,12 @@ EXERCISES: dict[str, list[str]] = {
     "nb06-runner": ["minisgl.engine.cuda_graph:CudaGraphRunner.run"],
     "nb07-engine": ["minisgl.engine.engine:Engine.step", "minisgl.engine.engine:Engine._resolve",
                     "minisgl.engine.engine:Engine._finish_reason"],
+    "nb10-delta": ["minisgl.kernels.gdn_ref:gated_delta_rule_ref"],
+    "nb10-conv": ["minisgl.kernels.gdn_ref:causal_conv1d_ref"],
+    "nb10-pool": ["minisgl.kvcache.state_pool:StatePool.bytes_per_slot",
+                  "minisgl.kvcache.state_pool:StatePool.alloc_snapshot",
+                  "minisgl.kvcache.state_pool:StatePool.free_snapshot",
+                  "minisgl.kvcache.state_pool:StatePool.start", "minisgl.kvcache.state_pool:StatePool.save"],
 }
 
 
@@ -135,6 +141,34 @@ def naive_cache(allocator, page_size: int):
     from minisgl.kvcache.prefix_cache import NaiveCache
 
     return NaiveCache(allocator, page_size)
+
+
+# --- 10 hybrid state ---------------------------------------------------------------------------------------
+
+def gated_delta_rule_ref(q, k, v, g, beta, state, slots, cu_seqlens):
+    from minisgl.kernels.gdn_ref import gated_delta_rule_ref as f
+
+    return f(q, k, v, g, beta, state, slots, cu_seqlens)
+
+
+def causal_conv1d_ref(x, weight, bias, conv_state, slots, cu_seqlens):
+    from minisgl.kernels.gdn_ref import causal_conv1d_ref as f
+
+    return f(x, weight, bias, conv_state, slots, cu_seqlens)
+
+
+def state_pool(num_layers, num_rows, num_snapshots, conv_channels, conv_kernel, num_heads, key_dim, value_dim,
+               dtype, device="cpu"):
+    from minisgl.kvcache.state_pool import StatePool
+
+    return StatePool(num_layers, num_rows, num_snapshots, conv_channels, conv_kernel, num_heads, key_dim,
+                     value_dim, dtype, device)
+
+
+def state_bytes_per_slot(num_layers, conv_channels, conv_kernel, num_heads, key_dim, value_dim, dtype) -> int:
+    from minisgl.kvcache.state_pool import StatePool
+
+    return StatePool.bytes_per_slot(num_layers, conv_channels, conv_kernel, num_heads, key_dim, value_dim, dtype)
 
 
 # --- the whole engine ---------------------------------------------------------------------------------------

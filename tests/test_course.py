@@ -3,7 +3,7 @@ every notebook runs top to bottom on a CPU, and the nbgrader release round trip 
 
 - `test_modules_match_notebooks`: `course.py check` (a committed module differs from its notebook -> diff).
 - `test_release_roundtrip` and `test_notebook_walk[NN_x]` share one release (`course.roundtrip`):
-  - the release gate (autograder/gate.py), TinyTorch style: for k = 00..09, with notebooks 00..k-1 filled
+  - the release gate (autograder/gate.py), TinyTorch style: for k = 00..10, with notebooks 00..k-1 filled
     with the reference solutions and exported (a student who finished them), notebook k runs top to bottom
     with nbclient and fails only with its own exercise's NotImplementedError (every graded cell fails); with
     k filled, every cell passes, within 3 minutes, and its last cell exports it for k+1;

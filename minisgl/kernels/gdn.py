@@ -13,10 +13,11 @@ and the per-token gates they take (`gdn_gating`: decay g and write strength beta
 A batch is T tokens of N sequences, packed: sequence i is rows cu_seqlens[i]:cu_seqlens[i+1] and owns pool row
 slots[i]. A decode step is the case T == N (one token each); padded rows of a CUDA graph point at a dummy slot.
 
-Each op has a torch reference (`*_ref`, the semantics; a plain loop over tokens, which is also the CPU path) and
-Triton kernels; the public wrappers use Triton for CUDA tensors and the reference otherwise. As in
-`elementwise.py`, MINISGL_FORCE_TRITON=1 sends CPU tensors to Triton too, which only works under
-TRITON_INTERPRET=1 (how the kernels are tested without a GPU). Without Triton this module still imports.
+Each op has a torch reference (`*_ref`, the semantics; a plain loop over tokens, which is also the CPU path; they
+live in `gdn_ref.py`, generated from notebooks/10_hybrid_state.ipynb) and Triton kernels; the public wrappers use
+Triton for CUDA tensors and the reference otherwise. As in `elementwise.py`, MINISGL_FORCE_TRITON=1 sends CPU
+tensors to Triton too, which only works under TRITON_INTERPRET=1 (how the kernels are tested without a GPU).
+Without Triton this module still imports.
 
 Kernels (none reads anything on the host, so every launch can be captured in a CUDA graph):
 - conv, decode (T == N): one program per (sequence, channel block); the conv and the state shift fused.
@@ -39,6 +40,9 @@ import torch.nn.functional as F
 # the same decorator and dispatch rule as the elementwise kernels (CUDA tensors, or MINISGL_FORCE_TRITON=1)
 from minisgl.kernels.elementwise import _jit, _use_triton
 
+# the torch references (the semantics, and the CPU path) are written in notebook 10
+from minisgl.kernels.gdn_ref import causal_conv1d_ref, gated_delta_rule_ref
+
 try:
     import triton
     import triton.language as tl
@@ -50,60 +54,12 @@ __all__ = ["causal_conv1d", "causal_conv1d_ref", "gated_delta_rule", "gated_delt
            "gdn_gating_ref"]
 
 
-def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
-    bounds = cu_seqlens.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
-                      slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """silu(depthwise causal conv) of x [T, C] with weight [C, K]; conv_state [S, C, K-1] updated in place."""
-    out = torch.empty_like(x)
-    keep = weight.shape[1] - 1
-    for (start, end), slot in zip(_spans(cu_seqlens), slots.tolist()):
-        if end == start:  # an empty sequence (a padded request of a prefill graph) keeps its state
-            continue
-        # [C, K-1 + L]: the request's previous inputs, then this step's
-        window = torch.cat([conv_state[slot].float(), x[start:end].float().t()], dim=1)
-        y = F.conv1d(window[None], weight.float()[:, None, :], None if bias is None else bias.float(),
-                     groups=weight.shape[0])[0]  # [C, L]: valid positions only
-        out[start:end] = F.silu(y).t().to(x.dtype)
-        conv_state[slot] = window[:, window.shape[1] - keep:].to(conv_state.dtype)
-    return out
-
-
 def gdn_gating_ref(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                    dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """g = -exp(A_log) * softplus(a + dt_bias) in fp32 (A is large: fp16 would overflow) and beta = sigmoid(b)
     in b's dtype (as HF rounds it). a, b: [T, Hv] (any strides); A_log, dt_bias: [Hv]."""
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     return g, b.sigmoid()
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-
-
-def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """q, k [T, Hk, Dk]; v [T, Hv, Dv]; g (log decay, <= 0) and beta [T, Hv]; state [S, Hv, Dk, Dv] (fp32),
-    updated in place. Value head h reads q/k head h // (Hv // Hk). Returns o [T, Hv, Dv] in v's dtype."""
-    group = v.shape[1] // k.shape[1]
-    scale = k.shape[-1] ** -0.5
-    qf = _l2norm(q.float()).repeat_interleave(group, dim=1) * scale
-    kf = _l2norm(k.float()).repeat_interleave(group, dim=1)
-    vf, gf, bf = v.float(), g.float(), beta.float()
-    out = torch.empty_like(v)
-    for (start, end), slot in zip(_spans(cu_seqlens), slots.tolist()):
-        s = state[slot].float()  # [Hv, Dk, Dv]
-        for t in range(start, end):
-            s = s * gf[t].exp()[:, None, None]
-            predicted = torch.einsum("hkv,hk->hv", s, kf[t])
-            s = s + kf[t][:, :, None] * ((vf[t] - predicted) * bf[t][:, None])[:, None, :]
-            out[t] = torch.einsum("hkv,hk->hv", s, qf[t]).to(v.dtype)
-        state[slot] = s.to(state.dtype)
-    return out
-
 
 
 # ------------------------------------------------------------ Triton kernels --------------------------------

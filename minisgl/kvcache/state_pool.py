@@ -1,3 +1,5 @@
+# generated from notebooks/10_hybrid_state.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/10_hybrid_state.ipynb, cell 4 (id c10-004) ---
 """Per-request state of a hybrid model's linear-attention (Gated DeltaNet) layers, and its snapshots.
 
 A full-attention layer keeps one K/V entry per token (the paged KV pool); a Gated DeltaNet layer keeps a fixed
@@ -24,6 +26,7 @@ import torch
 from minisgl.attention.base import AttentionMetadata
 
 
+# --- notebooks/10_hybrid_state.ipynb, cell 20 (id c10-020) ---
 class StatePool:
     def __init__(self, num_layers: int, num_rows: int, num_snapshots: int, conv_channels: int, conv_kernel: int,
                  num_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype,
@@ -98,6 +101,7 @@ class StatePool:
         self.copy([snap for _, snap in saves], [slot for slot, _ in saves])
 
 
+# --- notebooks/10_hybrid_state.ipynb, cell 21 (id c10-021) ---
 @dataclass
 class HybridAttentionMetadata(AttentionMetadata):
     """The step's attention metadata plus where each request's linear-attention state lives (device tensors).
