@@ -192,10 +192,10 @@ def test_block_skip_and_top_k_bound_are_exact(kind, monkeypatch):
         searched[skip, bound] = fused.search_cuts(given, flags, inv_t, k, p, 256)
         if skip == bound:  # the draw reads only the threshold (compared below) and the skip switch
             tokens[skip] = fused.fused_sample(given, t, k, p, mp, seeds, steps)
-    lo, row_max, zk = searched[False, False]
+    lo, row_max, zk, _ = searched[False, False]
     # zk is written by the first top-p pass; a row whose top-k already cut down to its max skips top-p
     top_p_ran = ((flags & fused.TOP_P) != 0) & (_threshold(lo) < row_max)
-    for key, (lo_, row_max_, zk_) in searched.items():
+    for key, (lo_, row_max_, zk_, _) in searched.items():
         assert torch.equal(lo_, lo), key
         assert torch.equal(row_max_, row_max), key
         assert torch.equal(zk_[top_p_ran], zk[top_p_ran]), key
