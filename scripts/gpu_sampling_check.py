@@ -10,11 +10,14 @@ B in 1/64/256/512 with a per-row mix of temperatures (0 included), top-k, top-p 
   differing rows (0 expected; a rare difference can only come from a probability mass or a log rounded
   differently by the GPU's fused multiply-add and libdevice, at a threshold's exact boundary);
 - a row's token does not depend on its batch (each row alone, and a shuffled sub-batch): must be exact;
+- the kernels' exact shortcuts (SKIP_BLOCKS, TOP_K_BOUND) off draw the same tokens: must be exact;
 - a CUDA-graph replay with refreshed inputs draws what the eager call draws: must be exact;
 - the engine on the embedded tiny model: 24 seeded requests (greedy, temperature, top-k, top-p, min-p) draw
   the same tokens with the decode graph (sampler inside), without it, and without overlap; alone as in a batch.
-Times (CUDA graph replay, CUDA events, median): the sort path (the reference), the fused sampler with cuts
-(top-k 50 + top-p 0.95 at T 0.6: the W1 variant), the same with top-p only, the fused one-pass sampler
+Times (CUDA graph replay, CUDA events, median), on a bf16 tensor (as the engine's LM head gives it), on bf16
+values widened to fp32, and once on fp32: the sort path (the reference), the fused sampler with cuts
+(top-k 50 + top-p 0.95 at T 0.6: the W1 variant), the same with top-p only (both also with the exact
+shortcuts SKIP_BLOCKS/TOP_K_BOUND off: the A/B of issue 10), the fused one-pass sampler
 without cuts, the with-cuts graph on a batch without cuts (what a temperature-only batch pays inside the
 decode graph's sampling variant), and greedy argmax.
 
@@ -51,6 +54,7 @@ DEV = "cuda"
 
 def reference_sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """The torch path of minisgl.engine.sampler.sample (which on a GPU would call the kernel instead)."""
+    logits = logits.float()  # the torch path widens a bf16 head's logits
     greedy_tokens = logits.argmax(dim=-1)
     inv_t = 1.0 / st.temperatures.clamp_min(1e-6)
     if st.any_top_k_p:
@@ -60,15 +64,27 @@ def reference_sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return torch.where(st.temperatures == 0, greedy_tokens, sampled)
 
 
-def fused(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    from minisgl.kernels.sampling import fused_sample
-    return fused_sample(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.steps,
-                        cuts=st.any_top_k_p)
+def fused(logits: torch.Tensor, st: SamplingTensors, shortcuts: bool = True) -> torch.Tensor:
+    """The fused sampler; `shortcuts=False` turns its exact shortcuts (SKIP_BLOCKS, TOP_K_BOUND) off for this
+    call (a graph captured through it keeps them off)."""
+    from minisgl.kernels import sampling
+    saved = sampling.SKIP_BLOCKS, sampling.TOP_K_BOUND
+    if not shortcuts:
+        sampling.SKIP_BLOCKS = sampling.TOP_K_BOUND = False
+    try:
+        return sampling.fused_sample(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.steps,
+                                     cuts=st.any_top_k_p)
+    finally:
+        sampling.SKIP_BLOCKS, sampling.TOP_K_BOUND = saved
 
 
 def make_logits(b: int, gen: torch.Generator, kind: str) -> torch.Tensor:
+    """kind: "fp32", "bf16" (bf16 values widened to fp32) or "bf16_head" (a bf16 tensor, as the engine's LM
+    head gives the sampler: 4 search passes per cut)."""
     x = torch.randn(b, VOCAB, generator=gen, device=DEV) * 2.5
     x[:, :: 97] += 6  # a few hundred likely tokens per row, like a real model's head
+    if kind == "bf16_head":
+        return x.bfloat16()
     return x.bfloat16().float() if kind == "bf16" else x
 
 
@@ -113,9 +129,11 @@ def check_tokens(b: int, kind: str, gen: torch.Generator) -> dict:
                     for i in alone)
     perm = torch.randperm(b, generator=gen, device=DEV)[: max(1, b // 2)]
     sub_bad = int((fused(logits[perm], rows(st, perm)) != got[perm]).sum())
+    # the shortcuts are exact: off, every row draws the same token
+    shortcut_bad = int((fused(logits, st, shortcuts=False) != got).sum())
     return dict(batch=b, logits=kind, rows_differing_from_reference=len(diff), differing=detail,
-                batch_dependence_rows=alone_bad + sub_bad,
-                ok=alone_bad + sub_bad == 0 and len(diff) <= max(1, b // 256))
+                batch_dependence_rows=alone_bad + sub_bad, shortcut_rows_differing=shortcut_bad,
+                ok=alone_bad + sub_bad + shortcut_bad == 0 and len(diff) <= max(1, b // 256))
 
 
 def check_graph(b: int, gen: torch.Generator) -> dict:
@@ -178,7 +196,9 @@ def time_batch(b: int, kind: str, gen: torch.Generator) -> dict:
     cases = {
         "sort_path_top_k_top_p": lambda: reference_sample(logits, w1_cuts),
         "fused_top_k_top_p": lambda: fused(logits, w1_cuts),
+        "fused_top_k_top_p_no_shortcuts": lambda: fused(logits, w1_cuts, shortcuts=False),
         "fused_top_p_only": lambda: fused(logits, top_p_only),
+        "fused_top_p_only_no_shortcuts": lambda: fused(logits, top_p_only, shortcuts=False),
         "fused_min_p_0.05": lambda: fused(logits, uniform_settings(b, 0.6, VOCAB, 1.0, 0.05)),
         "fused_temperature_only": lambda: fused(logits, temp_only),
         "fused_cut_graph_no_cuts": lambda: fused(logits, temp_in_cut_graph),
@@ -194,6 +214,8 @@ def time_batch(b: int, kind: str, gen: torch.Generator) -> dict:
             out[name + "_error"] = repr(e)[:300]
     if out.get("sort_path_top_k_top_p_us") and out.get("fused_top_k_top_p_us"):
         out["speedup_vs_sort"] = round(out["sort_path_top_k_top_p_us"] / out["fused_top_k_top_p_us"], 1)
+    if out.get("fused_top_k_top_p_us") and out.get("fused_temperature_only_us"):  # the issue-10 ratio
+        out["top_k_top_p_over_temperature"] = round(out["fused_top_k_top_p_us"] / out["fused_temperature_only_us"], 2)
     return out
 
 
@@ -236,6 +258,8 @@ def main(out_dir: str | Path = ".", quick: bool = False, smoke: bool = False) ->
         for b in batches:
             guarded("graph", check_graph, b, gen)
         for b in batches:
+            guarded("timing", time_batch, b, "bf16_head", gen)  # what the engine gives the sampler
+        for b in batches:
             guarded("timing", time_batch, b, "bf16", gen)
         guarded("timing", time_batch, batches[-1], "fp32", gen)
     results["finished"] = now()
@@ -251,12 +275,13 @@ def main(out_dir: str | Path = ".", quick: bool = False, smoke: bool = False) ->
     for c in results["engine"]:
         print(f"{'engine: graph vs no graph':<28}{'':>6}  {c['requests_differing_from_graph']}, alone vs batch "
               f"{c['alone_differing_from_batch']}  {'ok' if c['ok'] else 'FAIL'}")
-    cols = ["sort_path_top_k_top_p", "fused_top_k_top_p", "fused_top_p_only", "fused_min_p_0.05",
+    cols = ["sort_path_top_k_top_p", "fused_top_k_top_p", "fused_top_k_top_p_no_shortcuts", "fused_top_p_only",
+            "fused_top_p_only_no_shortcuts", "fused_min_p_0.05",
             "fused_temperature_only", "fused_cut_graph_no_cuts", "torch_temperature_only", "greedy_argmax"]
     print("\nmicroseconds per call (CUDA graph replay, median):")
-    print(f"{'batch':>6} {'logits':>6} " + " ".join(f"{c[:22]:>22}" for c in cols))
+    print(f"{'batch':>6} {'logits':>9} " + " ".join(f"{c[:22]:>22}" for c in cols))
     for t in results["timing"]:
-        print(f"{t['batch']:>6} {t['logits']:>6} " + " ".join(f"{t.get(c + '_us') or float('nan'):>22.1f}"
+        print(f"{t['batch']:>6} {t['logits']:>9} " + " ".join(f"{t.get(c + '_us') or float('nan'):>22.1f}"
                                                             for c in cols))
     for e in results["errors"]:
         print("ERROR", e)

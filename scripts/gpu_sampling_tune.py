@@ -4,7 +4,8 @@
 
 One shape serves every batch size (a row's token must not depend on its batch), so the pick minimises the
 summed time over the batch sizes and settings that matter: W1's top-k 50 + top-p 0.95, top-p alone, min-p,
-temperature only, at batch 64, 256 and 512, on bf16 logits as the LM head gives them. Each time is the median
+temperature only, at batch 1, 64, 256 and 512, on bf16 logits as the LM head gives them. The default is also
+timed with the kernels' exact shortcuts (SKIP_BLOCKS, TOP_K_BOUND) off: the A/B of issue 10. Each time is the median
 replay of the sampler captured in a CUDA graph, as the engine runs it. Writes DIR/gpu_sampling_tune.json as it
 goes; `--apply` (or `main(..., apply=True)`) leaves the pick in LAUNCH for the rest of the process.
 """
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_timing import time_graph  # noqa: E402
 
 VOCAB = 151936
-BATCHES = (64, 256, 512)
+BATCHES = (1, 64, 256, 512)
 
 
 def _settings(b: int, top_k: int, top_p: float, min_p: float) -> dict:
@@ -86,11 +87,18 @@ def main(out_dir: str | Path = ".", apply: bool = False) -> dict:
         return row
 
     base = run(original, "default")
+    saved = fused.SKIP_BLOCKS, fused.TOP_K_BOUND
+    fused.SKIP_BLOCKS = fused.TOP_K_BOUND = False
+    try:
+        run(original, "default_no_shortcuts")
+    finally:
+        fused.SKIP_BLOCKS, fused.TOP_K_BOUND = saved
     # the same default on the float32 widening: what reading the LM head's bf16 directly saves
     run(original, "default_fp32_logits", {b: x.float() for b, x in logits.items()})
     for i, cfg in enumerate(candidates()):
         run(cfg, f"candidate_{i}")
-    ok = [r for r in res["rows"] if r["total_us"] is not None and r["label"] != "default_fp32_logits"]
+    ok = [r for r in res["rows"] if r["total_us"] is not None
+          and r["label"] not in ("default_fp32_logits", "default_no_shortcuts")]
     best = min(ok, key=lambda r: r["total_us"])
     res["pick"] = {"label": best["label"], "launch": best["launch"], "total_us": best["total_us"],
                    "default_total_us": base["total_us"]}

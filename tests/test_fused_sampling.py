@@ -119,3 +119,101 @@ def test_bf16_logits_draw_what_their_fp32_widening_draws():
     assert got.tolist() == _reference(wide, t, k, p, mp, seeds, steps).tolist()
     st = SamplingTensors(t, k, p, seeds, steps, all_greedy=False, any_top_k_p=True, min_ps=mp)
     assert sample(narrow, st).tolist() == got.tolist()  # the torch path widens bf16 logits itself
+
+
+# Small launch blocks for the shortcut tests: a 600-token row spans 3 chunks (the last one partial), 19 search
+# blocks (the last one partial) and 12 stats blocks (the last two past the vocabulary: their max is -inf), so
+# top-k up to 12 starts from the block-max bound, above that from -inf.
+SMALL_LAUNCH = {"chunk": 256, "stats_block": 64, "search_block": 32, "search_warps": 4, "draw_block": 64,
+                "draw_warps": 4}
+
+
+def _edge_rows(vocab: int, gen: torch.Generator):
+    """Rows aimed at the block skip and the top-k bound: survivors packed in one block, on block and chunk
+    edges, ties at the threshold in blocks of their own, -inf logits, and different cuts side by side."""
+    def low():  # far below every survivor, so the survivors' blocks are the only live ones
+        return torch.randn(vocab, generator=gen) - 12
+
+    rows = []  # (logits, temperature, top_k, top_p, min_p)
+    packed = low()
+    packed[96:104] = 5 + torch.randn(8, generator=gen) * 0.3  # one search block (32) holds every survivor
+    rows += [(packed, 0.8, 5, 1.0, 0.0), (packed, 0.8, vocab, 0.5, 0.0), (packed, 1.0, 7, 0.7, 0.0)]
+    edges = low()
+    edges[[0, 31, 32, 63, 64, 255, 256, 511, 512, 599]] = torch.tensor(
+        [3.0, 4.0, 4.5, 5.0, 5.5, 6.0, 6.5, 4.25, 3.5, 4.75])
+    rows += [(edges, 1.0, 4, 1.0, 0.0), (edges, 1.0, vocab, 0.9, 0.0), (edges, 0.6, 9, 0.8, 0.0)]
+    tied = low()
+    tied[300] = 9.0
+    tied[[31, 440, 599]] = 7.0  # tied at the cut, each in its own block and chunk
+    tied[500] = 6.0
+    rows += [(tied, 1.0, 2, 1.0, 0.0), (tied, 1.0, vocab, 0.8, 0.0)]
+    sparse = torch.full((vocab,), float("-inf"))
+    sparse[[10, 300, 577]] = torch.tensor([3.0, 2.0, 2.0])
+    rows += [(sparse, 1.0, 5, 1.0, 0.0), (sparse, 1.0, 1, 0.5, 0.0), (sparse, 0.0, 2, 1.0, 0.0)]
+    flat = torch.full((vocab,), 1.5)  # every token tied
+    rows += [(flat, 1.0, 3, 0.5, 0.0)]
+    for t, k, p, mp in ((1.0, 12, 1.0, 0.0), (1.0, 13, 0.9, 0.0), (0.7, 50, 0.9, 0.0), (1.0, vocab, 1.0, 0.1),
+                        (0.9, vocab, 1.0, 0.0), (1.2, 1, 1.0, 0.0), (1.0, 3, 0.95, 0.05)):
+        rows.append((torch.randn(vocab, generator=gen) * 3, t, k, p, mp))
+    logits = torch.stack([r[0] for r in rows])
+    t, k, p, mp = (torch.tensor([r[i] for r in rows]) for i in range(1, 5))
+    b = len(rows)
+    seeds = torch.randint(0, 2**31, (b,), generator=gen)
+    steps = torch.randint(0, 1000, (b,), generator=gen)
+    return logits, t.float(), k.long(), p.float(), mp.float(), seeds, steps
+
+
+def _threshold(lo: torch.Tensor) -> torch.Tensor:
+    """The float a search key stands for (the kernels' _key_to_float)."""
+    mag = lo.abs().to(torch.int32).view(torch.float32)
+    return torch.where(lo < 0, -mag, mag)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_block_skip_and_top_k_bound_are_exact(kind, monkeypatch):
+    """Each shortcut on or off, the search ends on the same keys and weights bit for bit and draws the same
+    tokens, which are the torch reference's; the kept sets are the reference's. A skipped block that held a
+    token at or above a row's bracket (or a top-k start above the k-th largest logit) changes a threshold here:
+    the survivors of these rows sit in one or a few blocks each."""
+    fused = _interpreted()
+    monkeypatch.setattr(fused, "LAUNCH", dict(SMALL_LAUNCH))
+    gen = torch.Generator().manual_seed(10)
+    vocab = 600
+    logits, t, k, p, mp, seeds, steps = _edge_rows(vocab, gen)
+    if kind == "bf16":
+        logits = logits.bfloat16().float()
+    given = logits.bfloat16() if kind == "bf16" else logits  # the bf16 kind reads the LM head's dtype
+    inv_t = 1.0 / t.clamp_min(1e-6)
+    flags = fused.row_flags(t, k, p, mp, vocab)
+    searched, tokens = {}, {}
+    for skip, bound in ((False, False), (True, False), (False, True), (True, True)):
+        monkeypatch.setattr(fused, "SKIP_BLOCKS", skip)
+        monkeypatch.setattr(fused, "TOP_K_BOUND", bound)
+        searched[skip, bound] = fused.search_cuts(given, flags, inv_t, k, p, 256)
+        if skip == bound:  # the draw reads only the threshold (compared below) and the skip switch
+            tokens[skip] = fused.fused_sample(given, t, k, p, mp, seeds, steps)
+    lo, row_max, zk, _ = searched[False, False]
+    # zk is written by the first top-p pass; a row whose top-k already cut down to its max skips top-p
+    top_p_ran = ((flags & fused.TOP_P) != 0) & (_threshold(lo) < row_max)
+    for key, (lo_, row_max_, zk_, _) in searched.items():
+        assert torch.equal(lo_, lo), key
+        assert torch.equal(row_max_, row_max), key
+        assert torch.equal(zk_[top_p_ran], zk[top_p_ran]), key
+    assert torch.equal(tokens[True], tokens[False])
+    assert tokens[True].tolist() == _reference(logits, t, k, p, mp, seeds, steps).tolist()
+
+    # the thresholds are the reference's: the same kept set (finite logits; -inf ones are never drawn)
+    from minisgl.engine.sampler import apply_top_k_top_p
+    sampling = t > 0
+    kept_ref = apply_top_k_top_p(logits, k, p, None, inv_t) > float("-inf")
+    kept = logits >= _threshold(lo)[:, None]
+    finite = logits > float("-inf")
+    assert torch.equal((kept & finite)[sampling], (kept_ref & finite)[sampling])
+    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k.clamp(1, vocab) - 1)[:, None])[:, 0]
+    top_k_only = sampling & (k < vocab) & (p == 1)
+    assert torch.equal(_threshold(lo)[top_k_only], kth[top_k_only])  # the k-th largest logit
+    # the rows do what they were built for: the packed row keeps 5 tokens of one block, the tied row all 3
+    # sevens, the sparse row with k past its finite logits keeps everything
+    assert kept[0].sum() == 5 and kept[0, 96:104].sum() == 5
+    assert kept[6].nonzero().flatten().tolist() == [31, 300, 440, 599]
+    assert torch.isinf(_threshold(lo)[8]) and kept[8].all()

@@ -16,6 +16,20 @@ between the last candidate that qualifies and the first that does not. 8 passes 
 row's logits are bf16 values widened to fp32 (the LM head's output), the low 16 key bits are zero and
 4 passes do. Later passes of a finished row, and every pass of a row without that cut, exit at once.
 
+Two exact shortcuts (named switches below; the tokens are bit for bit those of the switch off):
+- `SKIP_BLOCKS`: every candidate of a pass is >= the bracket's lo, so a block of logits with no token at or
+  above lo adds nothing (count 0, weight +0.0) to any candidate. The stats pass keeps each block's max, and
+  a search pass neither reads nor measures (compare/accumulate tile, exp) a block whose max is below lo.
+  The draw skips a block whose max is cut (its tokens' noisy values would all be -inf). After the first
+  passes a row's bracket sits near its threshold: with top-k 50, about 50 of 151,936 tokens survive, so the
+  later top-k passes, every top-p pass after top-k and the draw touch only the few blocks holding them.
+  Skipping leaves each accumulator lane's fp32 sums, and their order, unchanged.
+- `TOP_K_BOUND`: the k-th largest of the block maxima is the value of a
+  token with at least k tokens at or above it, so top-k's search starts its bracket there instead of at -inf
+  (rows with k above the number of blocks start at -inf). The search ends on the largest key that qualifies
+  whatever valid bracket it starts from, so the threshold is the same; the bracket is just narrower, and the
+  blocks below it are skipped from the first pass.
+
 Rows are split into fixed chunks (programs) for every pass, and partial results are reduced in a fixed
 order: a row's token is a function of that row alone, never of the batch size. The kernels that do
 floating-point arithmetic are compiled without fused multiply-add (`enable_fp_fusion=False`): x * (1/T) + g
@@ -40,6 +54,9 @@ NUM_PASSES = 8  # 16 ** 8 = 2 ** 32: enough for any fp32 key
 KEY_NEG_INF = -0x7F800000  # the key of -inf (keys: +-(the bits of |x|), so -0.0 and 0.0 share key 0)
 # flag bits per row
 SAMPLES, TOP_K, TOP_P, MIN_P = 1, 2, 4, 8
+# exact shortcuts (see the module docstring); off, the kernels do the full tile work on every block
+SKIP_BLOCKS = True
+TOP_K_BOUND = True
 
 if triton is not None:
     _SAMPLES, _TOP_K, _MIN_P = tl.constexpr(SAMPLES), tl.constexpr(TOP_K), tl.constexpr(MIN_P)
@@ -87,32 +104,37 @@ if triton is not None:
     @triton.jit
     def _stats_kernel(logits_ptr, stride, vocab, flags_ptr, pmax_ptr, plow_ptr, num_chunks,
                       CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        # grid (rows, chunks): the chunk's max logit, and whether any logit has low 16 key bits set
+        # grid (rows, chunks): each block's max logit, and whether any logit of the chunk has low 16 key bits set
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         if tl.load(flags_ptr + row) > _SAMPLES:  # a row with a cut
-            best = tl.full([BLOCK], float("-inf"), tl.float32)
+            blocks_per_chunk: tl.constexpr = CHUNK // BLOCK
             low = tl.zeros([BLOCK], tl.int32)
             for off in range(0, CHUNK, BLOCK):
                 idx = chunk * CHUNK + off + tl.arange(0, BLOCK)
                 x = tl.load(logits_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-                best = tl.maximum(best, x)
+                block = chunk * blocks_per_chunk + off // BLOCK
+                tl.store(pmax_ptr + row * num_chunks * blocks_per_chunk + block, tl.max(x, axis=0))
                 low = tl.maximum(low, x.to(tl.int32, bitcast=True) & 0xFFFF)
-            tl.store(pmax_ptr + row * num_chunks + chunk, tl.max(best, axis=0))
             tl.store(plow_ptr + row * num_chunks + chunk, tl.max(low, axis=0))
 
     @triton.jit
-    def _init_kernel(flags_ptr, pmax_ptr, plow_ptr, max_ptr, unit_ptr, lo_ptr, hi_ptr, num_rows, num_chunks,
-                     NC_PAD: tl.constexpr):
+    def _init_kernel(flags_ptr, top_k_ptr, pmax_ptr, plow_ptr, max_ptr, unit_ptr, lo_ptr, hi_ptr, num_rows,
+                     num_chunks, num_blocks, NC_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+                     TOP_K_BOUND: tl.constexpr):
         # grid (rows,): the row max; the search unit (2**16 when every logit is a widened bf16); the brackets
         row = tl.program_id(0)
         lo = tl.full([], _KEY_NEG_INF, tl.int64)  # -inf: every token qualifies
         tl.store(lo_ptr + row, lo)
         tl.store(hi_ptr + row, lo)
         tl.store(hi_ptr + num_rows + row, lo)
-        if tl.load(flags_ptr + row) > _SAMPLES:
+        flags = tl.load(flags_ptr + row)
+        if flags > _SAMPLES:
             c = tl.arange(0, NC_PAD)
-            m = tl.max(tl.load(pmax_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf")), axis=0)
+            b = tl.arange(0, NB_PAD)
+            in_row = b < num_blocks
+            bmax = tl.load(pmax_ptr + row * num_blocks + b, mask=in_row, other=float("-inf"))
+            m = tl.max(bmax, axis=0)
             low = tl.max(tl.load(plow_ptr + row * num_chunks + c, mask=c < num_chunks, other=0), axis=0)
             unit = tl.where(low == 0, 65536, 1).to(tl.int64)
             top = _float_to_key(m) + unit  # just above the max: no token qualifies
@@ -120,30 +142,66 @@ if triton is not None:
             tl.store(unit_ptr + row, unit)
             tl.store(hi_ptr + row, top)  # top-k bracket
             tl.store(hi_ptr + num_rows + row, top)  # top-p bracket (its lo is where top-k ends)
+            if TOP_K_BOUND:
+                if (flags & _TOP_K) != 0:
+                    # the largest block max with at least k block maxima at or above it: k distinct tokens are
+                    # >= it, so it qualifies for top-k (a valid lo). A block max is a logit: a multiple of unit.
+                    k = tl.load(top_k_ptr + row)
+                    bound = tl.full([], float("-inf"), tl.float32)
+                    for i0 in range(0, NB_PAD, 16):
+                        i = i0 + tl.arange(0, 16)
+                        v = tl.load(pmax_ptr + row * num_blocks + i, mask=i < num_blocks, other=float("-inf"))
+                        ge = (bmax[None, :] >= v[:, None]) & in_row[None, :] & (i < num_blocks)[:, None]
+                        count = tl.sum(ge.to(tl.int32), axis=1)
+                        bound = tl.maximum(bound, tl.max(tl.where(count >= k, v, float("-inf")), axis=0))
+                    tl.store(lo_ptr + row, _float_to_key(bound))
+
+    @triton.jit
+    def _measure(acc, logits_ptr, row_start, start, vocab, cand, inv_t, s_max, PHASE: tl.constexpr,
+                 SPAN: tl.constexpr, BLOCK: tl.constexpr):
+        """Add the count (top-k) or weight (top-p) at or above each candidate of the tokens [start, start + SPAN)
+        to the [BLOCK, NC] accumulator lanes."""
+        for off in range(0, SPAN, BLOCK):
+            idx = start + off + tl.arange(0, BLOCK)
+            mask = idx < vocab
+            x = tl.load(logits_ptr + row_start + idx, mask=mask, other=float("-inf")).to(tl.float32)
+            above = (x[:, None] >= cand[None, :]) & mask[:, None]
+            if PHASE == 0:
+                acc += above.to(tl.float32)  # counts: exact in fp32 up to 2**24 per lane
+            else:
+                w = tl.exp(x * inv_t - s_max)
+                acc += tl.where(above, w[:, None], 0.0)
+        return acc
 
     @triton.jit
     def _search_kernel(logits_ptr, stride, vocab, flags_ptr, lo_ptr, hi_ptr, unit_ptr, max_ptr, inv_t_ptr,
-                       part_ptr, num_rows, num_chunks, PHASE: tl.constexpr, NC: tl.constexpr,
-                       CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                       pmax_ptr, part_ptr, num_rows, num_chunks, PHASE: tl.constexpr, NC: tl.constexpr,
+                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, STATS_BLOCK: tl.constexpr, SKIP: tl.constexpr):
         # grid (rows, chunks): count (top-k) or weight (top-p) of the chunk's tokens at or above each candidate
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         lo, hi, unit, searching = _bracket(flags_ptr, lo_ptr, hi_ptr, unit_ptr, row, num_rows, PHASE)
         if searching:
             cand = _key_to_float(_candidates(lo, hi, unit, NC))
+            lo_f = _key_to_float(lo)  # candidate 0, the smallest
             inv_t = tl.load(inv_t_ptr + row)
             s_max = tl.load(max_ptr + row) * inv_t
             acc = tl.zeros([BLOCK, NC], tl.float32)
-            for off in range(0, CHUNK, BLOCK):
-                idx = chunk * CHUNK + off + tl.arange(0, BLOCK)
-                mask = idx < vocab
-                x = tl.load(logits_ptr + row * stride + idx, mask=mask, other=float("-inf")).to(tl.float32)
-                above = (x[:, None] >= cand[None, :]) & mask[:, None]
-                if PHASE == 0:
-                    acc += above.to(tl.float32)  # counts: exact in fp32 up to 2**24 per lane
+            row_start = row * stride
+            blocks_per_row = num_chunks * (CHUNK // STATS_BLOCK)
+            for sb in range(0, CHUNK, STATS_BLOCK):  # one stats block at a time
+                start = chunk * CHUNK + sb
+                if SKIP:
+                    # the stats pass's block max: below lo, no token counts for any candidate (the tile would
+                    # add exact zeros to every lane), so the block is neither read nor measured. A NaN max
+                    # compares false both ways: the block is measured.
+                    bm = tl.load(pmax_ptr + row * blocks_per_row + start // STATS_BLOCK)
+                    if (bm >= lo_f) | (bm != bm):
+                        acc = _measure(acc, logits_ptr, row_start, start, vocab, cand, inv_t, s_max, PHASE,
+                                       STATS_BLOCK, BLOCK)
                 else:
-                    w = tl.exp(x * inv_t - s_max)
-                    acc += tl.where(above, w[:, None], 0.0)
+                    acc = _measure(acc, logits_ptr, row_start, start, vocab, cand, inv_t, s_max, PHASE,
+                                   STATS_BLOCK, BLOCK)
             out = part_ptr + (row * num_chunks + chunk) * NC + tl.arange(0, NC)
             tl.store(out, tl.sum(acc, axis=0))
 
@@ -175,28 +233,14 @@ if triton is not None:
             tl.store(hi_ptr + PHASE * num_rows + row, tl.min(tl.where(ok, hi, keys), axis=0))
 
     @triton.jit
-    def _draw_kernel(logits_ptr, stride, vocab, flags_ptr, lo_ptr, max_ptr, inv_t_ptr, log_min_p_ptr,
-                     row_hash_ptr, partial_val_ptr, partial_idx_ptr, num_chunks, CUTS: tl.constexpr,
-                     CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        # grid (rows, chunks): the chunk's best (value, index); greedy rows (T == 0) take the raw argmax
-        row = tl.program_id(0)
-        chunk = tl.program_id(1)
-        flags = tl.load(flags_ptr + row)
-        greedy = (flags & _SAMPLES) == 0
-        inv_t = tl.load(inv_t_ptr + row)
-        h = tl.load(row_hash_ptr + row).to(tl.uint32)  # stored as int64, < 2**32
-        if CUTS:
-            threshold = _key_to_float(tl.load(lo_ptr + row))
-            # rows without min-p (greedy ones included: their max is not computed) keep everything
-            min_p_floor = tl.where((flags & _MIN_P) != 0, tl.load(log_min_p_ptr + row), float("-inf"))
-            s_max = tl.load(max_ptr + row) * inv_t
-        best_val = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_idx = tl.zeros([BLOCK], tl.int32)
-        start = chunk * CHUNK
-        for off in range(0, CHUNK, BLOCK):
+    def _draw_span(best_val, best_idx, logits_ptr, row_start, start, vocab, inv_t, greedy, h, threshold, s_max,
+                   min_p_floor, CUTS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+        """Fold the tokens [start, start + SPAN) into each lane's best (value, index): the raw logit for greedy
+        rows, else s + Gumbel noise over the kept tokens."""
+        for off in range(0, SPAN, BLOCK):
             idx = start + off + tl.arange(0, BLOCK)
             mask = idx < vocab
-            x = tl.load(logits_ptr + row * stride + idx, mask=mask, other=float("-inf")).to(tl.float32)
+            x = tl.load(logits_ptr + row_start + idx, mask=mask, other=float("-inf")).to(tl.float32)
             bits = _mix32(h ^ (idx.to(tl.uint32) * tl.full([], 0x85EBCA77, tl.uint32)))
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             g = -tl.log(-tl.log(u))
@@ -209,6 +253,46 @@ if triton is not None:
             better = val > best_val
             best_val = tl.where(better, val, best_val)
             best_idx = tl.where(better, idx, best_idx)
+        return best_val, best_idx
+
+    @triton.jit
+    def _draw_kernel(logits_ptr, stride, vocab, flags_ptr, lo_ptr, max_ptr, inv_t_ptr, log_min_p_ptr,
+                     row_hash_ptr, pmax_ptr, partial_val_ptr, partial_idx_ptr, num_chunks, CUTS: tl.constexpr,
+                     CHUNK: tl.constexpr, BLOCK: tl.constexpr, STATS_BLOCK: tl.constexpr, SKIP: tl.constexpr):
+        # grid (rows, chunks): the chunk's best (value, index); greedy rows (T == 0) take the raw argmax
+        row = tl.program_id(0)
+        chunk = tl.program_id(1)
+        flags = tl.load(flags_ptr + row)
+        greedy = (flags & _SAMPLES) == 0
+        inv_t = tl.load(inv_t_ptr + row)
+        h = tl.load(row_hash_ptr + row).to(tl.uint32)  # stored as int64, < 2**32
+        threshold = tl.full([], float("-inf"), tl.float32)  # rows keep everything unless CUTS says otherwise
+        s_max = tl.full([], 0.0, tl.float32)
+        min_p_floor = tl.full([], float("-inf"), tl.float32)
+        if CUTS:
+            threshold = _key_to_float(tl.load(lo_ptr + row))
+            # rows without min-p (greedy ones included: their max is not computed) keep everything
+            min_p_floor = tl.where((flags & _MIN_P) != 0, tl.load(log_min_p_ptr + row), float("-inf"))
+            s_max = tl.load(max_ptr + row) * inv_t
+        best_val = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_idx = tl.zeros([BLOCK], tl.int32)
+        row_start = row * stride
+        blocks_per_row = num_chunks * (CHUNK // STATS_BLOCK)
+        for sb in range(0, CHUNK, STATS_BLOCK):
+            start = chunk * CHUNK + sb
+            if CUTS and SKIP:
+                # a block whose max is cut (below the threshold, or under the min-p floor: s - s_max only grows
+                # with x) has every token cut: all its values would be -inf and beat no lane's best. Only rows
+                # with a cut have block maxima; the others (threshold -inf) read +inf here and draw every block.
+                bm = tl.load(pmax_ptr + row * blocks_per_row + start // STATS_BLOCK, mask=flags > _SAMPLES,
+                             other=float("inf"))
+                if (bm >= threshold) & (bm * inv_t - s_max >= min_p_floor) | (bm != bm):
+                    best_val, best_idx = _draw_span(best_val, best_idx, logits_ptr, row_start, start, vocab, inv_t,
+                                                    greedy, h, threshold, s_max, min_p_floor, CUTS, STATS_BLOCK,
+                                                    BLOCK)
+            else:
+                best_val, best_idx = _draw_span(best_val, best_idx, logits_ptr, row_start, start, vocab, inv_t,
+                                                greedy, h, threshold, s_max, min_p_floor, CUTS, STATS_BLOCK, BLOCK)
         m = tl.max(best_val, axis=0)
         # lowest index among the maxima, as torch.argmax does
         i = tl.min(tl.where(best_val == m, best_idx, 2147483647), axis=0)
@@ -230,6 +314,56 @@ LAUNCH = {"chunk": 4096, "stats_block": 1024, "search_block": 256, "search_warps
           "draw_warps": 4}
 
 
+def _launch_blocks(chunk: int) -> tuple[int, int, int]:
+    """The stats, search and draw block sizes for a chunk. The stats block divides the chunk and the other two
+    divide the stats block: the search and the draw walk a chunk one stats block at a time (its max says
+    whether the block can be skipped), and a block never straddles two."""
+    cfg = LAUNCH
+    stats, search, draw = (min(cfg[name], chunk) for name in ("stats_block", "search_block", "draw_block"))
+    assert chunk % stats == 0 and stats % search == 0 and stats % draw == 0, (chunk, stats, search, draw)
+    return stats, search, draw
+
+
+def search_cuts(logits: torch.Tensor, flags: torch.Tensor, inv_t: torch.Tensor, top_ks: torch.Tensor,
+                top_ps: torch.Tensor, chunk: int, phases: tuple[int, ...] = (0, 1),
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The search alone: (lo, row_max, zk, block_max) per row. lo is the int64 key of the row's cut threshold
+    (top-k's, then top-p's over it; -inf's key for a row without a cut), zk the weight of the top-k survivors
+    (rows with top-p), block_max the max of each stats block (rows with a cut). `phases=(0,)` stops after
+    top-k. fused_sample uses it; tests compare its results switch by switch."""
+    b, vocab = logits.shape
+    dev = logits.device
+    cfg = LAUNCH
+    stats_block, search_block, _ = _launch_blocks(chunk)
+    num_chunks = triton.cdiv(vocab, chunk)
+    num_blocks = num_chunks * (chunk // stats_block)
+    passes = NUM_PASSES // 2 if logits.dtype == torch.bfloat16 else NUM_PASSES
+    nc_pad = triton.next_power_of_2(num_chunks)
+    lo = torch.empty(b, dtype=torch.int64, device=dev)
+    row_max = torch.zeros(b, dtype=torch.float32, device=dev)
+    hi = torch.empty(2, b, dtype=torch.int64, device=dev)
+    unit = torch.empty(b, dtype=torch.int64, device=dev)
+    zk = torch.empty(b, dtype=torch.float32, device=dev)
+    pmax = torch.empty(b, num_blocks, dtype=torch.float32, device=dev)
+    plow = torch.empty(b, num_chunks, dtype=torch.int32, device=dev)
+    part = torch.empty(b, num_chunks, NUM_CANDIDATES, dtype=torch.float32, device=dev)
+    _stats_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, pmax, plow, num_chunks,
+                                   CHUNK=chunk, BLOCK=stats_block)
+    _init_kernel[(b,)](flags, top_ks, pmax, plow, row_max, unit, lo, hi, b, num_chunks, num_blocks, NC_PAD=nc_pad,
+                       NB_PAD=max(16, triton.next_power_of_2(num_blocks)), TOP_K_BOUND=TOP_K_BOUND)
+    top_ps = top_ps.float()
+    for phase in phases:  # top-k, then top-p over the top-k survivors
+        for p in range(passes):
+            _search_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, hi, unit, row_max,
+                                            inv_t, pmax, part, b, num_chunks, PHASE=phase, NC=NUM_CANDIDATES,
+                                            CHUNK=chunk, BLOCK=search_block, STATS_BLOCK=stats_block,
+                                            SKIP=SKIP_BLOCKS,
+                                            num_warps=cfg["search_warps"], enable_fp_fusion=False)
+            _narrow_kernel[(b,)](flags, lo, hi, unit, zk, top_ks, top_ps, part, b, num_chunks,
+                                 PHASE=phase, FIRST=p == 0, NC=NUM_CANDIDATES, NC_PAD=nc_pad)
+    return lo, row_max, zk, pmax
+
+
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                  min_ps: torch.Tensor | None, seeds: torch.Tensor, steps: torch.Tensor, cuts: bool = True,
                  chunk: int | None = None) -> torch.Tensor:
@@ -244,40 +378,22 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch
     cfg = LAUNCH
     chunk = chunk or cfg["chunk"]
     num_chunks = triton.cdiv(vocab, chunk)
-    passes = NUM_PASSES // 2 if logits.dtype == torch.bfloat16 else NUM_PASSES
+    stats_block, _, draw_block = _launch_blocks(chunk)
     temps = temperatures.float()
     inv_t = 1.0 / temps.clamp_min(1e-6)  # computed by torch, as the reference does
     if min_ps is None:
         min_ps = torch.zeros_like(temps)
     flags = row_flags(temps, top_ks, top_ps, min_ps, vocab) if cuts else (temps > 0).int()
-    lo = torch.empty(b, dtype=torch.int64, device=dev)
-    row_max = torch.zeros(b, dtype=torch.float32, device=dev)
-    log_min_p = torch.log(min_ps.float()) if cuts else row_max  # log(0) = -inf: no min-p cut
     if cuts:
-        nc_pad = triton.next_power_of_2(num_chunks)
-        hi = torch.empty(2, b, dtype=torch.int64, device=dev)
-        unit = torch.empty(b, dtype=torch.int64, device=dev)
-        zk = torch.empty(b, dtype=torch.float32, device=dev)
-        pmax = torch.empty(b, num_chunks, dtype=torch.float32, device=dev)
-        plow = torch.empty(b, num_chunks, dtype=torch.int32, device=dev)
-        part = torch.empty(b, num_chunks, NUM_CANDIDATES, dtype=torch.float32, device=dev)
-        _stats_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, pmax, plow, num_chunks,
-                                       CHUNK=chunk, BLOCK=min(cfg["stats_block"], chunk))
-        _init_kernel[(b,)](flags, pmax, plow, row_max, unit, lo, hi, b, num_chunks, NC_PAD=nc_pad)
-        top_ps = top_ps.float()
-        for phase in (0, 1):  # top-k, then top-p over the top-k survivors
-            for p in range(passes):
-                _search_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, hi, unit, row_max,
-                                                inv_t, part, b, num_chunks, PHASE=phase, NC=NUM_CANDIDATES,
-                                                CHUNK=chunk, BLOCK=min(cfg["search_block"], chunk),
-                                                num_warps=cfg["search_warps"], enable_fp_fusion=False)
-                _narrow_kernel[(b,)](flags, lo, hi, unit, zk, top_ks, top_ps, part, b, num_chunks,
-                                     PHASE=phase, FIRST=p == 0, NC=NUM_CANDIDATES, NC_PAD=nc_pad)
+        lo, row_max, _, block_max = search_cuts(logits, flags, inv_t, top_ks, top_ps, chunk)
+        log_min_p = torch.log(min_ps.float())  # log(0) = -inf: no min-p cut
+    else:
+        lo = row_max = log_min_p = block_max = inv_t  # not read by the one-pass draw
     vals = torch.empty(b, num_chunks, dtype=torch.float32, device=dev)
     idxs = torch.empty(b, num_chunks, dtype=torch.int32, device=dev)
     _draw_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, row_max, inv_t, log_min_p,
-                                  row_hash(seeds, steps), vals, idxs, num_chunks, CUTS=cuts, CHUNK=chunk,
-                                  BLOCK=min(cfg["draw_block"], chunk), num_warps=cfg["draw_warps"],
-                                  enable_fp_fusion=False)
+                                  row_hash(seeds, steps), block_max, vals, idxs, num_chunks, CUTS=cuts, CHUNK=chunk,
+                                  BLOCK=draw_block, STATS_BLOCK=stats_block, SKIP=SKIP_BLOCKS,
+                                  num_warps=cfg["draw_warps"], enable_fp_fusion=False)
     best = vals.argmax(dim=1, keepdim=True)
     return idxs.gather(1, best).squeeze(1).long()
