@@ -208,17 +208,19 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, residual, positions, rotary, attn, state):
-        # As in DecoderLayer, the residual stream is carried apart so each norm fuses the add in front of it; the
-        # sum is rounded to the model dtype, as HF's add in the model dtype rounds it.
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
+    def forward(self, x, stream, positions, rotary, attn, state):
+        # `x` is the previous layer's MLP output, not yet added to the residual `stream` (None before the first
+        # layer): each norm adds it in front of itself, the sum rounded to the model dtype as HF's add rounds it.
+        if stream is None:
+            stream, normed = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.linear_attn(h, attn, state) if self.is_linear else self.self_attn(h, positions, rotary, attn)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            normed, stream = self.input_layernorm(x, stream)
+        if self.is_linear:
+            mixed = self.linear_attn(normed, attn, state)
+        else:
+            mixed = self.self_attn(normed, positions, rotary, attn)
+        normed, stream = self.post_attention_layernorm(mixed, stream)
+        return self.mlp(normed), stream
 
 
 class Qwen35LM(nn.Module):
@@ -241,10 +243,10 @@ class Qwen35LM(nn.Module):
                 logit_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Logits in the model's dtype, as DecoderLM's: the sampler widens them to float32 itself."""
         x = self.embed_tokens(input_ids)
-        residual = None
+        stream = None
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary, attn, self.state_pool)
-        x, _ = self.norm(x, residual)
+            x, stream = layer(x, stream, positions, self.rotary, attn, self.state_pool)
+        x, _ = self.norm(x, stream)
         if logit_indices is not None:
             x = x[logit_indices]
         return self.lm_head(x)
