@@ -82,6 +82,37 @@ def test_causal_conv1d_no_bias_fp32_state_bf16_input(force_triton):
     assert torch.equal(state, ref_state)
 
 
+@pytest.mark.parametrize("search_steps", [0, 16, 2], ids=["exact", "fixed", "below-need"])
+def test_causal_conv1d_search_steps(force_triton, monkeypatch, search_steps):
+    """The varlen conv's binary search compiled with more steps than the batch needs (GDN_CONFIG's fixed count,
+    one Triton variant for every batch) gives the reference's outputs and states; a count below the need
+    falls back to the exact one. 37 sequences (6 steps needed), empty ones among them (the search must land
+    on the last of several sequences sharing a bound)."""
+    monkeypatch.setitem(gdn.GDN_CONFIG, "conv_search_steps", search_steps)
+    gen = torch.Generator().manual_seed(2)
+    c, kw, num_slots = 16, 4, 41
+    lens = [int(n) for n in torch.randint(0, 4, (37,), generator=gen)]
+    lens[0], lens[-1] = 0, 5
+    x = torch.randn(sum(lens), c, generator=gen)
+    weight, bias = torch.randn(c, kw, generator=gen), torch.randn(c, generator=gen)
+    state = torch.randn(num_slots, c, kw - 1, generator=gen)
+    cu, slots = _batch(lens, num_slots, gen)
+    assert gdn.conv_search_steps(len(lens)) == max(6, search_steps)
+    ref_state = state.clone()
+    ref = gdn.causal_conv1d_ref(x, weight, bias, ref_state, slots, cu)
+    out = gdn.causal_conv1d(x, weight, bias, state, slots, cu)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(state, ref_state)
+
+
+def test_conv_search_steps_one_variant_for_engine_batches():
+    """With the default fixed count every batch an engine builds (up to 1,024 running requests plus a chunk's
+    prefills) compiles the same variant; 0 restores one per power of two (the W1 compiles in a timed run)."""
+    assert {gdn.conv_search_steps(n) for n in range(1, 2048)} == {gdn.GDN_CONFIG["conv_search_steps"]}
+    exact = {max(1, (n - 1).bit_length()) for n in range(1, 300)}
+    assert exact == set(range(1, 10))
+
+
 # ------------------------------------------------------------------ gated_delta_rule ------------------------
 
 

@@ -71,11 +71,18 @@ def gdn_gating_ref(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
 #   prefill: "chunked" or "recurrent"; prepare_warps, chunk_block_v (0: by batch size) / chunk_warps /
 #   chunk_stages: the chunked path's two kernels (one stage: compiled for sm_90, deeper pipelining of the chunk
 #   loop took 150-260 KB of shared memory and spilled more); recurrent_block_v / recurrent_warps: the
-#   recurrent kernel on a prefill; dot_precision: the chunked kernels' fp32 tl.dot ("tf32", "tf32x3" or "ieee").
+#   recurrent kernel on a prefill; dot_precision: the chunked kernels' fp32 tl.dot ("tf32", "tf32x3" or "ieee");
+#   conv_search_steps: binary-search steps the varlen conv kernel compiles in (its rows find their sequence in
+#   cu_seqlens). A compile-time constant, so each distinct value is a Triton compile. 0 = exactly the steps the
+#   batch needs, ceil(log2 N): a new compile the first time a step holds 17+, 33+, 65+, 129+, 257+ sequences
+#   (about 2 s each for sm_90 on a 2-core CPU, scripts/w1_host_study.py), which W1's timed run hit five times
+#   (its warm-up and the prefill graphs reach N = 16). A fixed count (default 16: N up to 65,536) is one
+#   variant for every batch; the extra steps are no-ops (`lo < hi` is false once the search converged, and
+#   their loads are masked), a few integer ops per row. A batch needing more steps than this takes the exact count.
 GDN_CONFIG: dict = dict(
     conv_decode_block_c=256, conv_decode_warps=4, conv_block_c=128, conv_block_t=32, conv_warps=4,
     decode_block_v=0, decode_warps=4, prefill="chunked", prepare_warps=8, chunk_block_v=0, chunk_warps=4,
-    chunk_stages=1, recurrent_block_v=32, recurrent_warps=4, dot_precision="tf32",
+    chunk_stages=1, recurrent_block_v=32, recurrent_warps=4, dot_precision="tf32", conv_search_steps=16,
 )
 _CHUNK = 64  # tokens per chunk of the chunked delta rule
 
@@ -369,6 +376,12 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def conv_search_steps(n: int) -> int:
+    """SEARCH_STEPS of the varlen conv kernel for a batch of n sequences (GDN_CONFIG["conv_search_steps"])."""
+    exact = max(1, (n - 1).bit_length())
+    return max(exact, GDN_CONFIG["conv_search_steps"])
+
+
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                   slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """silu(depthwise causal conv) of x [T, C] (any token stride; channels contiguous, else copied) with weight
@@ -406,7 +419,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if t:
         _conv_varlen_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc))](
             x, weight, b_arg, conv_state, slots, cu_seqlens, out, t, n, c, *common, out.stride(0), *w_strides,
-            *s_strides, K=kw, HAS_BIAS=has_bias, SEARCH_STEPS=max(1, (n - 1).bit_length()), BLOCK_T=bt,
+            *s_strides, K=kw, HAS_BIAS=has_bias, SEARCH_STEPS=conv_search_steps(n), BLOCK_T=bt,
             BLOCK_C=bc, num_warps=cfg["conv_warps"])
     bc = cfg["conv_decode_block_c"]
     _conv_state_kernel[(n, triton.cdiv(c, bc))](
