@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from minisgl.bench.workloads import (
     sweep_cells,
@@ -114,3 +117,18 @@ def test_host_phases_times_steps_and_puts_the_methods_back(qwen3_path):
     assert StepOutput.wait is wait
     engine.run(reqs)
     assert [r.output_ids for r in reqs] == [t[:12] for t in hf_greedy(qwen3_path, PROMPTS[:3], 12)]
+
+
+def test_compile_detector_sees_the_gdn_kernels():
+    """run_throughput reports Triton variants compiled inside its timed run (`triton_compiles_timed`): Qwen3.5's
+    Gated DeltaNet kernels are among those it counts (a compile of theirs used to go unseen). In a fresh
+    process without the interpreter, so the kernels are Triton JIT functions."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    code = ("from minisgl.bench.runner import triton_variants; v = triton_variants(); "
+            "print(sorted(k for k in v if k.startswith(('_conv', '_gdr', '_gating'))))")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MINISGL_FORCE_TRITON")}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=repo,
+                         check=True).stdout
+    for name in ("_conv_varlen_kernel", "_conv_decode_kernel", "_gdr_chunk_kernel", "_gdr_recurrent_kernel"):
+        assert name in out, out

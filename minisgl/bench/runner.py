@@ -44,9 +44,10 @@ def triton_variants() -> dict[str, int]:
         from triton.runtime.jit import JITFunction
     except ImportError:
         return {}
-    from minisgl.kernels import attention, elementwise, sampling
+    from minisgl.kernels import attention, elementwise, gdn, sampling
     counts = {}
-    for mod in (attention, elementwise, sampling):
+    # gdn: Qwen3.5's linear-attention kernels (before, a compile of theirs in a timed run went unreported)
+    for mod in (attention, elementwise, gdn, sampling):
         for name, fn in vars(mod).items():
             if isinstance(fn, JITFunction):
                 caches = getattr(fn, "device_caches", {}).values()
