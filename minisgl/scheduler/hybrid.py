@@ -147,7 +147,7 @@ class HybridScheduler(Scheduler):
                     depth = self.cache.kv_match_len(req.known_ids(req.num_tokens - 1))
                     if depth > req.kv_len:
                         self._branch_points[id(req)] = (req, depth)
-            if snapshots:
+            if snapshots and n > 1:  # (a 1-token chunk, every decode, cannot be cut: skip the per-row work)
                 # stop the prompt's chunk at the last page boundary below its end, so the state there is saved,
                 # and before that at its branch point (a cut leaving a 1-token chunk is skipped: such a chunk is
                 # not cached, so it could not be snapshotted); the pages already taken for the rest stay with the
