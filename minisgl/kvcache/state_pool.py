@@ -76,16 +76,23 @@ class StatePool:
         self._free_snapshots.append(slot)
 
     # --- moving state between slots (queued on the device in step order) -------------------------------
+    def _index(self, slots: list[int]) -> torch.Tensor:
+        """Slot numbers as a device tensor, uploaded without making the host wait for the GPU (a plain
+        torch.tensor(..., device="cuda") would, and the overlap loop would lose its lead on that step)."""
+        idx = torch.tensor(slots, dtype=torch.int64)
+        if self.conv.device.type != "cuda":
+            return idx
+        return idx.pin_memory().to(self.conv.device, non_blocking=True)
+
     def copy(self, dst: list[int], src: list[int]) -> None:
         if dst:
-            d = torch.tensor(dst, device=self.conv.device)
-            s = torch.tensor(src, device=self.conv.device)
+            d, s = self._index(dst), self._index(src)
             self.conv[:, d] = self.conv[:, s]
             self.recurrent[:, d] = self.recurrent[:, s]
 
     def zero(self, slots: list[int]) -> None:
         if slots:
-            idx = torch.tensor(slots, device=self.conv.device)
+            idx = self._index(slots)
             self.conv[:, idx] = 0
             self.recurrent[:, idx] = 0
 
