@@ -355,7 +355,7 @@ def flashinfer_section() -> dict:
     return out
 
 
-def profile_w1_slices(model: str, sizes=(1, 64, 256), top: int = 30) -> dict:
+def profile_w1_slices(model: str, sizes=(1, 64, 256), steps: int = 20, top: int = 30) -> dict:
     """Decode steps at several batch sizes of W1's requests (kernels by kind and by name), then one W2 request's
     prefill (host launch time against kernel time): where a model's step time goes."""
     from minisgl.bench.profile import profile_request, profile_w1_slice
@@ -363,8 +363,9 @@ def profile_w1_slices(model: str, sizes=(1, 64, 256), top: int = 30) -> dict:
     from minisgl.bench.workloads import w2_latency
     llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
     warm_up(llm)
-    out = {f"decode_bs{n}": profile_w1_slice(llm, num_requests=n, warm_steps=max(8, n // 8), steps=20,
+    out = {f"decode_bs{n}": profile_w1_slice(llm, num_requests=n, warm_steps=max(8, n // 8), steps=steps,
                                              keep_intervals=0, top=top) for n in sizes}
+    # W2's prompts, each used once: a repeated prompt would be served from the radix cache
     prompts = w2_latency().prompts
     out["w2_request_unprofiled"] = [profile_request(llm, p, profiled=False) for p in prompts[:3]]
     out["w2_request"] = profile_request(llm, prompts[3])
@@ -376,20 +377,7 @@ def profile_w1_slices(model: str, sizes=(1, 64, 256), top: int = 30) -> dict:
 def profile_small_batches(model: str) -> dict:
     """Decode at batch 1 and 64 (kernel time by kind: how much of a step is GEMMs), then one W2 request:
     the prefill's host launch time against its kernel time."""
-    from minisgl.bench.profile import profile_request, profile_w1_slice
-    from minisgl.bench.runner import warm_up
-    from minisgl.bench.workloads import w2_latency
-    llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
-    warm_up(llm)
-    out = {f"decode_bs{n}": profile_w1_slice(llm, num_requests=n, warm_steps=8, steps=30, keep_intervals=0)
-           for n in (1, 64)}
-    # W2's prompts, each used once: a repeated prompt would be served from the radix cache
-    prompts = w2_latency().prompts
-    out["w2_request_unprofiled"] = [profile_request(llm, p, profiled=False) for p in prompts[:3]]
-    out["w2_request"] = profile_request(llm, prompts[3])
-    llm = None
-    free_gpu()
-    return out
+    return profile_w1_slices(model, sizes=(1, 64), steps=30, top=12)
 
 
 def profile() -> dict:
