@@ -128,6 +128,19 @@ def store_kv_ref(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k:
 # ------------------------------------------------------------ Triton kernels --------------------------------
 
 
+@_jit
+def _row_tile(n_rows, n_inner, N, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's BLOCK_R rows of a norm kernel, addressed as (outer i0, inner i1) of a [T, H, D] view, and
+    its column offsets [1, BLOCK]: (i0, i1, offs, column mask, [BLOCK_R, BLOCK] mask)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    i0 = (rows // n_inner).to(tl.int64)[:, None]
+    i1 = (rows % n_inner).to(tl.int64)[:, None]
+    offs = tl.arange(0, BLOCK)
+    cmask = offs < N
+    return i0, i1, offs[None, :], cmask, rmask[:, None] & cmask[None, :]
+
+
 # n_rows follows the step's token count: one compiled variant for all counts, not one per count % 16.
 @_jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
@@ -138,14 +151,7 @@ def _rms_norm_kernel(
     # BLOCK_R rows per program (short rows, e.g. per-head norms over 128 values, would leave a program mostly
     # idle). Rows are addressed as (outer, inner) so a [T, H, D] view with any token/head strides (Qwen3's
     # per-head q/k norm on a slice of the fused qkv output) needs no copy.
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
-    i0 = (rows // n_inner).to(tl.int64)[:, None]
-    i1 = (rows % n_inner).to(tl.int64)[:, None]
-    offs = tl.arange(0, BLOCK)
-    cmask = offs < N
-    mask = rmask[:, None] & cmask[None, :]
-    offs = offs[None, :]
+    i0, i1, offs, cmask, mask = _row_tile(n_rows, n_inner, N, BLOCK, BLOCK_R)
     x = tl.load(X + i0 * stride_x0 + i1 * stride_x1 + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(R + i0 * stride_r0 + i1 * stride_r1 + offs, mask=mask, other=0.0)
@@ -174,14 +180,7 @@ def _gated_rms_norm_kernel(
 ):
     # Rows as in _rms_norm_kernel. Rounded where the torch reference rounds: the normed value, its product with
     # the weight, and the result (silu(z) stays fp32).
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
-    i0 = (rows // n_inner).to(tl.int64)[:, None]
-    i1 = (rows % n_inner).to(tl.int64)[:, None]
-    offs = tl.arange(0, BLOCK)
-    cmask = offs < N
-    mask = rmask[:, None] & cmask[None, :]
-    offs = offs[None, :]
+    i0, i1, offs, cmask, mask = _row_tile(n_rows, n_inner, N, BLOCK, BLOCK_R)
     dt = X.dtype.element_ty
     xf = tl.load(X + i0 * stride_x0 + i1 * stride_x1 + offs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(Z + i0 * stride_z0 + i1 * stride_z1 + offs, mask=mask, other=0.0).to(tl.float32)
