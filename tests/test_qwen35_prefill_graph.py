@@ -9,23 +9,10 @@ import numpy as np
 import pytest
 import torch
 from helpers import PROMPTS, assert_all_pages_back, assert_parity, hf_greedy
-from test_qwen35 import GREEDY, SUBSET, make_state_sensitive, tiny_text_config
+from test_qwen35 import GREEDY, SUBSET, qwen35_path  # noqa: F401 (a fixture)
 
 from minisgl import SamplingParams
 from minisgl.engine import prefill_graph as pg
-
-
-@pytest.fixture(scope="module")
-def qwen35_path(models_dir):
-    from transformers import Qwen3_5ForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(tiny_text_config()).eval()
-    make_state_sensitive(model, seed=1)
-    path = str(models_dir / "qwen3.5-prefill-graph")
-    model.save_pretrained(path)
-    return path
-
 
 # --- shapes and host padding ---------------------------------------------------------------------------------
 
@@ -50,7 +37,7 @@ def test_pad_state_step_values():
         pg.pad_state_step((16, 1), slots, cu, 99)
 
 
-def test_runner_shapes_and_buffers(qwen35_path, make_llm):
+def test_runner_shapes_and_buffers(qwen35_path, make_llm):  # noqa: F811
     llm = make_llm(qwen35_path, dtype="float32")
     runner = llm.engine.runner
     graphs = pg.PrefillGraphRunner(runner, 64, 16, capture=False)
@@ -120,7 +107,7 @@ SWITCHES = {
 
 
 @pytest.mark.parametrize("switches", list(SWITCHES.values()), ids=list(SWITCHES))
-def test_padded_forward_matches_eager_state_and_hf(switches, qwen35_path, make_llm):
+def test_padded_forward_matches_eager_state_and_hf(switches, qwen35_path, make_llm):  # noqa: F811
     llm = make_llm(qwen35_path, dtype="float32", **switches)
     runner = llm.engine.runner
     graphs = pg.PrefillGraphRunner(runner, 128, 8, capture=False)
@@ -154,7 +141,7 @@ def test_padded_forward_matches_eager_state_and_hf(switches, qwen35_path, make_l
         assert any(s["mixed"] for s in seen)
 
 
-def test_padding_writes_only_the_dummy_slot(qwen35_path, make_llm):
+def test_padding_writes_only_the_dummy_slot(qwen35_path, make_llm):  # noqa: F811
     """One padded step by hand: the padded requests and tokens change no slot but the dummy one."""
     llm = make_llm(qwen35_path, dtype="float32", page_size=4)
     runner = llm.engine.runner
