@@ -130,14 +130,19 @@ def _gdr_inputs(lens, hk, hv, d, dtype, num_slots, gen):
     return q, k, v, g, beta, state, slots, cu
 
 
+def _both(q, k, v, g, beta, state, slots, cu):
+    """The kernel's output (its state updated in place in `state`) and the reference's, on a copy of the state."""
+    ref_state = state.clone()
+    ref = gdn.gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, cu)
+    return gdn.gated_delta_rule(q, k, v, g, beta, state, slots, cu), ref, ref_state
+
+
 def _check_gdr(lens, hk, hv, d, dtype, mode, monkeypatch, seed=0):
     monkeypatch.setitem(gdn.GDN_CONFIG, "prefill", mode)
     monkeypatch.setitem(gdn.GDN_CONFIG, "dot_precision", "ieee")
     gen = torch.Generator().manual_seed(seed)
     q, k, v, g, beta, state, slots, cu = _gdr_inputs(lens, hk, hv, d, dtype, 8, gen)
-    ref_state = state.clone()
-    ref = gdn.gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, cu)
-    out = gdn.gated_delta_rule(q, k, v, g, beta, state, slots, cu)
+    out, ref, ref_state = _both(q, k, v, g, beta, state, slots, cu)
     assert out.shape == v.shape and out.dtype == v.dtype
     tol = 1e-4 if dtype == torch.float32 else 2 ** -6
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
@@ -171,9 +176,7 @@ def test_gated_delta_rule_chunked_similar_keys(force_triton, monkeypatch):
     q, k, v, g, beta, state, slots, cu = _gdr_inputs([66, 5], 1, 2, 16, torch.float32, 4, gen)
     k = (k + 5 * k[:1]).contiguous()
     g, beta = torch.zeros_like(g), torch.ones_like(beta)
-    ref_state = state.clone()
-    ref = gdn.gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, cu)
-    out = gdn.gated_delta_rule(q, k, v, g, beta, state, slots, cu)
+    out, ref, ref_state = _both(q, k, v, g, beta, state, slots, cu)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
 
@@ -190,9 +193,7 @@ def test_gated_delta_rule_dk_ne_dv_and_empty_sequence(force_triton, monkeypatch,
     state = torch.randn(5, hv, dk, dv, generator=gen)
     cu = torch.tensor([0, 3, 3, 12], dtype=torch.int32)  # the second sequence is empty: its state stays
     slots = torch.tensor([4, 1, 2])
-    ref_state = state.clone()
-    ref = gdn.gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, cu)
-    out = gdn.gated_delta_rule(q, k, v, g, beta, state, slots, cu)
+    out, ref, ref_state = _both(q, k, v, g, beta, state, slots, cu)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
 
