@@ -72,6 +72,8 @@ class EngineConfig:
     cuda_graph_split: bool = _opt(True, "--disable-cuda-graph-split",
                                   "decode steps larger than the largest graph run eagerly, not as graph-sized "
                                   "pieces (engine/graph_pieces.py)", disable=True)
+    gemv: bool = _opt(True, "--disable-gemv", "matmuls of at most 4 rows (batch-1..4 decode) through cuBLAS, not "
+                      "minisgl's Triton GEMV (kernels/gemv.py; GPU, bf16/fp16 weights)", disable=True)
     # prefill/extend steps as CUDA Graphs too (with cuda_graph on, Triton attention; engine/prefill_graph.py)
     prefill_graph_max_tokens: int = _opt(4096, "--prefill-graph-max-tokens",
                                          "largest prefill/extend step (tokens) replayed as a CUDA graph; token "

@@ -183,7 +183,8 @@ def bench(model: str, runs: list[tuple[str, list[str], dict]]) -> dict:
             llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16", **kw)
             startup = time.perf_counter() - t0
             res[label] = {"settings": kw, "startup_s": startup, "kv_pool_tokens": llm.engine.runner.kv_capacity_tokens,
-                          "sampler_launch": sampler_launch()}
+                          "sampler_launch": sampler_launch(),
+                          "gemv_linears": getattr(llm.engine.runner, "gemv_linears", None)}
             for w in workloads:
                 res[label][w] = run_workload(llm, w)
                 log(model, label, w, {k: v for k, v in res[label][w].items() if not isinstance(v, (list, dict))})
@@ -432,6 +433,10 @@ SECTIONS = {
     "profile_small06": lambda: profile_small_batches("qwen3-0.6b"),
     "profile35": lambda: profile_w1_slices("qwen3.5-0.8b"),
     "kernels_ew": lambda: kernels("--elementwise-only"),
+    # the decode GEMV (kernels/gemv.py) on and off at batch 1, per model
+    "gemv_ab06": lambda: bench("qwen3-0.6b", [("no_gemv", ["w2"], {"gemv": False})]),
+    "gemv_ab8": lambda: bench("qwen3-8b", [("default", ["w2"], {}), ("no_gemv", ["w2"], {"gemv": False})]),
+    "gemv_ab35": lambda: bench("qwen3.5-0.8b", [("no_gemv", ["w2"], {"gemv": False})]),
 }
 
 

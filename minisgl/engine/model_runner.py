@@ -92,6 +92,11 @@ class ModelRunner:
         if self.tp is not None:
             split = self.tp.shard(self.model, mc)
             self.num_q_heads, self.num_kv_heads = split.num_q, split.num_kv
+        self.gemv_linears = 0
+        if config.gemv and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
+            from minisgl.kernels.gemv import use_gemv
+            # few-row matmuls stream the weights (kernels/gemv.py); more rows stay cuBLAS
+            self.gemv_linears = use_gemv(self.model)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.page_size = config.page_size
         # max_running_requests 0/None: sized from memory here, and the rest of the engine sees the resolved count

@@ -1,0 +1,164 @@
+"""Decode-sized matmuls: `y = x @ W.T (+ b)` for a handful of rows, as a Triton GEMV that streams W once.
+
+At batch 1 a decode step's matmuls are matrix-vector products: each weight byte is read once and used for one
+multiply-add, so the step lasts as long as the weights take to stream from HBM. cuBLAS runs them with GEMM tiles
+(and, for narrow outputs, split-K plus a second reduce kernel): on an H200 it streamed Qwen3-0.6B's projections
+at 1.0-1.6 TB/s in a batch-1 step (`reports/h200/run9/decode_timeline_new.json`), a third of what the card
+can do. Here each program owns a few output rows and the whole reduction: it loads a `[BLOCK_N, BLOCK_K]` tile
+of W, multiplies it by the matching slice of every input row, and adds into fp32 accumulators; there is no
+cross-program reduction, so one launch per matmul.
+
+`GemvLinear` wraps an `nn.Linear` (sharing its parameters): up to `GEMV_MAX_ROWS` rows take the GEMV, more rows
+`F.linear`. `use_gemv(model)` swaps every plain `nn.Linear` of a model for one; the engine does that on a GPU for
+half-precision weights unless the `gemv` switch is off (`EngineConfig.gemv`, `--disable-gemv`). Like the other
+kernel modules, CPU tensors take the torch path unless MINISGL_FORCE_TRITON=1 (then the Triton interpreter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: GemvLinear is plain F.linear
+    triton = None
+    tl = None
+
+__all__ = ["GEMV_CONFIGS", "GEMV_MAX_ROWS", "GemvLinear", "gemv", "gemv_config", "load_configs", "load_device_table",
+           "use_gemv"]
+
+# Rows (tokens) up to which the GEMV replaces cuBLAS; above it a GEMM's tiles reuse each weight load across rows.
+GEMV_MAX_ROWS = 4
+# (BLOCK_N, BLOCK_K, num_warps) by weight shape (N, K), or None where cuBLAS measured faster (use_gemv then keeps
+# the nn.Linear). Filled from the tuned table of the GPU (load_device_table: {"N,K": [bn, bk, warps] or null}, as
+# scripts/gpu_gemv_tune.py writes it); shapes not in it take gemv_config's rule.
+GEMV_CONFIGS: dict[tuple[int, int], tuple[int, int, int] | None] = {}
+
+
+def load_configs(path: str) -> None:
+    with open(path) as f:
+        table = json.load(f)
+    for key, value in table.items():
+        n, k = (int(v) for v in key.split(","))
+        GEMV_CONFIGS[(n, k)] = tuple(value) if value is not None else None
+
+
+# Tables measured by scripts/gpu_gemv_tune.py, one per GPU model: gemv_tuned/<device name>.json.
+TUNED_DIR = Path(__file__).parent / "gemv_tuned"
+
+
+def load_device_table(device_name: str) -> bool:
+    """Load the tuned table of this GPU model if there is one (MINISGL_GEMV_CONFIGS, when set, wins)."""
+    path = os.environ.get("MINISGL_GEMV_CONFIGS") or TUNED_DIR / f"{device_name.replace(' ', '_')}.json"
+    if not Path(path).is_file():
+        return False
+    load_configs(str(path))
+    return True
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    if triton is None:
+        return False
+    return x.is_cuda or os.environ.get("MINISGL_FORCE_TRITON", "0") == "1"
+
+
+@_jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+                 ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, ROWS_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < ROWS
+    acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        # each weight byte is used once: keep it out of L2's way
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemv_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a weight of `n` outputs by `k` inputs."""
+    if GEMV_CONFIGS.get((n, k)) is not None:
+        return GEMV_CONFIGS[(n, k)]
+    # Enough programs to keep every SM streaming (a few per SM), each loading 8-16 KB a step of its loop.
+    block_k = min(triton.next_power_of_2(k), 1024)
+    block_n = 8
+    while block_n > 1 and n // block_n < 1024:
+        block_n //= 2
+    return block_n, block_k, 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` for x `[rows, K]` (rows <= GEMV_MAX_ROWS) and weight `[N, K]`; fp32 accumulation."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if not _use_triton(x) or rows == 0:
+        return F.linear(x, weight, bias)
+    if rows > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {rows}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    assert weight.stride(-1) == 1 and weight.shape[1] == k
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = gemv_config(n, k)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, num_warps=warps)
+    return y
+
+
+class GemvLinear(nn.Module):
+    """An `nn.Linear` whose few-row calls take the GEMV. Holds the same parameters under the same names."""
+
+    def __init__(self, linear: nn.Linear, max_rows: int = GEMV_MAX_ROWS) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.max_rows = max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.max_rows:
+            return gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, gemv_rows<={self.max_rows}"
+
+
+def use_gemv(model: nn.Module, max_rows: int = GEMV_MAX_ROWS) -> int:
+    """Swap every plain `nn.Linear` under `model` for a GemvLinear, except shapes GEMV_CONFIGS gives to cuBLAS;
+    returns how many were swapped. Subclasses (e.g. tensor-parallel linears) are left alone: their forward does
+    more than the matmul."""
+    weight = next(model.parameters(), None)
+    if not GEMV_CONFIGS and weight is not None and weight.is_cuda:
+        load_device_table(torch.cuda.get_device_name(weight.device))
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child) is nn.Linear and GEMV_CONFIGS.get(tuple(child.weight.shape), ()) is not None]
+    for parent, name, child in swaps:
+        setattr(parent, name, GemvLinear(child, max_rows))
+    return len(swaps)

@@ -1,0 +1,146 @@
+"""Check and time the decode GEMV (minisgl/kernels/gemv.py) against cuBLAS on a CUDA GPU, and pick its tiles.
+
+    python scripts/gpu_gemv_tune.py --out DIR
+
+For every linear-layer weight shape of Qwen3-0.6B, Qwen3-8B and Qwen3.5-0.8B (bf16), at 1, 2 and 4 rows:
+cuBLAS (`F.linear`) and the GEMV under each candidate (BLOCK_N, BLOCK_K, warps). Each time is the median replay
+of a CUDA graph that calls the op on enough distinct weight copies to stream past the L2 cache, as a decode step
+streams its layers, divided by the calls. Correctness: every shape's pick against F.linear in fp32 on the same
+bf16 inputs. Writes DIR/gpu_gemv_tune.json (everything) and DIR/gemv_configs.json: per shape, the pick where the
+GEMV beat cuBLAS summed over the three row counts, else null (the engine keeps cuBLAS there). Point
+MINISGL_GEMV_CONFIGS at that file to use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_timing import time_graph  # noqa: E402
+
+MODELS = {"qwen3-0.6b": "assets/configs/qwen3-0.6b", "qwen3-8b": "assets/configs/qwen3-8b",
+          "qwen3.5-0.8b": "assets/configs/qwen3.5-0.8b"}
+ROWS = (1, 2, 4)
+STREAM_BYTES = 256 << 20  # weight copies per graph: well past the H200's 50 MB L2
+DEVICE = "cuda"
+
+
+def linear_shapes(config_dir: str) -> dict[tuple[int, int], int]:
+    """Weight shape -> how many linears of that shape the model has (built on the meta device: no memory)."""
+    from collections import Counter
+
+    from torch import nn
+    from transformers import AutoConfig
+
+    from minisgl.models import qwen3_5 as hybrid
+    from minisgl.models.config import ModelConfig
+    from minisgl.models.decoder import DecoderLM
+
+    hf = AutoConfig.from_pretrained(config_dir)
+    config_cls, model_cls = ((hybrid.Qwen35Config, hybrid.Qwen35LM) if hf.model_type.startswith("qwen3_5")
+                             else (ModelConfig, DecoderLM))
+    with torch.device("meta"):
+        net = model_cls(config_cls.from_hf(hf, (0,)), 4096)
+    return dict(Counter(tuple(m.weight.shape) for m in net.modules() if type(m) is nn.Linear))
+
+
+def candidates() -> list[tuple[int, int, int]]:
+    return [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024), (4, 8))
+            if 512 <= bn * bk <= 16384]
+
+
+def time_op(op, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    def calls():
+        for w in weights:
+            op(x, w)
+    return time_graph(calls, iters=15) / len(weights)
+
+
+def main(out_dir: str | Path = ".") -> dict:
+    from minisgl.kernels import gemv as gv
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
+                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "rows": ROWS, "candidates": candidates(), "shapes": []}
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for model, path in MODELS.items():
+        for shape, count in linear_shapes(path).items():
+            shapes.setdefault(shape, []).append(f"{model} x{count}")
+    picks: dict[str, list[int] | None] = {}
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    for (n, k), used_by in sorted(shapes.items()):
+        t0 = time.time()
+        copies = max(1, min(48, STREAM_BYTES // (n * k * 2)))
+        weights = [torch.randn(n, k, generator=gen, device=DEVICE).bfloat16() * 0.05 for _ in range(copies)]
+        xs = {r: torch.randn(r, k, generator=gen, device=DEVICE).bfloat16() for r in ROWS}
+        row: dict = {"n": n, "k": k, "used_by": used_by, "copies": copies, "cublas_us": {}, "gemv_us": {}}
+        for r in ROWS:
+            row["cublas_us"][r] = round(time_op(F.linear, xs[r], weights), 2)
+        # every candidate at one row, the best four also at two and four rows
+        one: dict[tuple, float] = {}
+        for cfg in candidates():
+            gv.GEMV_CONFIGS[(n, k)] = cfg
+            try:
+                one[cfg] = time_op(gv.gemv, xs[1], weights)
+            except Exception as exc:  # noqa: BLE001 - a tile that fails to compile just drops out
+                row.setdefault("errors", []).append(f"{cfg}: {exc!r}"[:300])
+                one[cfg] = float("inf")
+        row["gemv_us_1_row"] = {",".join(map(str, c)): round(t, 2) for c, t in one.items()}
+        finalists = sorted(one, key=one.get)[:4]
+        totals = {}
+        for cfg in finalists:
+            gv.GEMV_CONFIGS[(n, k)] = cfg
+            ts = {r: (one[cfg] if r == 1 else time_op(gv.gemv, xs[r], weights)) for r in ROWS}
+            row["gemv_us"][",".join(map(str, cfg))] = {r: round(t, 2) for r, t in ts.items()}
+            totals[cfg] = sum(ts.values())
+        best = min(totals, key=totals.get)
+        gv.GEMV_CONFIGS.pop((n, k), None)
+        default = gv.gemv_config(n, k)
+        row["default"], row["default_us_1_row"] = list(default), one.get(default)
+        row["best"], row["best_total_us"] = list(best), round(totals[best], 2)
+        row["cublas_total_us"] = round(sum(row["cublas_us"].values()), 2)
+        row["gemv_wins"] = totals[best] < row["cublas_total_us"]
+        row["best_1_row_tb_s"] = round(n * k * 2 / (one[best] * 1e-6) / 1e12, 2)
+        row["cublas_1_row_tb_s"] = round(n * k * 2 / (row["cublas_us"][1] * 1e-6) / 1e12, 2)
+        # correctness of the pick: against F.linear in fp32 on the same bf16 inputs
+        gv.GEMV_CONFIGS[(n, k)] = best
+        errs = []
+        for r in (1, 2, 3, 4):
+            x = torch.randn(r, k, generator=gen, device=DEVICE).bfloat16()
+            ref = F.linear(x.float(), weights[0].float())
+            got = gv.gemv(x, weights[0]).float()
+            errs.append(((got - ref).abs().max() / ref.abs().max()).item())
+        gv.GEMV_CONFIGS.pop((n, k), None)
+        row["max_rel_err"] = max(errs)
+        row["ok"] = row["max_rel_err"] < 1e-2
+        row["seconds"] = round(time.time() - t0, 1)
+        picks[f"{n},{k}"] = list(best) if row["gemv_wins"] else None
+        res["shapes"].append(row)
+        print(f"{n}x{k}: cuBLAS {row['cublas_us']} us, GEMV {best} {row['gemv_us'][','.join(map(str, best))]} us, "
+              f"err {row['max_rel_err']:.1e}", flush=True)
+        del weights
+        (out_dir / "gpu_gemv_tune.json").write_text(json.dumps(res, indent=1))
+    res["picks"] = picks
+    res["all_ok"] = all(r["ok"] for r in res["shapes"])
+    (out_dir / "gpu_gemv_tune.json").write_text(json.dumps(res, indent=1))
+    (out_dir / "gemv_configs.json").write_text(json.dumps(picks, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    sys.exit(0 if main(args.out)["all_ok"] else 1)

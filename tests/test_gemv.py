@@ -1,0 +1,121 @@
+"""The decode-sized GEMV (minisgl/kernels/gemv.py) under the Triton interpreter, against F.linear."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton (and any kernel module) is imported
+
+import pytest
+import torch
+from torch import nn
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (the GPU kernels are optional)")
+
+from helpers import use_triton_interpreter  # noqa: E402
+
+use_triton_interpreter("minisgl.kernels.gemv")
+
+from minisgl.kernels import gemv as gv  # noqa: E402
+
+
+@pytest.fixture
+def force_triton(monkeypatch):
+    monkeypatch.setenv("MINISGL_FORCE_TRITON", "1")
+
+
+# shapes that leave partial tiles in both directions, and one that takes several K steps
+@pytest.mark.parametrize("n,k", [(1, 16), (37, 50), (96, 64), (200, 2100)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_gemv_matches_linear(force_triton, n, k, rows):
+    gen = torch.Generator().manual_seed(n * 100 + k + rows)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    torch.testing.assert_close(gv.gemv(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gv.gemv(x, w, b), x @ w.T + b, rtol=1e-4, atol=1e-4)
+
+
+def test_gemv_half_precision_accumulates_in_fp32(force_triton):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3000, generator=gen).to(torch.bfloat16)
+    w = torch.randn(64, 3000, generator=gen).to(torch.bfloat16)
+    want = (x.float() @ w.float().T).to(torch.bfloat16)  # one rounding, at the end
+    got = gv.gemv(x, w)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_gemv_reads_strided_rows(force_triton):
+    gen = torch.Generator().manual_seed(1)
+    big = torch.randn(3, 80, generator=gen)
+    x = big[:, 10:74]  # rows 80 apart, contiguous within a row
+    w = torch.randn(24, 64, generator=gen)
+    torch.testing.assert_close(gv.gemv(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_gemv_refuses_too_many_rows(force_triton):
+    x = torch.randn(gv.GEMV_MAX_ROWS + 1, 8)
+    with pytest.raises(ValueError, match="at most"):
+        gv.gemv(x, torch.randn(4, 8))
+
+
+def test_config_override_is_used(force_triton, monkeypatch):
+    monkeypatch.setitem(gv.GEMV_CONFIGS, (40, 48), (2, 16, 1))
+    assert gv.gemv_config(40, 48) == (2, 16, 1)
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(1, 48, generator=gen), torch.randn(40, 48, generator=gen)
+    torch.testing.assert_close(gv.gemv(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 48, bias=True)
+        self.block = nn.Sequential(nn.Linear(48, 16, bias=False), nn.ReLU())
+        self.head = nn.Linear(16, 8, bias=False)
+        self.head.weight = self.proj.weight.__class__(self.proj.weight[:8, :16].clone())
+
+    def forward(self, x):
+        return self.head(self.block(self.proj(x)))
+
+
+def test_use_gemv_swaps_linears_keeping_parameters(force_triton):
+    model = _Tiny()
+    x_small, x_big = torch.randn(3, 32), torch.randn(9, 32)
+    want_small, want_big = model(x_small), model(x_big)
+    keys = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    assert gv.use_gemv(model, max_rows=4) == 3
+    assert all(isinstance(m, gv.GemvLinear) for m in (model.proj, model.block[0], model.head))
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == keys  # same names, same storage
+    torch.testing.assert_close(model(x_small), want_small, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model(x_big), want_big)  # above max_rows: F.linear, bit for bit
+
+
+def test_gemv_linear_routes_by_row_count(force_triton, monkeypatch):
+    lin = gv.GemvLinear(nn.Linear(8, 4), max_rows=2)
+    calls = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(gv, "gemv", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
+    lin(torch.randn(2, 8))
+    lin(torch.randn(3, 8))
+    lin(torch.randn(1, 2, 8))  # not 2-D: the plain path
+    assert calls == [2]
+
+
+def test_cpu_tensors_take_torch_without_the_force(monkeypatch):
+    monkeypatch.delenv("MINISGL_FORCE_TRITON", raising=False)
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    assert torch.equal(gv.gemv(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_shapes_measured_slower_stay_cublas(force_triton, monkeypatch, tmp_path):
+    table = tmp_path / "gemv.json"
+    table.write_text('{"48,32": null, "16,48": [2, 16, 1]}')
+    monkeypatch.setattr(gv, "GEMV_CONFIGS", {})
+    gv.load_configs(str(table))
+    assert gv.GEMV_CONFIGS == {(48, 32): None, (16, 48): (2, 16, 1)}
+    model = _Tiny()
+    assert gv.use_gemv(model) == 2  # proj (48 x 32) keeps its nn.Linear
+    assert type(model.proj) is nn.Linear and isinstance(model.block[0], gv.GemvLinear)
+    assert gv.gemv_config(16, 48) == (2, 16, 1)
