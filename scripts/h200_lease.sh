@@ -1,7 +1,8 @@
 #!/bin/bash
 # This session's H200 calls, one part per call (each under the device's 10-minute limit), JSON under $OUT:
 #   MINISGL_GIT_COMMIT=<sha> MINISGL_GIT_DIRTY=0 bash scripts/h200_lease.sh PART
-#   carry: .baseline (decode-step A/B), .sglang-whl/a, .sglang-whl/b, .sglang-kit (SGLang in the same lease)
+#   carry: part minisgl .baseline (decode-step A/B), .sglang-whl/a, .sglang-kit; part sglang .sglang-whl/b,
+#   .sglang-kit (SGLang's wheels, 25 MB each, in two calls on the warm machine)
 # Parts, in priority order:
 #   minisgl  the decode GEMV checked and tuned against cuBLAS (its table then used by every engine below, unless
 #            minisgl/kernels/gemv_tuned/ already has one); Qwen3.5's W2/W1/W3 and W2 with the GEMV off;
@@ -16,7 +17,7 @@ timeline() { local label=$1; shift; python3 scripts/decode_timeline.py --out "$O
                | tail -n 1 | cut -c1-300; }
 case "${1:-minisgl}" in
   minisgl)
-    [ -d .sglang-whl/a ] && bash scripts/sglang_env.sh .sglang-whl/a .sglang-whl/b .sglang-kit -- >/dev/null 2>&1 &
+    [ -d .sglang-whl/a ] && bash scripts/sglang_env.sh .sglang-whl/a >/dev/null 2>&1 &
     if ! ls minisgl/kernels/gemv_tuned/*.json >/dev/null 2>&1; then
       python3 scripts/gpu_gemv_tune.py --out "$OUT" > "$OUT/gemv_tune.log" 2>&1; tail -n 2 "$OUT/gemv_tune.log"
       [ -f "$OUT/gemv_configs.json" ] && export MINISGL_GEMV_CONFIGS=$OUT/gemv_configs.json
@@ -28,8 +29,8 @@ case "${1:-minisgl}" in
     [ -d .baseline/minisgl ] && MINISGL_ROOT=$PWD/.baseline timeline base0d384c4
     wait ;;
   sglang)
-    S="bash scripts/sglang_env.sh --"
-    [ -d /tmp/sglsite/sglang ] || S="bash scripts/sglang_env.sh .sglang-whl/a .sglang-whl/b .sglang-kit --"
+    # the wheels arrive in two calls (64 MiB a call): .sglang-whl/a with part minisgl, .sglang-whl/b with this one
+    S="bash scripts/sglang_env.sh .sglang-whl/a .sglang-whl/b --"
     $S scripts/sglang_bench.py --model qwen3-0.6b --sections w1,w1_topkp,w2,w3,sweep --out "$OUT/sglang_06.json" \
       > "$OUT/sglang_06.log" 2>&1; tail -n 2 "$OUT/sglang_06.log" | cut -c1-300
     $S scripts/sglang_bench.py --model qwen3.5-0.8b --sections w1,w2,w3 --out "$OUT/sglang_35.json" \
