@@ -17,7 +17,7 @@ timeline() { local label=$1; shift; python3 scripts/decode_timeline.py --out "$O
                | tail -n 1 | cut -c1-300; }
 case "${1:-minisgl}" in
   minisgl)
-    [ -d .sglang-whl/a ] && bash scripts/sglang_env.sh .sglang-whl/a >/dev/null 2>&1 &
+    [ -d .sglang-whl/a ] && bash scripts/sglang_env.sh .sglang-whl/a -- >/dev/null 2>&1 &
     if ! ls minisgl/kernels/gemv_tuned/*.json >/dev/null 2>&1; then
       python3 scripts/gpu_gemv_tune.py --out "$OUT" > "$OUT/gemv_tune.log" 2>&1; tail -n 2 "$OUT/gemv_tune.log"
       [ -f "$OUT/gemv_configs.json" ] && export MINISGL_GEMV_CONFIGS=$OUT/gemv_configs.json
