@@ -119,3 +119,29 @@ def test_shapes_measured_slower_stay_cublas(force_triton, monkeypatch, tmp_path)
     assert gv.use_gemv(model) == 2  # proj (48 x 32) keeps its nn.Linear
     assert type(model.proj) is nn.Linear and isinstance(model.block[0], gv.GemvLinear)
     assert gv.gemv_config(16, 48) == (2, 16, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_folded_into_the_gemv(force_triton, dtype):
+    from minisgl.kernels import elementwise as ew
+
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(3, 2 * 80, generator=gen) * 2).to(dtype)
+    w = torch.randn(40, 80, generator=gen).to(dtype)
+    want = gv.gemv(ew.silu_and_mul(gate_up), w)  # the two-launch path, same accumulation
+    torch.testing.assert_close(gv.gemv(gate_up, w, silu_mul=True), want, rtol=1e-5, atol=1e-5)
+
+
+def test_use_gemv_folds_the_decoder_mlp(force_triton):
+    from minisgl.models.layers import MLP
+
+    torch.manual_seed(4)
+    wrapper = nn.Module()
+    wrapper.mlp = MLP(32, 48)
+    x_small, x_big = torch.randn(2, 32), torch.randn(7, 32)
+    want_small, want_big = wrapper.mlp(x_small), wrapper.mlp(x_big)
+    keys = set(wrapper.state_dict())
+    assert gv.use_gemv(wrapper, max_rows=4) == 2
+    assert isinstance(wrapper.mlp, gv.GemvMLP) and set(wrapper.state_dict()) == keys
+    torch.testing.assert_close(wrapper.mlp(x_small), want_small, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wrapper.mlp(x_big), want_big)

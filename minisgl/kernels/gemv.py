@@ -9,7 +9,8 @@ of W, multiplies it by the matching slice of every input row, and adds into fp32
 cross-program reduction, so one launch per matmul.
 
 `GemvLinear` wraps an `nn.Linear` (sharing its parameters): up to `GEMV_MAX_ROWS` rows take the GEMV, more rows
-`F.linear`. `use_gemv(model)` swaps every plain `nn.Linear` of a model for one; the engine does that on a GPU for
+`F.linear`; `GemvMLP` also folds the MLP's SiLU-and-mul into its down projection's GEMV. `use_gemv(model)` swaps
+every plain `nn.Linear` and decoder MLP of a model for them; the engine does that on a GPU for
 half-precision weights unless the `gemv` switch is off (`EngineConfig.gemv`, `--disable-gemv`). Like the other
 kernel modules, CPU tensors take the torch path unless MINISGL_FORCE_TRITON=1 (then the Triton interpreter).
 """
@@ -24,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.kernels import elementwise as ew
+
 try:
     import triton
     import triton.language as tl
@@ -31,8 +34,8 @@ except ImportError:  # CPU-only installs: GemvLinear is plain F.linear
     triton = None
     tl = None
 
-__all__ = ["GEMV_CONFIGS", "GEMV_MAX_ROWS", "GemvLinear", "gemv", "gemv_config", "load_configs", "load_device_table",
-           "use_gemv"]
+__all__ = ["GEMV_CONFIGS", "GEMV_MAX_ROWS", "GemvLinear", "GemvMLP", "gemv", "gemv_config", "load_configs",
+           "load_device_table", "use_gemv"]
 
 # Rows (tokens) up to which the GEMV replaces cuBLAS; above it a GEMM's tiles reuse each weight load across rows.
 GEMV_MAX_ROWS = 4
@@ -76,7 +79,7 @@ def _use_triton(x: torch.Tensor) -> bool:
 @_jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
                  ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS_PAD)
@@ -90,8 +93,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_
         # each weight byte is used once: keep it out of L2's way
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
                     other=0.0, eviction_policy="evict_first").to(tl.float32)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :]
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if SILU_MUL:  # x holds [gate | up] (2K wide): the input is silu(gate) * up, rounded as silu_and_mul does
+            up = tl.load(x_ptrs + K, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            silu = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -111,12 +118,17 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     return block_n, block_k, 4
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T + bias` for x `[rows, K]` (rows <= GEMV_MAX_ROWS) and weight `[N, K]`; fp32 accumulation."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         silu_mul: bool = False) -> torch.Tensor:
+    """`x @ weight.T + bias` for x `[rows, K]` (rows <= GEMV_MAX_ROWS) and weight `[N, K]`; fp32 accumulation.
+    silu_mul=True: x is `[rows, 2K]` (gate | up) and the product is `silu_and_mul(x) @ weight.T`, the MLP's down
+    projection with its activation folded in (one launch fewer per layer)."""
     rows, k = x.shape
     n = weight.shape[0]
+    if silu_mul:
+        k //= 2
     if not _use_triton(x) or rows == 0:
-        return F.linear(x, weight, bias)
+        return F.linear(ew.silu_and_mul(x) if silu_mul else x, weight, bias)
     if rows > GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {rows}")
     if x.stride(-1) != 1:
@@ -127,7 +139,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, num_warps=warps)
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=warps)
     return y
 
 
@@ -150,15 +162,47 @@ class GemvLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, gemv_rows<={self.max_rows}"
 
 
+class GemvMLP(nn.Module):
+    """The decoder's MLP (models/layers.py) with its SiLU-and-mul folded into the down projection's GEMV when a
+    call has few rows; more rows run the MLP's own forward (with plain cuBLAS matmuls). Holds the same parameters
+    under the same names."""
+
+    def __init__(self, mlp: nn.Module, max_rows: int = GEMV_MAX_ROWS) -> None:
+        super().__init__()
+        self.gate_up_proj = GemvLinear(mlp.gate_up_proj, max_rows)
+        self.down_proj = GemvLinear(mlp.down_proj, max_rows)
+        self.max_rows = max_rows
+        # a bound method, not a submodule: the parameters stay registered once, under their own names
+        self._mlp_forward = mlp.forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.max_rows:
+            return gemv(gemv(x, self.gate_up_proj.weight), self.down_proj.weight, silu_mul=True)
+        return self._mlp_forward(x)
+
+
+def _gemv_shape(linear: nn.Module) -> bool:
+    return type(linear) is nn.Linear and GEMV_CONFIGS.get(tuple(linear.weight.shape), ()) is not None
+
+
 def use_gemv(model: nn.Module, max_rows: int = GEMV_MAX_ROWS) -> int:
     """Swap every plain `nn.Linear` under `model` for a GemvLinear, except shapes GEMV_CONFIGS gives to cuBLAS;
     returns how many were swapped. Subclasses (e.g. tensor-parallel linears) are left alone: their forward does
     more than the matmul."""
     weight = next(model.parameters(), None)
-    if not GEMV_CONFIGS and weight is not None and weight.is_cuda:
+    if not GEMV_CONFIGS and weight is not None and weight.is_cuda:  # (the recursion finds it loaded)
         load_device_table(torch.cuda.get_device_name(weight.device))
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is nn.Linear and GEMV_CONFIGS.get(tuple(child.weight.shape), ()) is not None]
-    for parent, name, child in swaps:
-        setattr(parent, name, GemvLinear(child, max_rows))
-    return len(swaps)
+    from minisgl.models.layers import MLP
+
+    swapped = 0
+    for name, child in list(model.named_children()):
+        if (type(child) is MLP and _gemv_shape(child.gate_up_proj) and _gemv_shape(child.down_proj)
+                and child.gate_up_proj.bias is None and child.down_proj.bias is None):
+            setattr(model, name, GemvMLP(child, max_rows))
+            swapped += 2
+        elif _gemv_shape(child):
+            setattr(model, name, GemvLinear(child, max_rows))
+            swapped += 1
+        else:
+            swapped += use_gemv(child, max_rows)
+    return swapped
