@@ -109,6 +109,39 @@ def qwen35_table(q: dict, s: dict, w3_qwen3: dict | None) -> list[str]:
     return lines
 
 
+def gemv_tables(tune: dict | None, sec: dict) -> list[str]:
+    """The decode GEMV against cuBLAS per weight shape (scripts/gpu_gemv_tune.py), and W2 with it on and off."""
+    lines = []
+    if tune:
+        lines += ["## Decode GEMV against cuBLAS, per weight shape (scripts/gpu_gemv_tune.py, bf16)", "",
+                  "us per call, streaming distinct weight copies as a decode step streams its layers; the engine "
+                  "keeps cuBLAS for shapes where the GEMV lost (summed over 1, 2 and 4 rows).", "",
+                  "| N x K | used by | cuBLAS 1 / 2 / 4 rows | GEMV 1 / 2 / 4 rows | tiles (BLOCK_N, BLOCK_K, warps) "
+                  "| 1 row TB/s cuBLAS / GEMV | max rel err | engine uses |", "|---|---|---|---|---|---|---|---|"]
+        for r in tune["shapes"]:
+            best = ",".join(map(str, r["best"]))
+            g, c = r["gemv_us"][best], r["cublas_us"]
+            lines.append(f"| {r['n']} x {r['k']} | {'; '.join(r['used_by'])} | "
+                         f"{' / '.join(f'{c[k]:.1f}' for k in c)} | {' / '.join(f'{g[k]:.1f}' for k in g)} | "
+                         f"{tuple(r['best'])} | {r['cublas_1_row_tb_s']:.2f} / {r['best_1_row_tb_s']:.2f} | "
+                         f"{r['max_rel_err']:.1e} | {'GEMV' if r['gemv_wins'] else 'cuBLAS'} |")
+        lines.append("")
+    pairs = [("Qwen3-0.6B", sec.get("sample06", {}).get("default"), sec.get("gemv_ab06", {}).get("no_gemv")),
+             ("Qwen3-8B", sec.get("gemv_ab8", {}).get("default"), sec.get("gemv_ab8", {}).get("no_gemv")),
+             ("Qwen3.5-0.8B", sec.get("qwen35", {}).get("default"), sec.get("gemv_ab35", {}).get("no_gemv"))]
+    pairs = [(m, on, off) for m, on, off in pairs if on and off and "w2" in on and "w2" in off]
+    if pairs:
+        lines += ["## W2 (batch 1) with the decode GEMV on and off (`--disable-gemv`), same lease", "",
+                  "| model | TPOT ms, GEMV on | off | TTFT ms, on | off | linears on the GEMV |",
+                  "|---|---|---|---|---|---|"]
+        for m, on, off in pairs:
+            lines.append(f"| {m} | {on['w2']['tpot_ms_median']:.3f} | {off['w2']['tpot_ms_median']:.3f} | "
+                         f"{on['w2']['ttft_ms_median']:.2f} | {off['w2']['ttft_ms_median']:.2f} | "
+                         f"{on.get('gemv_linears')} |")
+        lines.append("")
+    return lines
+
+
 def main(folder: str, sglang_from: str | None = None) -> None:
     d = Path(folder)
     sec, env, timelines = load(d)
@@ -133,6 +166,8 @@ def main(folder: str, sglang_from: str | None = None) -> None:
     if "qwen35" in sec:
         w3 = sec.get("w3_06", {}).get("default", {}).get("w3")
         lines += qwen35_table(sec["qwen35"]["default"], sec, w3) + [""]
+    tune_path = d / "gpu_gemv_tune.json"
+    lines += gemv_tables(json.loads(tune_path.read_text()) if tune_path.is_file() else None, sec)
     for dtype, r in sec.get("qwen35_check", {}).items():
         lines.append(f"Qwen3.5 greedy on the GPU, {dtype}: CUDA Graph on equals off: {r['graph_equals_no_graph']}; "
                      f"radix second pass same tokens: {r['graph']['second_pass_same']} "
