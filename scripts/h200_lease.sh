@@ -9,7 +9,7 @@
 #            Qwen3-0.6B's W1, W1 top-k/top-p, W2 and W2 with the GEMV off; the batch-1 decode step now, with
 #            fewer graphs, and at 0d384c4 (.baseline); SGLang's wheels unpacked for the next part
 #   sglang   SGLang 0.5.16 on the same card: Qwen3-0.6B (W1, W1 top-k/top-p, W2, W3, sweep), Qwen3.5-0.8B
-#   rest     Qwen3-8B W2 with the GEMV on/off, Qwen3.5 greedy with graphs on/off (fp32), the batch-mix sweep
+#   rest     Qwen3-8B W2 with the GEMV on/off, Qwen3.5's decode steps profiled, Qwen3.5 greedy with graphs on/off (fp32), the batch-mix sweep
 set -u
 run() { local file=$1; shift; python3 scripts/h200_run.py --out "$OUT" --file "$file.json" --sections "$@" \
           > "$OUT/$file.log" 2>&1; tail -n 3 "$OUT/$file.log" | cut -c1-300; }
@@ -37,6 +37,7 @@ case "${1:-minisgl}" in
       > "$OUT/sglang_35.log" 2>&1; tail -n 2 "$OUT/sglang_35.log" | cut -c1-300 ;;
   rest)
     run run10_8b gemv_ab8
+    run run10_profile35 profile35
     QWEN35_CHECK_DTYPES=float32 run run10_check qwen35_check
     run run10_sweep sweep06 ;;
 esac
