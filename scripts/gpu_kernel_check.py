@@ -3,8 +3,11 @@
 Decode and extend attention in bf16 with Qwen3 head shapes (Hq 16 / 32, Hkv 8, D 128), page sizes 1 and 16,
 contexts up to 32k, against an fp32 torch reference on the GPU; a CUDA-graph capture/replay of decode; the
 elementwise kernels against their torch references. Timings come from triton.testing.do_bench.
+Decode runs both split merges (DECODE_FUSED_MERGE's A/B: merged by the last stage-1 program, or a second
+launch); each row carries both errors and times (`us`, `rel_err`, `kv_gbps` are the fused path's).
 
     python scripts/gpu_kernel_check.py --out results.json [--quick]
+    python scripts/gpu_kernel_check.py --out results.json --decode-merge-only   # the merge A/B alone
 
 Exits non-zero if any check fails; the JSON holds every case either way.
 """
@@ -30,6 +33,7 @@ from minisgl.kernels import elementwise as ew  # noqa: E402
 from minisgl.kernels.attention import (  # noqa: E402
     decode_attention,
     decode_num_splits,
+    decode_shared_workspace_numel,
     decode_workspace_numel,
     extend_attention,
 )
@@ -90,6 +94,14 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, bool]:
     return err, err / max(ref.abs().max().item(), 1e-6), nan
 
 
+MERGES = (("fused", True), ("two_launch", False))  # decode_attention's fused_merge, both sides of the A/B
+
+
+def merge_counters(ws: torch.Tensor, bs: int, hkv: int) -> torch.Tensor:
+    """The fused merge's counters: the workspace's last bs * hkv 4-byte elements (zero between launches)."""
+    return ws[ws.numel() - bs * hkv:].view(torch.int32)
+
+
 def check_decode(model: str, page_size: int, bs: int, ctx: int, gen: torch.Generator, results: list) -> None:
     hq, hkv, d = MODELS[model]
     lens = torch.randint(max(1, ctx // 2), ctx + 1, (bs,), generator=gen, device=DEV).tolist()
@@ -99,59 +111,89 @@ def check_decode(model: str, page_size: int, bs: int, ctx: int, gen: torch.Gener
     rows = torch.randperm(bs, generator=gen, device=DEV)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)[rows]
     q = torch.randn(bs, hq, d, generator=gen, device=DEV, dtype=torch.bfloat16)
-    out = torch.full_like(q, float("nan"))
+    out = torch.empty_like(q)
     scale = d ** -0.5
     splits = decode_num_splits(bs, hkv, MAX_CONTEXT, NUM_SMS)
-    ws = torch.empty(max(1, decode_workspace_numel(bs, hq, d, splits)), dtype=torch.float32, device=DEV)
-    run = lambda: decode_attention(q, k_buf, v_buf, table, rows, seq_lens, out, scale,  # noqa: E731
-                                   max_seq_len=MAX_CONTEXT, workspace=ws, num_splits=splits)
-    run()
-    torch.cuda.synchronize()
+    # zeroed: the fused merge's counters live at its end and must start at zero
+    ws = torch.zeros(max(1, decode_workspace_numel(bs, hq, d, splits, hkv)), dtype=torch.float32, device=DEV)
     ref = ref_attention(q, k_buf, v_buf, table, rows, seq_lens - 1, torch.ones_like(seq_lens),
                         torch.arange(bs, device=DEV), scale)
-    err, rerr, nan = rel(out, ref)
-    # Timed as a CUDA-graph replay, as the engine runs decode: no Python launch overhead in the number.
-    ms = do_bench_cudagraph(run, rep=50)
     kv_bytes = 2 * sum(lens) * hkv * d * 2
-    results.append(dict(kernel="decode", model=model, page_size=page_size, bs=bs, ctx=ctx, splits=splits,
-                        max_abs_err=err, rel_err=rerr, nan=nan, ok=(not nan and rerr < 2e-2), us=ms * 1e3,
-                        kv_gbps=kv_bytes / (ms * 1e-3) / 1e9))
+    row = dict(kernel="decode", model=model, page_size=page_size, bs=bs, ctx=ctx, splits=splits)
+    ok = True
+    for name, fused in MERGES:
+        out.fill_(float("nan"))
+        run = functools.partial(decode_attention, q, k_buf, v_buf, table, rows, seq_lens, out, scale,
+                                max_seq_len=MAX_CONTEXT, workspace=ws, num_splits=splits, fused_merge=fused)
+        run()
+        torch.cuda.synchronize()
+        err, rerr, nan = rel(out, ref)
+        # Timed as a CUDA-graph replay, as the engine runs decode: no Python launch overhead in the number.
+        ms = do_bench_cudagraph(run, rep=50)
+        torch.cuda.synchronize()
+        # after hundreds of replays: the last one's output still right, the counters back at zero
+        err2, rerr2, nan2 = rel(out, ref)
+        err, rerr, nan = max(err, err2), max(rerr, rerr2), nan or nan2
+        zero = splits == 1 or not bool(merge_counters(ws, bs, hkv).any())
+        row.update({f"{name}_us": ms * 1e3, f"{name}_rel_err": rerr, f"{name}_max_abs_err": err,
+                    f"{name}_nan": nan, f"{name}_counters_zero": zero})
+        ok = ok and not nan and rerr < 2e-2 and zero
+    row.update(max_abs_err=row["fused_max_abs_err"], rel_err=row["fused_rel_err"], nan=row["fused_nan"],
+               us=row["fused_us"], kv_gbps=kv_bytes / (row["fused_us"] * 1e-6) / 1e9,
+               fused_saves_us=row["two_launch_us"] - row["fused_us"], ok=ok)
+    results.append(row)
 
 
-def check_decode_graph(gen: torch.Generator, results: list) -> None:
-    """Capture decode once, then replay with other rows / lengths written into the same buffers."""
+def check_decode_graph(gen: torch.Generator, results: list, replays: int = 40) -> None:
+    """Capture decode (both merges) for two batch sizes on one shared workspace, as the engine's graphs share
+    theirs, then replay them in turn with other rows / lengths written into the same buffers: lengths from 0
+    (a padded row) and 1 up to 16k, so splits past a request's end and fully empty rows come up. Every replay is
+    checked against the reference, and the fused merge's counters must be all zero after the last one."""
     hq, hkv, d = MODELS["qwen3-8b"]
-    bs, page_size = 8, 16
+    page_size, max_bs = 16, 8
     lens = [MAX_CONTEXT // 2] * 16
     k_buf, v_buf, num_pages = make_cache(lens, page_size, hkv, d, torch.bfloat16, gen)
     table = make_table(lens, page_size, num_pages, MAX_CONTEXT, gen)
-    rows = torch.arange(bs, device=DEV)
-    seq_lens = torch.full((bs,), 100, dtype=torch.int32, device=DEV)
-    q = torch.randn(bs, hq, d, generator=gen, device=DEV, dtype=torch.bfloat16)
+    rows = torch.arange(max_bs, device=DEV)
+    seq_lens = torch.full((max_bs,), 100, dtype=torch.int32, device=DEV)
+    q = torch.randn(max_bs, hq, d, generator=gen, device=DEV, dtype=torch.bfloat16)
     out = torch.zeros_like(q)
-    splits = decode_num_splits(bs, hkv, MAX_CONTEXT, NUM_SMS)
-    ws = torch.empty(max(1, decode_workspace_numel(bs, hq, d, splits)), dtype=torch.float32, device=DEV)
     scale = d ** -0.5
-    run = lambda: decode_attention(q, k_buf, v_buf, table, rows, seq_lens, out, scale,  # noqa: E731
-                                   max_seq_len=MAX_CONTEXT, workspace=ws, num_splits=splits)
-    graph, _ = capture(run)
-    worst, ok = 0.0, True
-    for trial in range(3):
-        rows.copy_(torch.randperm(16, generator=gen, device=DEV)[:bs])
-        new_lens = torch.randint(1, MAX_CONTEXT // 2 + 1, (bs,), generator=gen, device=DEV)
-        seq_lens.copy_(new_lens.to(torch.int32))
-        if trial == 0:
-            seq_lens[0] = 1
-        q.copy_(torch.randn(bs, hq, d, generator=gen, device=DEV, dtype=torch.bfloat16))
+    sizes = (max_bs, 3)
+    splits_of = functools.partial(decode_num_splits, num_kv_heads=hkv, max_seq_len=MAX_CONTEXT, num_sms=NUM_SMS)
+    ws = torch.zeros(decode_shared_workspace_numel(sizes, hq, hkv, d, splits_of), dtype=torch.float32,
+                     device=DEV)
+    graphs = {}
+    for bs in sizes:
+        for name, fused in MERGES:
+            run = functools.partial(decode_attention, q[:bs], k_buf, v_buf, table, rows[:bs], seq_lens[:bs],
+                                    out[:bs], scale, max_seq_len=MAX_CONTEXT, workspace=ws,
+                                    num_splits=splits_of(bs), fused_merge=fused)
+            graphs[bs, name], _ = capture(run)
+    worst, ok, empty_rows_zero = 0.0, True, True
+    for trial in range(replays):
+        bs = sizes[trial % 2]
+        name = MERGES[(trial // 2) % 2][0]
+        rows.copy_(torch.randperm(16, generator=gen, device=DEV)[:max_bs])
+        hi = (1, 300, MAX_CONTEXT // 2)[trial % 3]  # short, mid, long: the split count stays the same
+        seq_lens.copy_(torch.randint(0, hi + 1, (max_bs,), generator=gen, device=DEV).to(torch.int32))
+        seq_lens[trial % bs] = 0 if trial % 4 == 0 else 1
+        q.copy_(torch.randn(max_bs, hq, d, generator=gen, device=DEV, dtype=torch.bfloat16))
         out.fill_(float("nan"))
-        graph.replay()
+        graphs[bs, name].replay()
         torch.cuda.synchronize()
-        ref = ref_attention(q, k_buf, v_buf, table, rows, seq_lens - 1, torch.ones_like(seq_lens),
-                            torch.arange(bs, device=DEV), scale)
-        _, rerr, nan = rel(out, ref)
-        worst = max(worst, rerr)
-        ok = ok and not nan and rerr < 2e-2
-    results.append(dict(kernel="decode_cuda_graph", bs=bs, splits=splits, rel_err=worst, ok=ok))
+        live = seq_lens[:bs] > 0
+        ref = ref_attention(q[:bs], k_buf, v_buf, table, rows[:bs], (seq_lens[:bs] - 1).clamp_min(0),
+                            live.to(torch.int32), torch.arange(bs, device=DEV), scale)
+        if live.any():
+            _, rerr, nan = rel(out[:bs][live], ref[live])
+            worst = max(worst, rerr)
+            ok = ok and not nan and rerr < 2e-2
+        empty_rows_zero = empty_rows_zero and bool((out[:bs][~live] == 0).all())
+    counters_zero = not bool(merge_counters(ws, max(sizes), hkv).any())
+    results.append(dict(kernel="decode_cuda_graph", sizes=list(sizes), splits=[splits_of(b) for b in sizes],
+                        replays=replays, rel_err=worst, empty_rows_zero=empty_rows_zero,
+                        counters_zero=counters_zero, ok=ok and empty_rows_zero and counters_zero))
 
 
 def check_backend(backend: str, model: str, page_size: int, gen: torch.Generator, results: list) -> None:
@@ -446,6 +488,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer cases")
     ap.add_argument("--backends-only", default=None,
                     help="comma list (e.g. triton,flashinfer): only the backend checks and timings")
+    ap.add_argument("--decode-merge-only", action="store_true",
+                    help="only decode: fused vs two-launch split merge (check + time) and the graph replay check")
     ap.add_argument("--elementwise-only", action="store_true",
                     help="only the elementwise kernels (Qwen3's and Qwen3.5's), not attention")
     args = ap.parse_args()
@@ -460,6 +504,13 @@ def main() -> int:
             results.append(dict(kernel=fn.__name__, args=repr(a), ok=False, error=f"{type(e).__name__}: {e}"))
         print(json.dumps(results[-1]), flush=True)
 
+    if args.decode_merge_only:
+        guarded(check_decode_graph)
+        for model in MODELS:
+            for bs in (1, 8, 64, 256):
+                for ctx in (1024, 8192):
+                    guarded(check_decode, model, 1, bs, ctx)
+        return finish(args, results, t0)
     if args.elementwise_only:
         guarded(check_elementwise)
         guarded(check_qwen35_elementwise)

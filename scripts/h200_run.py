@@ -27,6 +27,9 @@ Sections (comma separated):
   tune_sampling  time the fused sampler's launch shapes (scripts/gpu_sampling_tune.py) and keep the pick for
              the sections after it in this process
   gdn_check  the Gated DeltaNet Triton kernels vs their references, timed (scripts/gpu_gdn_check.py --quick)
+  decode_merge  decode attention, split merge fused into stage 1 vs a second launch: both checked against the
+             reference and timed (batch 1-256, contexts 1k/8k), plus a CUDA-graph replay check of the counters
+  merge_ab06 W2 on Qwen3-0.6B with the fused split merge and with the two-launch one
   qwen35     W2, W1, W3 on Qwen3.5-0.8B shapes (dummy bf16)
   qwen35_check  Qwen3.5 greedy tokens with CUDA Graph on and off, prefill graphs on and off, and a radix second
              pass (QWEN35_CHECK_DTYPES)
@@ -437,7 +440,24 @@ SECTIONS = {
     "gemv_ab06": lambda: bench("qwen3-0.6b", [("no_gemv", ["w2"], {"gemv": False})]),
     "gemv_ab8": lambda: bench("qwen3-8b", [("default", ["w2"], {}), ("no_gemv", ["w2"], {"gemv": False})]),
     "gemv_ab35": lambda: bench("qwen3.5-0.8b", [("no_gemv", ["w2"], {"gemv": False})]),
+    # decode attention's split merge in stage 1 vs a second launch: kernel check + timing, then W2 end to end
+    "decode_merge": lambda: kernels("--decode-merge-only"),
+    "merge_ab06": lambda: decode_merge_ab("qwen3-0.6b"),
 }
+
+
+def decode_merge_ab(model: str) -> dict:
+    """W2 (batch-1 decode) with the decode split merge fused into stage 1 (the default) and as a second launch;
+    the switch is module-level (kernels/attention.py DECODE_FUSED_MERGE), read when the graphs are captured."""
+    from minisgl.kernels import attention
+    res = {}
+    for label, fused in (("fused_merge", True), ("two_launch_merge", False)):
+        attention.DECODE_FUSED_MERGE = fused
+        try:
+            res.update(bench(model, [(label, ["w2"], {})]))
+        finally:
+            attention.DECODE_FUSED_MERGE = True
+    return res
 
 
 def qwen35_check() -> dict:

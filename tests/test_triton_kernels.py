@@ -26,7 +26,13 @@ from minisgl.attention.base import AttentionMetadata  # noqa: E402
 from minisgl.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from minisgl.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from minisgl.kernels import elementwise as ew  # noqa: E402
-from minisgl.kernels.attention import decode_attention, decode_num_splits, extend_attention  # noqa: E402
+from minisgl.kernels.attention import (  # noqa: E402
+    decode_attention,
+    decode_num_splits,
+    decode_shared_workspace_numel,
+    decode_workspace_numel,
+    extend_attention,
+)
 from minisgl.kvcache.pool import KVCache  # noqa: E402
 
 # ------------------------------------------------------------------ helpers ---------------------------------
@@ -88,7 +94,8 @@ def i32(xs) -> torch.Tensor:
         (2, 1, 80, 2, 2, torch.float32),  # head_dim not a power of 2
     ],
 )
-def test_decode_attention(hq, hkv, d, page_size, num_splits, dtype):
+@pytest.mark.parametrize("fused_merge", [True, False], ids=["fused", "two_launch"])
+def test_decode_attention(hq, hkv, d, page_size, num_splits, dtype, fused_merge):
     gen = torch.Generator().manual_seed(hq * 1000 + d + page_size)
     max_len, rows_total = 300, 5
     num_pages = (rows_total * ((max_len + page_size - 1) // page_size)) + 3
@@ -102,14 +109,26 @@ def test_decode_attention(hq, hkv, d, page_size, num_splits, dtype):
     out = torch.full_like(q, float("nan"))
     scale = d ** -0.5
     decode_attention(q, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
-                     num_splits=num_splits)
+                     num_splits=num_splits, fused_merge=fused_merge)
     ref = ref_attention(q, k_buf, v_buf, r2t, rows, seq_lens - 1, torch.ones(bs, dtype=torch.int32),
                         torch.arange(bs), scale)
     tol = 1e-3 if dtype == torch.float32 else 1e-2
     assert rel_err(out, ref) < tol
 
 
-def test_decode_attention_workspace_and_empty_rows():
+def _poisoned_workspace(numel: int, num_counters: int) -> torch.Tensor:
+    """A workspace as a caller might hand it over: stale partials (NaN) and the merge counters at its end zeroed."""
+    ws = torch.full((numel,), float("nan"))
+    ws[numel - num_counters:].view(torch.int32).zero_()
+    return ws
+
+
+def _counters(ws: torch.Tensor, num_counters: int) -> torch.Tensor:
+    return ws[ws.numel() - num_counters:].view(torch.int32)
+
+
+@pytest.mark.parametrize("fused_merge", [True, False], ids=["fused", "two_launch"])
+def test_decode_attention_workspace_and_empty_rows(fused_merge):
     """A caller-provided workspace is used as is; a seq_len-0 row (CUDA-graph padding) gives zeros."""
     gen = torch.Generator().manual_seed(7)
     hq, hkv, d = 4, 1, 64
@@ -120,11 +139,67 @@ def test_decode_attention_workspace_and_empty_rows():
     q = torch.randn(2, hq, d, generator=gen)
     for splits in (1, 4):
         out = torch.full_like(q, float("nan"))
-        ws = torch.full((2 * hq * splits * (d + 1),), float("nan"))
-        decode_attention(q, k_buf, v_buf, r2t, rows, seq_lens, out, 0.1, workspace=ws, num_splits=splits)
+        ws = _poisoned_workspace(max(1, decode_workspace_numel(2, hq, d, splits, hkv)), 2 * hkv)
+        decode_attention(q, k_buf, v_buf, r2t, rows, seq_lens, out, 0.1, workspace=ws, num_splits=splits,
+                         fused_merge=fused_merge)
         ref = ref_attention(q[:1], k_buf, v_buf, r2t, rows[:1], i32([199]), i32([1]), i32([0]), 0.1)
         assert rel_err(out[:1], ref) < 1e-3
         assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 2, 128)])  # GQA groups 1 and 4, head dims 64 and 128
+def test_decode_fused_merge_counters_across_calls(hq, hkv, d):
+    """The fused merge's counters: all zero after every call, so consecutive calls on one workspace (as CUDA-graph
+    replays are) with other lengths stay right. The lengths leave splits past a request's end (short rows with 8
+    splits of at least one 64-key tile) and rows of length 0; both paths must agree with the reference."""
+    gen = torch.Generator().manual_seed(hq * 10 + d)
+    max_len, rows_total, splits, bs = 320, 6, 8, 4
+    k_buf, v_buf = make_pool(rows_total * max_len + 1, hkv, d, torch.float32, gen)
+    r2t = make_slot_table(rows_total, max_len, 1, rows_total * max_len + 1, gen)
+    ws = _poisoned_workspace(decode_workspace_numel(bs, hq, d, splits, hkv), bs * hkv)
+    scale = d ** -0.5
+    steps = [([2, 5, 0, 1], [1, 300, 0, 64]),  # a row of 0 keys; 1 key: splits 1..7 past its end
+             ([0, 1, 2, 3], [129, 0, 320, 7]),  # another row empty, a full-length one
+             ([5, 4, 3, 2], [65, 2, 191, 0])]
+    for rows, lens in steps:
+        rows_t, lens_t = torch.tensor(rows), i32(lens)
+        q = torch.randn(bs, hq, d, generator=gen)
+        ref = ref_attention(q, k_buf, v_buf, r2t, rows_t, (lens_t - 1).clamp_min(0), i32([1] * bs),
+                            torch.arange(bs), scale)
+        for fused in (True, False):
+            out = torch.full_like(q, float("nan"))
+            decode_attention(q, k_buf, v_buf, r2t, rows_t, lens_t, out, scale, workspace=ws, num_splits=splits,
+                             fused_merge=fused)
+            assert torch.equal(_counters(ws, bs * hkv), torch.zeros(bs * hkv, dtype=torch.int32))
+            live = lens_t > 0
+            assert rel_err(out[live], ref[live]) < 1e-3
+            assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+
+
+def test_decode_shared_workspace_across_batch_sizes():
+    """One workspace for several batch sizes (the decode graphs share one): each call's partials must miss every
+    other size's counters, so calls alternating sizes all merge. A layout with the counters right after a call's
+    own partials fails here: a larger batch's partials land on a smaller one's counters."""
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, max_len = 4, 2, 64, 200
+    sizes = {1: 4, 2: 3, 3: 2}  # batch size -> splits (shrinking as the batch grows, as decode_num_splits does)
+    numel = decode_shared_workspace_numel(sizes, hq, hkv, d, sizes.__getitem__)
+    assert numel >= max(decode_workspace_numel(b, hq, d, s, hkv) for b, s in sizes.items())
+    max_counters = max(sizes) * hkv
+    ws = _poisoned_workspace(numel, max_counters)
+    k_buf, v_buf = make_pool(4 * max_len + 1, hkv, d, torch.float32, gen)
+    r2t = make_slot_table(4, max_len, 1, 4 * max_len + 1, gen)
+    scale = d ** -0.5
+    for bs in (3, 1, 2, 3, 1, 2):
+        rows = torch.randperm(4, generator=gen)[:bs]
+        lens = torch.randint(1, max_len + 1, (bs,), generator=gen).to(torch.int32)
+        q = torch.randn(bs, hq, d, generator=gen)
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, k_buf, v_buf, r2t, rows, lens, out, scale, workspace=ws, num_splits=sizes[bs],
+                         fused_merge=True)
+        ref = ref_attention(q, k_buf, v_buf, r2t, rows, lens - 1, i32([1] * bs), torch.arange(bs), scale)
+        assert rel_err(out, ref) < 1e-3
+        assert torch.equal(_counters(ws, max_counters), torch.zeros(max_counters, dtype=torch.int32))
 
 
 def test_decode_num_splits_is_host_only():
@@ -220,6 +295,41 @@ def test_triton_backend_matches_torch_backend():
             outs.append(torch.stack(layer_outs))
         assert rel_err(outs[1], outs[0].float()) < 1e-3
     assert torch.equal(caches[0].buffer, caches[1].buffer)
+
+
+def test_triton_backend_decode_workspaces_across_batch_sizes():
+    """Split decode steps of several batch sizes through the backend: sizes up to the graph bound share the
+    graph workspace, larger ones an eager one that grows; each must match the torch backend, and both
+    workspaces' merge counters must be back at zero after every step."""
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, page_size, max_len, rows_total = 4, 2, 64, 1, 600, 6
+    caches = [KVCache(1, rows_total * max_len + 1, page_size, hkv, d, torch.float32, "cpu") for _ in range(2)]
+    r2t = make_slot_table(rows_total, max_len, page_size, rows_total * max_len, gen) + 1  # slot 0 reserved
+    scale = d ** -0.5
+    ref_be = TorchAttentionBackend(caches[0], r2t, hq, hkv, d, scale)
+    tri = TritonAttentionBackend(caches[1], r2t, hq, hkv, d, scale, max_context_len=max_len)
+    assert tri._num_splits(1) > 1 and tri._num_splits(rows_total) > 1  # every step here merges splits
+    tri.init_cuda_graph_state(max_bs=4)
+    for buf in caches:  # every key the steps read is defined (the steps store only the new token's K/V)
+        buf.buffer.copy_(torch.randn(buf.buffer.shape, generator=torch.Generator().manual_seed(1)))
+    for step, bs in enumerate((3, 1, 6, 4, 2, 5, 1)):
+        rows = torch.randperm(rows_total, generator=gen)[:bs].tolist()
+        prefix = torch.randint(0, max_len, (bs,), generator=gen).tolist()
+        meta = _meta(rows, prefix, [1] * bs, None, None, True)
+        meta.out_cache_loc = torch.stack([r2t[r, p] for r, p in zip(rows, prefix)]).long()
+        q = torch.randn(bs, hq, d, generator=gen)
+        k = torch.randn(bs, hkv, d, generator=gen)
+        v = torch.randn(bs, hkv, d, generator=gen)
+        ref_be.prepare(meta)
+        if bs <= 4:
+            tri.prepare_for_capture(meta)  # the graph path: the fixed workspace every captured size shares
+        else:
+            tri.prepare(meta)
+        out = tri.forward(q, k, v, 0)
+        assert rel_err(out, ref_be.forward(q, k, v, 0).float()) < 1e-3, (step, bs)
+        for ws, bound in ((tri._graph_workspace, 4), (tri._eager_workspace, tri._eager_ws_bs)):
+            if ws is not None:
+                assert torch.equal(_counters(ws, bound * hkv), torch.zeros(bound * hkv, dtype=torch.int32))
 
 
 # ------------------------------------------------------------------ elementwise -----------------------------

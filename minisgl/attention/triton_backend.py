@@ -3,7 +3,9 @@
 The kernels read every key through `req_to_token`, so they need no per-step planning: `prepare` only keeps
 the metadata, and CUDA Graph capture works by pointing the backend at the graph runner's fixed buffers.
 The one thing a captured decode needs fixed is its split count and workspace; both depend only on the batch
-size and `max_context_len`, never on the step's sequence lengths.
+size and `max_context_len`, never on the step's sequence lengths. The workspace's tail holds the split-merge
+counters (kernels/attention.py, DECODE_FUSED_MERGE): zeroed once here when allocated, left at zero by every
+launch, and sized for every batch size that shares it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from minisgl.attention.base import AttentionBackend, AttentionMetadata
 from minisgl.kernels.attention import (
     decode_attention,
     decode_num_splits,
-    decode_workspace_numel,
+    decode_shared_workspace_numel,
     extend_attention,
 )
 
@@ -35,23 +37,31 @@ class TritonAttentionBackend(AttentionBackend):
         device = req_to_token.device
         self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                          if device.type == "cuda" else 132)
+        # Workspaces and the largest batch each is sized for: one buffer serves every batch size up to its bound
+        # (the counters at its end must never be overwritten by another size's partials; see
+        # decode_shared_workspace_numel), so a batch is given a buffer by its size, not by the buffer's numel.
         self._graph_workspace: torch.Tensor | None = None  # fixed once allocated: captured graphs point at it
+        self._graph_ws_bs = 0
         self._eager_workspace: torch.Tensor | None = None  # grows for eager batches larger than max_bs
+        self._eager_ws_bs = 0
 
     def _num_splits(self, bs: int) -> int:
         return decode_num_splits(bs, self.num_kv_heads, self.max_context_len, self._num_sms)
 
-    def _workspace_numel(self, bs: int) -> int:
-        return decode_workspace_numel(bs, self.num_q_heads, self.head_dim, self._num_splits(bs))
+    def _workspace_numel(self, max_bs: int) -> int:
+        """Elements of a workspace shared by decode batches of 1..max_bs."""
+        return decode_shared_workspace_numel(range(1, max_bs + 1), self.num_q_heads, self.num_kv_heads,
+                                             self.head_dim, self._num_splits)
 
     def _workspace(self, bs: int, device: torch.device) -> torch.Tensor | None:
-        need = self._workspace_numel(bs)
-        if need == 0:
+        if self._num_splits(bs) <= 1:
             return None
-        if self._graph_workspace is not None and self._graph_workspace.numel() >= need:
+        if self._graph_workspace is not None and bs <= self._graph_ws_bs:
             return self._graph_workspace
-        if self._eager_workspace is None or self._eager_workspace.numel() < need:
-            self._eager_workspace = torch.empty(need, dtype=torch.float32, device=device)
+        if self._eager_workspace is None or bs > self._eager_ws_bs:
+            # zeros: the merge counters must start at zero (each launch leaves them so)
+            self._eager_workspace = torch.zeros(self._workspace_numel(bs), dtype=torch.float32, device=device)
+            self._eager_ws_bs = bs
         return self._eager_workspace
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
@@ -72,14 +82,16 @@ class TritonAttentionBackend(AttentionBackend):
     # --- CUDA Graph (decode) ---
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        # Splits shrink as the batch grows, so the largest workspace may belong to a mid-sized batch.
-        need = max(self._workspace_numel(bs) for bs in range(1, max_bs + 1))
-        if need and (self._graph_workspace is None or self._graph_workspace.numel() < need):
-            self._graph_workspace = torch.empty(need, dtype=torch.float32, device=self.req_to_token.device)
+        # Splits shrink as the batch grows, so the largest partials may belong to a mid-sized batch.
+        if max_bs <= self._graph_ws_bs:
+            return
+        need = self._workspace_numel(max_bs)
+        if need:  # zeros: the merge counters must start at zero (each launch leaves them so)
+            self._graph_workspace = torch.zeros(need, dtype=torch.float32, device=self.req_to_token.device)
+        self._graph_ws_bs = max_bs
 
     def prepare_for_capture(self, meta: AttentionMetadata) -> None:
-        need = self._workspace_numel(meta.batch_size)
-        if need and (self._graph_workspace is None or self._graph_workspace.numel() < need):
+        if self._num_splits(meta.batch_size) > 1 and meta.batch_size > self._graph_ws_bs:
             # An eager workspace may be reallocated later, which would leave the graph reading freed memory.
             raise RuntimeError("call init_cuda_graph_state(max_bs) before capturing this batch size")
         self.meta = meta

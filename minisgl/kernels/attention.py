@@ -10,6 +10,7 @@ The Triton import is guarded: this module imports on a machine without Triton; o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -20,7 +21,8 @@ except ImportError:  # CPU-only installs: nothing here can run, but importing mu
     triton = None
     tl = None
 
-__all__ = ["decode_attention", "decode_num_splits", "decode_workspace_numel", "extend_attention"]
+__all__ = ["DECODE_FUSED_MERGE", "decode_attention", "decode_num_splits", "decode_shared_workspace_numel",
+           "decode_workspace_numel", "extend_attention"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -40,20 +42,52 @@ def _require_triton() -> None:
 
 # ----------------------------------------------------------------------------------------------------------
 # Decode: stage 1 computes, for each (request, kv head, split), the softmax-normalised partial output of the
-# q heads sharing that kv head over the split's keys, plus its log-sum-exp (base 2). Stage 2 merges splits.
-# The split length is derived per request on the device from its seq_len, so the grid depends only on host
-# values and the launch can be captured in a CUDA graph; splits past a request's end do nothing.
+# q heads sharing that kv head over the split's keys, plus its log-sum-exp (base 2). The splits are then merged,
+# either by a second launch over (request, q head) (stage 2) or, with the fused merge, by whichever stage-1
+# program of a (request, kv head) finishes last. The split length is derived per request on the device from its
+# seq_len, so the grid depends only on host values and the launch can be captured in a CUDA graph; splits past
+# a request's end compute nothing.
 # ----------------------------------------------------------------------------------------------------------
+
+# The A/B switch of the fused merge: True merges the splits inside stage 1 (one launch per layer), False keeps
+# the separate stage-2 launch. `decode_attention(..., fused_merge=...)` overrides it per call.
+DECODE_FUSED_MERGE = True
+
+
+@_jit
+def _merge_head(
+    PartO, PartLse, Out, b, h, n_valid,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """out[b, h] from the first n_valid splits' partials: a log-sum-exp weighted mean (zeros if n_valid is 0)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < n_valid
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    lse = tl.load(PartLse + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=smask,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no valid split (seq_len 0): avoid inf - inf
+    w = tl.where(smask, tl.exp2(lse - m), 0.0)
+    o = tl.load(PartO + b.to(tl.int64) * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
+                + offs_d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    num = tl.sum(o * w[:, None], 0)
+    den = tl.sum(w, 0)
+    res = num / tl.maximum(den, 1e-30)
+    tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, res.to(Out.dtype.element_ty),
+             mask=dmask)
 
 
 @_jit
 def _decode_stage1_kernel(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, Out,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, Counters, Out,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -121,6 +155,34 @@ def _decode_stage1_kernel(
         tl.store(o_ptrs, tl.zeros([BLOCK_H, BLOCK_D], dtype=Out.dtype.element_ty),
                  mask=hmask[:, None] & dmask[None, :])
 
+    if FUSED_MERGE:  # only launched with NUM_SPLITS > 1
+        # "Last program merges": every split program of this (request, kv head) draws a ticket, empty splits
+        # too, so exactly one draws NUM_SPLITS - 1, and it draws it after every other program's ticket.
+        #
+        # Memory ordering. Triton (3.6) lowers a scalar atomic to one instruction issued by thread 0 alone,
+        # then broadcasts the old value through shared memory with a bar.sync. Thread 0's release covers only
+        # what thread 0 has seen, but the partials above were stored by all the program's threads: the
+        # barrier before the ticket makes every thread's stores happen-before thread 0's release (the
+        # cooperative-groups grid-sync order: CTA barrier, then one thread publishes at gpu scope). The
+        # acquire in the last program is also thread 0's; the barrier inside the branch (the branch is
+        # uniform, the ticket being the same in every thread) orders it before every thread's partial loads.
+        # Triton's broadcast already ends in a bar.sync, but that is how it lowers today, not a promise;
+        # this barrier costs one bar.sync in NUM_SPLITS-th of the programs.
+        counter = Counters + b * tl.num_programs(1) + kvh
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == NUM_SPLITS - 1:
+            tl.debug_barrier()
+            # Every ticket is drawn: no program of this launch touches the counter again, and the next launch
+            # (or CUDA-graph replay) is stream-ordered after this one, so a plain store re-arms it.
+            tl.store(counter, 0)
+            # Same split arithmetic as above: only the splits that saw keys wrote partials (the rest are stale).
+            n_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
+            for g in tl.static_range(GROUP):
+                _merge_head(PartO, PartLse, Out, b, kvh * GROUP + g, n_valid,
+                            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                            BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
+
 
 @_jit
 def _decode_stage2_kernel(
@@ -135,24 +197,9 @@ def _decode_stage2_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     # Same split arithmetic as stage 1: only splits that saw keys wrote partials (the rest hold garbage).
     n_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
-
-    offs_s = tl.arange(0, BLOCK_S)
-    smask = offs_s < n_valid
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < HEAD_DIM
-
-    lse = tl.load(PartLse + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=smask,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # no valid split (seq_len 0): avoid inf - inf
-    w = tl.where(smask, tl.exp2(lse - m), 0.0)
-    o = tl.load(PartO + b.to(tl.int64) * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
-                + offs_d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
-    num = tl.sum(o * w[:, None], 0)
-    den = tl.sum(w, 0)
-    res = num / tl.maximum(den, 1e-30)
-    tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, res.to(Out.dtype.element_ty),
-             mask=dmask)
+    _merge_head(PartO, PartLse, Out, b, h, n_valid,
+                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
 
 
 _num_sms_cache: dict[int, int] = {}
@@ -181,11 +228,31 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int | Non
     return int(max(1, min(want, _MAX_SPLITS)))
 
 
-def decode_workspace_numel(batch_size: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
-    """fp32 elements of the stage-1 partials: outputs [B, Hq, S, D] then log-sum-exps [B, Hq, S]."""
+def decode_workspace_numel(batch_size: int, num_q_heads: int, head_dim: int, num_splits: int,
+                           num_kv_heads: int) -> int:
+    """4-byte elements of one decode call's workspace: fp32 partial outputs [B, Hq, S, D] then log-sum-exps
+    [B, Hq, S] from the start, and B * Hkv int32 merge counters at the very end of the buffer (zero between
+    launches). A buffer shared by calls of several batch sizes needs `decode_shared_workspace_numel`."""
     if num_splits <= 1:
         return 0
-    return batch_size * num_q_heads * num_splits * (head_dim + 1)
+    return batch_size * num_q_heads * num_splits * (head_dim + 1) + batch_size * num_kv_heads
+
+
+def decode_shared_workspace_numel(batch_sizes: Iterable[int], num_q_heads: int, num_kv_heads: int, head_dim: int,
+                                  num_splits: Callable[[int], int]) -> int:
+    """Elements of one workspace that decode calls of every batch size in `batch_sizes` may share (the CUDA
+    graphs of several batch sizes do), `num_splits(bs)` giving each call's split count.
+
+    Partials grow from the start of the buffer and counters sit at its end, so sharing is safe only when no
+    call's partials reach any call's counters: room for the largest partials plus the largest counter block.
+    (The counters of different batch sizes overlap; that is fine, as each launch leaves its own at zero.)"""
+    partials = counters = 0
+    for bs in batch_sizes:
+        splits = num_splits(bs)
+        if splits > 1:
+            partials = max(partials, bs * num_q_heads * splits * (head_dim + 1))
+            counters = max(counters, bs * num_kv_heads)
+    return partials + counters
 
 
 def _decode_block_n(head_dim: int) -> int:
@@ -195,14 +262,16 @@ def _decode_block_n(head_dim: int) -> int:
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scale: float,
                      max_seq_len: int | None = None, workspace: torch.Tensor | None = None,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, fused_merge: bool | None = None) -> torch.Tensor:
     """One new token per request: out[b] = softmax(q[b] K_b^T * scale) V_b over keys 0..seq_lens[b]-1.
 
     q, out: [B, Hq, D] (last dim contiguous); k_buf, v_buf: [num_slots, Hkv, D]; req_pool_indices: [B];
     seq_lens: [B] (already counting the new token, whose K/V must be stored). `max_seq_len` is a host-side
     bound on seq_lens used only to pick the split count (pass a fixed bound when capturing a CUDA graph);
-    `workspace` is an optional flat fp32 buffer of at least `decode_workspace_numel(...)` elements, so a
-    captured graph reuses the same memory. Rows with seq_len 0 get zeros.
+    `workspace` is an optional flat 4-byte (fp32) buffer of at least `decode_workspace_numel(...)` elements,
+    ZEROED when allocated (its tail holds the merge counters, which every launch leaves at zero), so a captured
+    graph reuses the same memory. `fused_merge` (default: the module's DECODE_FUSED_MERGE) merges the splits
+    in the stage-1 launch instead of a second one. Rows with seq_len 0 get zeros.
     """
     _require_triton()
     B, Hq, D = q.shape
@@ -215,40 +284,47 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     group = Hq // Hkv
     if num_splits is None:
         num_splits = decode_num_splits(B, Hkv, max_seq_len, _num_sms(q.device))
+    if fused_merge is None:
+        fused_merge = DECODE_FUSED_MERGE
     block_n = _decode_block_n(D)
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
     block_d = max(16, triton.next_power_of_2(D))
+    block_s = max(2, triton.next_power_of_2(num_splits))
     ieee = k_buf.dtype == torch.float32  # q is cast to the cache dtype; fp32 dots must not drop to tf32
 
     if num_splits > 1:
-        need = decode_workspace_numel(B, Hq, D, num_splits)
+        need = decode_workspace_numel(B, Hq, D, num_splits, Hkv)
         if workspace is None:
-            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+            workspace = torch.zeros(need, dtype=torch.float32, device=q.device)  # zero counters
         if workspace.dtype != torch.float32 or workspace.numel() < need:
             raise ValueError(f"decode workspace too small: need {need} fp32 elements")
-        part_o = workspace[: B * Hq * num_splits * D].view(B, Hq, num_splits, D)
-        part_lse = workspace[B * Hq * num_splits * D: need].view(B, Hq, num_splits)
+        n_parts = B * Hq * num_splits * D
+        part_o = workspace[:n_parts].view(B, Hq, num_splits, D)
+        part_lse = workspace[n_parts: n_parts + B * Hq * num_splits].view(B, Hq, num_splits)
+        # At the end of the buffer, not after this call's partials: see decode_shared_workspace_numel.
+        counters = workspace[workspace.numel() - B * Hkv:].view(torch.int32)
     else:  # stage 1 writes `out` directly; these are placeholders for unused pointer arguments
         part_o = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
         part_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
+        counters = out.new_empty((1,), dtype=torch.int32)
+    fused = bool(fused_merge) and num_splits > 1
 
     _decode_stage1_kernel[(B, Hkv, num_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, out,
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, counters, out,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         scale * _LOG2E,
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits,
-        IEEE_DOT=ieee, num_warps=4, num_stages=2,
+        IEEE_DOT=ieee, FUSED_MERGE=fused, BLOCK_S=block_s, num_warps=4, num_stages=2,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _decode_stage2_kernel[(B, Hq)](
             part_o, part_lse, seq_lens, out,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
-            BLOCK_N=block_n, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, HEAD_DIM=D,
-            NUM_SPLITS=num_splits, num_warps=4,
+            BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits, num_warps=4,
         )
     return out
 
