@@ -22,6 +22,10 @@ case "${1:-minisgl}" in
       python3 scripts/gpu_gemv_tune.py --out "$OUT" > "$OUT/gemv_tune.log" 2>&1; tail -n 2 "$OUT/gemv_tune.log"
       [ -f "$OUT/gemv_configs.json" ] && export MINISGL_GEMV_CONFIGS=$OUT/gemv_configs.json
     fi
+    # the fused decode split merge against its reference first: the rest runs without it if that fails
+    run run10_merge decode_merge
+    grep -q '"returncode": 0' "$OUT/run10_merge.json" 2>/dev/null || { echo "fused merge check failed: off";
+      export MINISGL_DECODE_FUSED_MERGE=0; }
     run run10_35 qwen35,gemv_ab35
     run run10_06 sample06,gemv_ab06
     timeline new
@@ -36,7 +40,7 @@ case "${1:-minisgl}" in
     $S scripts/sglang_bench.py --model qwen3.5-0.8b --sections w1,w2,w3 --out "$OUT/sglang_35.json" \
       > "$OUT/sglang_35.log" 2>&1; tail -n 2 "$OUT/sglang_35.log" | cut -c1-300 ;;
   rest)
-    run run10_8b gemv_ab8
+    run run10_8b gemv_ab8,merge_ab06
     run run10_profile35 profile35
     QWEN35_CHECK_DTYPES=float32 run run10_check qwen35_check
     run run10_sweep sweep06 ;;

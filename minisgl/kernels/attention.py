@@ -10,6 +10,7 @@ The Triton import is guarded: this module imports on a machine without Triton; o
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -50,8 +51,10 @@ def _require_triton() -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 # The A/B switch of the fused merge: True merges the splits inside stage 1 (one launch per layer), False keeps
-# the separate stage-2 launch. `decode_attention(..., fused_merge=...)` overrides it per call.
-DECODE_FUSED_MERGE = True
+# the separate stage-2 launch. `decode_attention(..., fused_merge=...)` overrides it per call; the environment
+# variable MINISGL_DECODE_FUSED_MERGE=0 starts a process with it off (how a GPU script falls back when the GPU
+# check of the fused path fails).
+DECODE_FUSED_MERGE = os.environ.get("MINISGL_DECODE_FUSED_MERGE", "1") != "0"
 
 
 @_jit
