@@ -6,9 +6,10 @@ For every linear-layer weight shape of Qwen3-0.6B, Qwen3-8B and Qwen3.5-0.8B (bf
 cuBLAS (`F.linear`) and the GEMV under each candidate (BLOCK_N, BLOCK_K, warps). Each time is the median replay
 of a CUDA graph that calls the op on enough distinct weight copies to stream past the L2 cache, as a decode step
 streams its layers, divided by the calls. Correctness: every shape's pick against F.linear in fp32 on the same
-bf16 inputs. Writes DIR/gpu_gemv_tune.json (everything) and DIR/gemv_configs.json: per shape, the pick where the
-GEMV beat cuBLAS summed over the three row counts, else null (the engine keeps cuBLAS there). Point
-MINISGL_GEMV_CONFIGS at that file to use it.
+bf16 inputs. Writes DIR/gpu_gemv_tune.json (everything) and DIR/gemv_configs.json: per shape the tiles and the
+row counts where the GEMV beat cuBLAS (`pick`), else null (the engine keeps cuBLAS there). Point
+MINISGL_GEMV_CONFIGS at that file, or copy it to minisgl/kernels/gemv_tuned/<device name>.json, to use it;
+`--repick` redoes the picks from a tune's JSON on any machine.
 """
 
 from __future__ import annotations
@@ -64,6 +65,38 @@ def time_op(op, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
         for w in weights:
             op(x, w)
     return time_graph(calls, iters=15) / len(weights)
+
+
+MARGIN = 0.98  # the GEMV must beat cuBLAS by 2% for a row count to count as won (the timings' noise)
+
+
+def pick(row: dict) -> list[int] | None:
+    """[BLOCK_N, BLOCK_K, warps, max_rows] for one shape, or None. For each finalist tile (timed at 1, 2 and 4
+    rows), max_rows is the largest row count up to which the GEMV beat cuBLAS at every count; the pick saves the
+    most time summed over those counts (ties: the faster single row)."""
+    cublas = {int(r): t for r, t in row["cublas_us"].items()}
+    best, best_key = None, None
+    for cfg, times in row["gemv_us"].items():
+        times = {int(r): t for r, t in times.items()}
+        max_rows = 0
+        for r in sorted(times):
+            if times[r] >= MARGIN * cublas[r]:
+                break
+            max_rows = r
+        if max_rows:
+            key = (sum(cublas[r] - times[r] for r in times if r <= max_rows), -times[1])
+            if best_key is None or key > best_key:
+                best, best_key = [*map(int, cfg.split(",")), max_rows], key
+    return best
+
+
+def repick(out_dir: str | Path) -> dict:
+    """Rewrite DIR/gemv_configs.json from DIR/gpu_gemv_tune.json with `pick` (no GPU needed)."""
+    out_dir = Path(out_dir)
+    res = json.loads((out_dir / "gpu_gemv_tune.json").read_text())
+    picks = {f"{r['n']},{r['k']}": pick(r) for r in res["shapes"]}
+    (out_dir / "gemv_configs.json").write_text(json.dumps(picks, indent=1))
+    return picks
 
 
 def main(out_dir: str | Path = ".") -> dict:
@@ -126,7 +159,7 @@ def main(out_dir: str | Path = ".") -> dict:
         row["max_rel_err"] = max(errs)
         row["ok"] = row["max_rel_err"] < 1e-2
         row["seconds"] = round(time.time() - t0, 1)
-        picks[f"{n},{k}"] = list(best) if row["gemv_wins"] else None
+        picks[f"{n},{k}"] = pick(row)
         res["shapes"].append(row)
         print(f"{n}x{k}: cuBLAS {row['cublas_us']} us, GEMV {best} {row['gemv_us'][','.join(map(str, best))]} us, "
               f"err {row['max_rel_err']:.1e}", flush=True)
@@ -142,5 +175,9 @@ def main(out_dir: str | Path = ".") -> dict:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
+    ap.add_argument("--repick", action="store_true", help="only rewrite gemv_configs.json from the tune's JSON")
     args = ap.parse_args()
+    if args.repick:
+        print(json.dumps(repick(args.out)))
+        sys.exit(0)
     sys.exit(0 if main(args.out)["all_ok"] else 1)

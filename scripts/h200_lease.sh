@@ -39,6 +39,14 @@ case "${1:-minisgl}" in
       > "$OUT/sglang_06.log" 2>&1; tail -n 2 "$OUT/sglang_06.log" | cut -c1-300
     $S scripts/sglang_bench.py --model qwen3.5-0.8b --sections w1,w2,w3 --out "$OUT/sglang_35.json" \
       > "$OUT/sglang_35.log" 2>&1; tail -n 2 "$OUT/sglang_35.log" | cut -c1-300 ;;
+  rest2)  # after the GEMV picks per row count (minisgl/kernels/gemv_tuned/NVIDIA_H200.json): JSON only under $OUT
+    r2() { local f=$1; shift; python3 scripts/h200_run.py --out "$OUT" --file "$f.json" --sections "$@" \
+             > "/tmp/$f.log" 2>&1; tail -n 2 "/tmp/$f.log" | cut -c1-300; }
+    r2 run10_w2 w2_06,w2_35
+    r2 run10_8b gemv_ab8
+    r2 run10_sweep sweep06
+    r2 run10_merge_ab merge_ab06
+    QWEN35_CHECK_DTYPES=float32 r2 run10_check qwen35_check ;;
   rest)
     run run10_8b gemv_ab8,merge_ab06
     run run10_profile35 profile35

@@ -437,6 +437,8 @@ SECTIONS = {
     "profile35": lambda: profile_w1_slices("qwen3.5-0.8b"),
     "kernels_ew": lambda: kernels("--elementwise-only"),
     # the decode GEMV (kernels/gemv.py) on and off at batch 1, per model
+    "w2_06": lambda: bench("qwen3-0.6b", [("default", ["w2"], {})]),
+    "w2_35": lambda: bench("qwen3.5-0.8b", [("default", ["w2"], {})]),
     "gemv_ab06": lambda: bench("qwen3-0.6b", [("no_gemv", ["w2"], {"gemv": False})]),
     "gemv_ab8": lambda: bench("qwen3-8b", [("default", ["w2"], {}), ("no_gemv", ["w2"], {"gemv": False})]),
     "gemv_ab35": lambda: bench("qwen3.5-0.8b", [("no_gemv", ["w2"], {"gemv": False})]),

@@ -111,14 +111,26 @@ def test_cpu_tensors_take_torch_without_the_force(monkeypatch):
 
 def test_shapes_measured_slower_stay_cublas(force_triton, monkeypatch, tmp_path):
     table = tmp_path / "gemv.json"
-    table.write_text('{"48,32": null, "16,48": [2, 16, 1]}')
+    table.write_text('{"48,32": null, "16,48": [2, 16, 1], "8,16": [1, 16, 1, 1]}')
     monkeypatch.setattr(gv, "GEMV_CONFIGS", {})
     gv.load_configs(str(table))
-    assert gv.GEMV_CONFIGS == {(48, 32): None, (16, 48): (2, 16, 1)}
+    assert gv.GEMV_CONFIGS == {(48, 32): None, (16, 48): (2, 16, 1, gv.GEMV_MAX_ROWS), (8, 16): (1, 16, 1, 1)}
     model = _Tiny()
     assert gv.use_gemv(model) == 2  # proj (48 x 32) keeps its nn.Linear
     assert type(model.proj) is nn.Linear and isinstance(model.block[0], gv.GemvLinear)
+    assert model.block[0].max_rows == gv.GEMV_MAX_ROWS and model.head.max_rows == 1  # the measured row limit
     assert gv.gemv_config(16, 48) == (2, 16, 1)
+
+
+def test_gemv_linear_keeps_the_measured_row_limit(force_triton, monkeypatch):
+    monkeypatch.setitem(gv.GEMV_CONFIGS, (4, 8), (1, 16, 1, 2))
+    lin = gv.GemvLinear(nn.Linear(8, 4))
+    calls = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(gv, "gemv", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
+    for rows in (1, 2, 3, 4):
+        lin(torch.randn(rows, 8))
+    assert calls == [1, 2]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -145,3 +157,17 @@ def test_use_gemv_folds_the_decoder_mlp(force_triton):
     assert isinstance(wrapper.mlp, gv.GemvMLP) and set(wrapper.state_dict()) == keys
     torch.testing.assert_close(wrapper.mlp(x_small), want_small, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(wrapper.mlp(x_big), want_big)
+
+
+def test_mlp_fold_with_gate_up_left_to_cublas(force_triton, monkeypatch):
+    from minisgl.models.layers import MLP
+
+    torch.manual_seed(5)
+    wrapper = nn.Module()
+    wrapper.mlp = MLP(32, 48)
+    monkeypatch.setitem(gv.GEMV_CONFIGS, (96, 32), None)  # gate_up measured slower on the GEMV
+    x = torch.randn(1, 32)
+    want = wrapper.mlp(x)
+    assert gv.use_gemv(wrapper, max_rows=4) == 1
+    assert isinstance(wrapper.mlp, gv.GemvMLP) and type(wrapper.mlp.gate_up_proj) is nn.Linear
+    torch.testing.assert_close(wrapper.mlp(x), want, rtol=1e-5, atol=1e-5)

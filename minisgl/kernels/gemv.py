@@ -34,15 +34,16 @@ except ImportError:  # CPU-only installs: GemvLinear is plain F.linear
     triton = None
     tl = None
 
-__all__ = ["GEMV_CONFIGS", "GEMV_MAX_ROWS", "GemvLinear", "GemvMLP", "gemv", "gemv_config", "load_configs",
-           "load_device_table", "use_gemv"]
+__all__ = ["GEMV_CONFIGS", "GEMV_MAX_ROWS", "GemvLinear", "GemvMLP", "gemv", "gemv_config", "gemv_max_rows",
+           "load_configs", "load_device_table", "use_gemv"]
 
 # Rows (tokens) up to which the GEMV replaces cuBLAS; above it a GEMM's tiles reuse each weight load across rows.
 GEMV_MAX_ROWS = 4
-# (BLOCK_N, BLOCK_K, num_warps) by weight shape (N, K), or None where cuBLAS measured faster (use_gemv then keeps
-# the nn.Linear). Filled from the tuned table of the GPU (load_device_table: {"N,K": [bn, bk, warps] or null}, as
-# scripts/gpu_gemv_tune.py writes it); shapes not in it take gemv_config's rule.
-GEMV_CONFIGS: dict[tuple[int, int], tuple[int, int, int] | None] = {}
+# (BLOCK_N, BLOCK_K, num_warps, max_rows) by weight shape (N, K): the tiles, and up to how many rows the GEMV
+# beat cuBLAS; None where it never did (use_gemv then keeps the nn.Linear). Filled from the tuned table of the GPU
+# (load_device_table: {"N,K": [bn, bk, warps, rows] or null}, as scripts/gpu_gemv_tune.py writes it); shapes not
+# in it take gemv_config's rule up to GEMV_MAX_ROWS rows.
+GEMV_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int] | None] = {}
 
 
 def load_configs(path: str) -> None:
@@ -50,7 +51,8 @@ def load_configs(path: str) -> None:
         table = json.load(f)
     for key, value in table.items():
         n, k = (int(v) for v in key.split(","))
-        GEMV_CONFIGS[(n, k)] = tuple(value) if value is not None else None
+        # a 3-entry value (tiles only) holds up to GEMV_MAX_ROWS rows
+        GEMV_CONFIGS[(n, k)] = (*value, GEMV_MAX_ROWS)[:4] if value is not None else None
 
 
 # Tables measured by scripts/gpu_gemv_tune.py, one per GPU model: gemv_tuned/<device name>.json.
@@ -109,13 +111,23 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a weight of `n` outputs by `k` inputs."""
     if GEMV_CONFIGS.get((n, k)) is not None:
-        return GEMV_CONFIGS[(n, k)]
+        return GEMV_CONFIGS[(n, k)][:3]
     # Enough programs to keep every SM streaming (a few per SM), each loading 8-16 KB a step of its loop.
     block_k = min(triton.next_power_of_2(k), 1024)
     block_n = 8
     while block_n > 1 and n // block_n < 1024:
         block_n //= 2
     return block_n, block_k, 4
+
+
+def gemv_max_rows(n: int, k: int) -> int:
+    """Up to how many rows a weight of this shape takes the GEMV (0: cuBLAS always)."""
+    if (n, k) not in GEMV_CONFIGS:
+        return GEMV_MAX_ROWS
+    cfg = GEMV_CONFIGS[(n, k)]
+    if cfg is None:
+        return 0
+    return min(cfg[3], GEMV_MAX_ROWS) if len(cfg) > 3 else GEMV_MAX_ROWS
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -151,7 +163,7 @@ class GemvLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.max_rows = max_rows
+        self.max_rows = min(max_rows, gemv_max_rows(*linear.weight.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
@@ -169,20 +181,22 @@ class GemvMLP(nn.Module):
 
     def __init__(self, mlp: nn.Module, max_rows: int = GEMV_MAX_ROWS) -> None:
         super().__init__()
-        self.gate_up_proj = GemvLinear(mlp.gate_up_proj, max_rows)
+        # gate_up keeps cuBLAS where that measured faster; the fold rides on the down projection's GEMV
+        gate_up = mlp.gate_up_proj
+        self.gate_up_proj = GemvLinear(gate_up, max_rows) if _gemv_shape(gate_up) else gate_up
         self.down_proj = GemvLinear(mlp.down_proj, max_rows)
-        self.max_rows = max_rows
+        self.max_rows = self.down_proj.max_rows
         # a bound method, not a submodule: the parameters stay registered once, under their own names
         self._mlp_forward = mlp.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
-            return gemv(gemv(x, self.gate_up_proj.weight), self.down_proj.weight, silu_mul=True)
+            return gemv(self.gate_up_proj(x), self.down_proj.weight, silu_mul=True)
         return self._mlp_forward(x)
 
 
 def _gemv_shape(linear: nn.Module) -> bool:
-    return type(linear) is nn.Linear and GEMV_CONFIGS.get(tuple(linear.weight.shape), ()) is not None
+    return type(linear) is nn.Linear and gemv_max_rows(*linear.weight.shape) > 0
 
 
 def use_gemv(model: nn.Module, max_rows: int = GEMV_MAX_ROWS) -> int:
@@ -196,10 +210,11 @@ def use_gemv(model: nn.Module, max_rows: int = GEMV_MAX_ROWS) -> int:
 
     swapped = 0
     for name, child in list(model.named_children()):
-        if (type(child) is MLP and _gemv_shape(child.gate_up_proj) and _gemv_shape(child.down_proj)
-                and child.gate_up_proj.bias is None and child.down_proj.bias is None):
-            setattr(model, name, GemvMLP(child, max_rows))
-            swapped += 2
+        if (type(child) is MLP and _gemv_shape(child.down_proj) and child.down_proj.bias is None
+                and type(child.gate_up_proj) is nn.Linear):
+            mlp = GemvMLP(child, max_rows)
+            setattr(model, name, mlp)
+            swapped += 1 + isinstance(mlp.gate_up_proj, GemvLinear)
         elif _gemv_shape(child):
             setattr(model, name, GemvLinear(child, max_rows))
             swapped += 1
