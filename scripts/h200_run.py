@@ -449,16 +449,16 @@ SECTIONS = {
 
 
 def decode_merge_ab(model: str) -> dict:
-    """W2 (batch-1 decode) with the decode split merge fused into stage 1 (the default) and as a second launch;
+    """W2 (batch-1 decode) with the decode split merge fused into stage 1 and as a second launch (the default);
     the switch is module-level (kernels/attention.py DECODE_FUSED_MERGE), read when the graphs are captured."""
     from minisgl.kernels import attention
-    res = {}
+    res, default = {}, attention.DECODE_FUSED_MERGE
     for label, fused in (("fused_merge", True), ("two_launch_merge", False)):
         attention.DECODE_FUSED_MERGE = fused
         try:
             res.update(bench(model, [(label, ["w2"], {})]))
         finally:
-            attention.DECODE_FUSED_MERGE = True
+            attention.DECODE_FUSED_MERGE = default
     return res
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+COMMITS: dict[str, str] = {}  # section name -> the commit its file records
+
 
 def load(folder: Path) -> tuple[dict, dict, list[dict]]:
     """(sections by name, the environment of the first minisgl file, decode timelines)."""
@@ -29,6 +31,7 @@ def load(folder: Path) -> tuple[dict, dict, list[dict]]:
             continue
         for name, sec in data.get("sections", {}).items():
             sections[name] = sec["result"]
+            COMMITS[name] = data.get("environment", {}).get("git_commit", "?")
         e = data.get("environment", {})
         if e.get("git_commit") and "sglang" not in data and e.get("time_utc", "") > env.get("time_utc", ""):
             env = e  # the newest minisgl file's
@@ -152,6 +155,23 @@ def gemv_tables(tune: dict | None, sec: dict) -> list[str]:
     return lines
 
 
+def w2_runs_table(sec: dict) -> list[str]:
+    """Every W2 run of the lease, with its section, settings and commit (runs after a change sit beside the first)."""
+    rows = []
+    for name in ("sample06", "gemv_ab06", "w2_06", "merge_ab06", "qwen35", "gemv_ab35", "w2_35", "gemv_ab8"):
+        for label, run in sec.get(name, {}).items():
+            if isinstance(run, dict) and "w2" in run:
+                rows.append(f"| {name} / {label} | {COMMITS.get(name, '?')} | {run['w2']['ttft_ms_median']:.2f} | "
+                            f"{run['w2']['tpot_ms_median']:.3f} | {run.get('gemv_linears')} |")
+    if not rows:
+        return []
+    return ["## Every W2 run of the lease (batch 1, 8 requests x 256 tokens, medians)", "",
+            "Sections of scripts/h200_run.py: `w2_06`/`w2_35` ran after the GEMV's per-row-count picks "
+            "(minisgl/kernels/gemv_tuned/NVIDIA_H200.json); `merge_ab06` is the decode split merge fused (then "
+            "the default) vs two launches (the default since); `gemv_ab*` turn the GEMV off.", "",
+            "| section / run | commit | TTFT ms | TPOT ms | linears on the GEMV |", "|---|---|---|---|---|", *rows, ""]
+
+
 def main(folder: str, sglang_from: str | None = None) -> None:
     d = Path(folder)
     sec, env, timelines = load(d)
@@ -176,6 +196,7 @@ def main(folder: str, sglang_from: str | None = None) -> None:
     if "qwen35" in sec:
         w3 = sec.get("w3_06", {}).get("default", {}).get("w3")
         lines += qwen35_table(sec["qwen35"]["default"], sec, w3) + [""]
+    lines += w2_runs_table(sec)
     tune_path = d / "gpu_gemv_tune.json"
     lines += gemv_tables(json.loads(tune_path.read_text()) if tune_path.is_file() else None, sec)
     for dtype, r in sec.get("qwen35_check", {}).items():

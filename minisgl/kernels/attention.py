@@ -51,10 +51,12 @@ def _require_triton() -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 # The A/B switch of the fused merge: True merges the splits inside stage 1 (one launch per layer), False keeps
-# the separate stage-2 launch. `decode_attention(..., fused_merge=...)` overrides it per call; the environment
-# variable MINISGL_DECODE_FUSED_MERGE=0 starts a process with it off (how a GPU script falls back when the GPU
-# check of the fused path fails).
-DECODE_FUSED_MERGE = os.environ.get("MINISGL_DECODE_FUSED_MERGE", "1") != "0"
+# the separate stage-2 launch. Off by default: on an H200 the fused merge made Qwen3-0.6B's batch-1 decode step
+# slower, W2 TPOT 1.187 ms fused vs 1.150 ms two-launch (reports/h200/run10/run10_merge_ab.json): the merging
+# program waits for the slowest split and then merges alone, which costs more than the launch it saves.
+# `decode_attention(..., fused_merge=...)` overrides it per call; MINISGL_DECODE_FUSED_MERGE=1 starts a process
+# with it on.
+DECODE_FUSED_MERGE = os.environ.get("MINISGL_DECODE_FUSED_MERGE", "0") == "1"
 
 
 @_jit
