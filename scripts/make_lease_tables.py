@@ -38,6 +38,16 @@ def load(folder: Path) -> tuple[dict, dict, list[dict]]:
     return sections, env, timelines
 
 
+def latest_lease(root: str | Path) -> Path | None:
+    """The run folder under `root` (reports/h200) whose TABLES.md covers the newest lease with SGLang in it."""
+    best, stamp = None, ""
+    for tables in Path(root).glob("run*/TABLES.md"):
+        sections, env, _ = load(tables.parent)
+        if any(k.startswith("sglang_") for k in sections) and env.get("time_utc", "") > stamp:
+            best, stamp = tables.parent, env["time_utc"]
+    return best
+
+
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else ""
 

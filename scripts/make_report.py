@@ -426,9 +426,27 @@ def main(folder: str) -> None:
     lines += small_batch_profiles(sections)
     lines += flashinfer_lines(sections, b06)
     lines += reading(sections, b06, b8, prof, bw)
+    lines += latest_lease_lines(folder)
     with open(os.path.join(folder, "REPORT.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {os.path.join(folder, 'REPORT.md')}")
+
+
+def latest_lease_lines(folder: str) -> list[str]:
+    """The tables of the newest lease that measured both engines (reports/h200/runN/TABLES.md, generated from that
+    folder's JSON by scripts/make_lease_tables.py), one heading level down: the figures above are older runs'."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from make_lease_tables import latest_lease
+
+    run = latest_lease(folder)
+    if run is None:
+        return []
+    text = (run / "TABLES.md").read_text().splitlines()
+    body = ["#" + line if line.startswith("#") else line for line in text[1:]]
+    return ["", f"## The latest lease: minisgl and SGLang side by side (`{run.name}/`)", "",
+            f"The sections above come from the older single-engine runs named in them. `{run.name}/TABLES.md`, "
+            "copied here, measured both engines in one lease; where a figure appears in both places, this one is "
+            "newer.", *body]
 
 
 if __name__ == "__main__":
