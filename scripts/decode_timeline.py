@@ -107,6 +107,11 @@ def main() -> None:
     out = {
         "label": a.label, "root": os.environ.get("MINISGL_ROOT", "this checkout"), "environment": environment(),
         "switches": switches, "graphs": graph_counts(engine), "startup_s": round(startup_s, 2),
+        # how full the card is: one hypothesis for the wider kernel-to-kernel gap is address translation over a
+        # nearly full memory (test with --set kv_memory_fraction=0.3)
+        "memory_gib": {"allocated": round(torch.cuda.memory_allocated() / 2**30, 2),
+                       "reserved": round(torch.cuda.memory_reserved() / 2**30, 2),
+                       "free_on_card": round(torch.cuda.mem_get_info()[0] / 2**30, 2)},
         "unprofiled_ms_per_step": unprofiled_ms, "host_phases": phases, "profiled_steps": a.steps,
         "window_us": window, "gpu_busy_us_sum": busy, "gpu_activities": len(gpu),
         "activities_per_step": len(gpu) / a.steps, "idle_us_per_step": sum(g["idle_us"] for g in gaps) / a.steps,
