@@ -8,11 +8,12 @@ can do. Here each program owns a few output rows and the whole reduction: it loa
 of W, multiplies it by the matching slice of every input row, and adds into fp32 accumulators; there is no
 cross-program reduction, so one launch per matmul.
 
-`GemvLinear` wraps an `nn.Linear` (sharing its parameters): up to `GEMV_MAX_ROWS` rows take the GEMV, more rows
-`F.linear`; `GemvMLP` also folds the MLP's SiLU-and-mul into its down projection's GEMV. `use_gemv(model)` swaps
-every plain `nn.Linear` and decoder MLP of a model for them; the engine does that on a GPU for
-half-precision weights unless the `gemv` switch is off (`EngineConfig.gemv`, `--disable-gemv`). Like the other
-kernel modules, CPU tensors take the torch path unless MINISGL_FORCE_TRITON=1 (then the Triton interpreter).
+`GemvLinear` wraps an `nn.Linear` (sharing its parameters): up to `GEMV_MAX_ROWS` rows (fewer where the card's
+tuned table says cuBLAS wins from there on) take the GEMV, more rows `F.linear`; `GemvMLP` also folds the MLP's
+SiLU-and-mul into its down projection's GEMV. `use_gemv(model)` swaps every plain `nn.Linear` and decoder MLP of a
+model for them; the engine does that on a GPU for half-precision weights unless the `gemv` switch is off
+(`EngineConfig.gemv`, `--disable-gemv`). Like the other kernel modules, CPU tensors take the torch path unless
+MINISGL_FORCE_TRITON=1 (then the Triton interpreter).
 """
 
 from __future__ import annotations
