@@ -32,6 +32,7 @@ from minisgl.attention.base import AttentionMetadata  # noqa: E402
 from minisgl.kernels import elementwise as ew  # noqa: E402
 from minisgl.kernels.attention import (  # noqa: E402
     decode_attention,
+    decode_merge_counters,
     decode_num_splits,
     decode_shared_workspace_numel,
     decode_workspace_numel,
@@ -97,11 +98,6 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, bool]:
 MERGES = (("fused", True), ("two_launch", False))  # decode_attention's fused_merge, both sides of the A/B
 
 
-def merge_counters(ws: torch.Tensor, bs: int, hkv: int) -> torch.Tensor:
-    """The fused merge's counters: the workspace's last bs * hkv 4-byte elements (zero between launches)."""
-    return ws[ws.numel() - bs * hkv:].view(torch.int32)
-
-
 def check_decode(model: str, page_size: int, bs: int, ctx: int, gen: torch.Generator, results: list) -> None:
     hq, hkv, d = MODELS[model]
     lens = torch.randint(max(1, ctx // 2), ctx + 1, (bs,), generator=gen, device=DEV).tolist()
@@ -134,7 +130,7 @@ def check_decode(model: str, page_size: int, bs: int, ctx: int, gen: torch.Gener
         # after hundreds of replays: the last one's output still right, the counters back at zero
         err2, rerr2, nan2 = rel(out, ref)
         err, rerr, nan = max(err, err2), max(rerr, rerr2), nan or nan2
-        zero = splits == 1 or not bool(merge_counters(ws, bs, hkv).any())
+        zero = splits == 1 or not bool(decode_merge_counters(ws, bs, hkv).any())
         row.update({f"{name}_us": ms * 1e3, f"{name}_rel_err": rerr, f"{name}_max_abs_err": err,
                     f"{name}_nan": nan, f"{name}_counters_zero": zero})
         ok = ok and not nan and rerr < 2e-2 and zero
@@ -190,7 +186,7 @@ def check_decode_graph(gen: torch.Generator, results: list, replays: int = 40) -
             worst = max(worst, rerr)
             ok = ok and not nan and rerr < 2e-2
         empty_rows_zero = empty_rows_zero and bool((out[:bs][~live] == 0).all())
-    counters_zero = not bool(merge_counters(ws, max(sizes), hkv).any())
+    counters_zero = not bool(decode_merge_counters(ws, max(sizes), hkv).any())
     results.append(dict(kernel="decode_cuda_graph", sizes=list(sizes), splits=[splits_of(b) for b in sizes],
                         replays=replays, rel_err=worst, empty_rows_zero=empty_rows_zero,
                         counters_zero=counters_zero, ok=ok and empty_rows_zero and counters_zero))

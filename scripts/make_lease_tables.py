@@ -133,9 +133,7 @@ def gemv_tables(tune: dict | None, sec: dict) -> list[str]:
                   "| N x K | used by | cuBLAS 1 / 2 / 4 rows | GEMV 1 / 2 / 4 rows "
                   "| its tiles (BLOCK_N, BLOCK_K, warps) | 1 row TB/s cuBLAS / GEMV | max rel err | engine uses |",
                   "|---|---|---|---|---|---|---|---|"]
-        import sys
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from gpu_gemv_tune import pick
+        from gpu_gemv_tune import pick  # here: it imports torch, which the other tables do not need
 
         def used(r: dict) -> str:
             p = pick(r)

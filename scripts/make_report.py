@@ -435,8 +435,7 @@ def main(folder: str) -> None:
 def latest_lease_lines(folder: str) -> list[str]:
     """The tables of the newest lease that measured both engines (reports/h200/runN/TABLES.md, generated from that
     folder's JSON by scripts/make_lease_tables.py), one heading level down: the figures above are older runs'."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    from make_lease_tables import latest_lease
+    from make_lease_tables import latest_lease  # a sibling script (this one's folder is on the path)
 
     run = latest_lease(folder)
     if run is None:

@@ -61,7 +61,7 @@ def test_gemv_refuses_too_many_rows(force_triton):
 
 
 def test_config_override_is_used(force_triton, monkeypatch):
-    monkeypatch.setitem(gv.GEMV_CONFIGS, (40, 48), (2, 16, 1))
+    monkeypatch.setitem(gv.GEMV_CONFIGS, (40, 48), (2, 16, 1, gv.GEMV_MAX_ROWS))
     assert gv.gemv_config(40, 48) == (2, 16, 1)
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(1, 48, generator=gen), torch.randn(40, 48, generator=gen)

@@ -22,8 +22,8 @@ except ImportError:  # CPU-only installs: nothing here can run, but importing mu
     triton = None
     tl = None
 
-__all__ = ["DECODE_FUSED_MERGE", "decode_attention", "decode_num_splits", "decode_shared_workspace_numel",
-           "decode_workspace_numel", "extend_attention"]
+__all__ = ["DECODE_FUSED_MERGE", "decode_attention", "decode_merge_counters", "decode_num_splits",
+           "decode_shared_workspace_numel", "decode_workspace_numel", "extend_attention"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -260,6 +260,12 @@ def decode_shared_workspace_numel(batch_sizes: Iterable[int], num_q_heads: int, 
     return partials + counters
 
 
+def decode_merge_counters(workspace: torch.Tensor, batch_size: int, num_kv_heads: int) -> torch.Tensor:
+    """The fused merge's int32 counters, one per (request, kv head): the workspace's last batch_size * num_kv_heads
+    elements, at the end of the buffer rather than after this call's partials (see decode_shared_workspace_numel)."""
+    return workspace[workspace.numel() - batch_size * num_kv_heads:].view(torch.int32)
+
+
 def _decode_block_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
@@ -306,8 +312,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         n_parts = B * Hq * num_splits * D
         part_o = workspace[:n_parts].view(B, Hq, num_splits, D)
         part_lse = workspace[n_parts: n_parts + B * Hq * num_splits].view(B, Hq, num_splits)
-        # At the end of the buffer, not after this call's partials: see decode_shared_workspace_numel.
-        counters = workspace[workspace.numel() - B * Hkv:].view(torch.int32)
+        counters = decode_merge_counters(workspace, B, Hkv)
     else:  # stage 1 writes `out` directly; these are placeholders for unused pointer arguments
         part_o = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
         part_lse = out.new_empty((1, 1, 1), dtype=torch.float32)

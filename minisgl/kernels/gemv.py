@@ -126,9 +126,7 @@ def gemv_max_rows(n: int, k: int) -> int:
     if (n, k) not in GEMV_CONFIGS:
         return GEMV_MAX_ROWS
     cfg = GEMV_CONFIGS[(n, k)]
-    if cfg is None:
-        return 0
-    return min(cfg[3], GEMV_MAX_ROWS) if len(cfg) > 3 else GEMV_MAX_ROWS
+    return 0 if cfg is None else min(cfg[3], GEMV_MAX_ROWS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -205,8 +203,12 @@ def use_gemv(model: nn.Module, max_rows: int = GEMV_MAX_ROWS) -> int:
     returns how many were swapped. Subclasses (e.g. tensor-parallel linears) are left alone: their forward does
     more than the matmul."""
     weight = next(model.parameters(), None)
-    if not GEMV_CONFIGS and weight is not None and weight.is_cuda:  # (the recursion finds it loaded)
+    if not GEMV_CONFIGS and weight is not None and weight.is_cuda:
         load_device_table(torch.cuda.get_device_name(weight.device))
+    return _swap(model, max_rows)
+
+
+def _swap(model: nn.Module, max_rows: int) -> int:
     from minisgl.models.layers import MLP
 
     swapped = 0
@@ -220,5 +222,5 @@ def use_gemv(model: nn.Module, max_rows: int = GEMV_MAX_ROWS) -> int:
             setattr(model, name, GemvLinear(child, max_rows))
             swapped += 1
         else:
-            swapped += use_gemv(child, max_rows)
+            swapped += _swap(child, max_rows)
     return swapped
