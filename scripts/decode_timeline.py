@@ -3,10 +3,11 @@
     python scripts/decode_timeline.py --out DIR [--label NAME] [--set SWITCH=VALUE ...]
     MINISGL_ROOT=<older package> python scripts/decode_timeline.py --out DIR --label base     # an A/B
 
-W2's setting (one request, greedy, a 512-token prompt) on Qwen3-0.6B with dummy bf16 weights. After warm-up,
-20 decode steps run under torch.profiler; the script writes every GPU activity (kernels and copies) of the
-window with its start and duration, the gaps where the GPU idles, the host calls (graph launches, copies, kernel
-launches) that precede each large gap, and the unprofiled time per step. Besides (issue 13's 0.12 ms):
+W2's setting (one request, greedy, a 512-token prompt) on Qwen3-0.6B (or --model) with dummy bf16 weights.
+After warm-up, 20 decode steps run under torch.profiler; the script writes every GPU activity (kernels and
+copies) of the window with its start and duration, the gaps where the GPU idles, the host calls (graph
+launches, copies, kernel launches) that precede each large gap, and the unprofiled time per step.
+Besides (issue 13's 0.12 ms):
 - `host_phases`: the host's time per step by phase, unprofiled (schedule / launch / wait for the tokens), from
   the package's own minisgl.bench.profile when it has one;
 - `kernel_gap_us`: the mean gap between two kernels that follow each other within 3 us (inside a graph), in the
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--label", default="current")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--model", default="assets/configs/qwen3-0.6b", help="a model directory (dummy weights)")
     ap.add_argument("--set", action="append", default=[], metavar="SWITCH=VALUE",
                     help="an engine switch (EngineConfig field), e.g. prefill_graph_max_tokens=0; repeatable")
     a = ap.parse_args()
@@ -55,7 +57,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     t_start = time.perf_counter()
-    llm = LLM("assets/configs/qwen3-0.6b", load_format="dummy", dtype="bfloat16", **switches)
+    llm = LLM(a.model, load_format="dummy", dtype="bfloat16", **switches)
     startup_s = time.perf_counter() - t_start  # weights, KV pool and every graph's capture
     engine = llm.engine
     prompt = [(31 * i) % 10000 for i in range(512)]
@@ -105,7 +107,8 @@ def main() -> None:
         s[0] += 1
         s[1] += h.time_range.end - h.time_range.start
     out = {
-        "label": a.label, "root": os.environ.get("MINISGL_ROOT", "this checkout"), "environment": environment(),
+        "label": a.label, "model": a.model, "root": os.environ.get("MINISGL_ROOT", "this checkout"),
+        "environment": environment(),
         "switches": switches, "graphs": graph_counts(engine), "startup_s": round(startup_s, 2),
         # how full the card is: one hypothesis for the wider kernel-to-kernel gap is address translation over a
         # nearly full memory (test with --set kv_memory_fraction=0.3)

@@ -97,6 +97,51 @@ def lm_loss(model, x: torch.Tensor, device_type: str, unlikelihood: float = 0.0)
     return loss
 
 
+def repeat_mask(ids: torch.Tensor, n: int = 4) -> torch.Tensor:
+    """[B, L] bool: the positions covered by an n-gram that already occurred earlier in the same row (the
+    tokens a greedy loop repeats). Rows are short (~100 tokens), so a Python pass per row is cheap."""
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for r, row in enumerate(ids.tolist()):
+        seen: set[tuple[int, ...]] = set()
+        for i in range(len(row) - n + 1):
+            gram = tuple(row[i:i + n])
+            if gram in seen:
+                mask[r, i:i + n] = True
+            seen.add(gram)
+    return mask
+
+
+@torch.no_grad()
+def greedy_continue(model, prefixes: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """[B, new_tokens]: the model's own greedy continuation of each prefix (end-of-text suppressed, so every
+    row is full length)."""
+    model.eval()
+    with torch.autocast(device_type=prefixes.device.type, dtype=torch.bfloat16):
+        out = model.generate(input_ids=prefixes, attention_mask=torch.ones_like(prefixes), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    model.train()
+    return out[:, prefixes.shape[1]:]
+
+
+def sequence_unlikelihood_loss(model, prefixes: torch.Tensor, continuations: torch.Tensor,
+                               device_type: str, n: int = 4) -> tuple[torch.Tensor, float]:
+    """Sequence-level unlikelihood (Welleck et al. 2019, section 5.2): the model continues real prefixes
+    greedily; every continuation token that belongs to a repeated n-gram is a negative, and the loss is
+    -log(1 - p(token | its context)) over those tokens. Token-level training alone left the models looping
+    (reports/h200/tinymodel/); this penalises the loops the model actually produces. Returns the loss and the
+    share of continuation tokens that were in a repeat."""
+    x = torch.cat([prefixes, continuations], dim=1)
+    mask = repeat_mask(continuations, n)
+    with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+        logits = model(input_ids=x[:, :-1]).logits
+    p = prefixes.shape[1]
+    logits = logits[:, p - 1:].float()  # the positions that predicted each continuation token
+    prob = logits.softmax(-1).gather(-1, continuations[..., None]).squeeze(-1)
+    ul = -torch.log1p(-prob.clamp(max=1 - 1e-5))
+    # summed over the negatives, averaged over all continuation tokens: the push fades as the loops do
+    return (ul * mask).sum() / mask.numel(), mask.float().mean().item()
+
+
 def repeated_ngram_share(ids: list[int], n: int = 4) -> float:
     """seq-rep-n: the share of n-grams of a continuation that already occurred earlier in it (0: no loop)."""
     grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
@@ -118,6 +163,17 @@ def heldout_loss(model, held: torch.Tensor, args, device_type: str) -> float:
     return total / n_windows
 
 
+def heldout_repetition(model, held: torch.Tensor, prefixes: int = 64, prefix_tokens: int = 32,
+                       new_tokens: int = 64) -> float:
+    """Mean seq-rep-4 of the model's greedy continuations of held-out prefixes (evenly spaced, so the same ones
+    before and after fine-tuning): how much the model loops on text it never trained on."""
+    step = (held.numel() - prefix_tokens) // prefixes
+    starts = torch.arange(prefixes, device=held.device)[:, None] * step
+    ids = held[starts + torch.arange(prefix_tokens, device=held.device)].long()
+    conts = greedy_continue(model, ids, new_tokens)
+    return round(sum(repeated_ngram_share(row) for row in conts.tolist()) / prefixes, 4)
+
+
 @torch.no_grad()
 def greedy_samples(model, tok, device) -> dict[str, str]:
     model.eval()
@@ -129,6 +185,49 @@ def greedy_samples(model, tok, device) -> dict[str, str]:
         out[prompt] = {"text": tok.decode(gen[0], skip_special_tokens=False),
                        "repeated_4gram_share": round(repeated_ngram_share(new), 3)}
     return out
+
+
+def seq_ul_phase(model, train: torch.Tensor, held: torch.Tensor, gen: torch.Generator, args,
+                 device_type: str) -> dict:
+    """Fine-tune at a constant small LR for --seq-ul-seconds, alternating a sequence-level unlikelihood update
+    on the model's own greedy continuations with a plain cross-entropy update (which keeps the model a
+    language model: Welleck et al. mix the two the same way). Returns the phase's record."""
+    tok = PreTrainedTokenizerFast.from_pretrained(TOKENIZER_DIR)
+    before = {"heldout": round(heldout_loss(model, held, args, device_type), 4),
+              "heldout_repetition": heldout_repetition(model, held),
+              "samples": greedy_samples(model, tok, train.device)}
+    print(f"[seq-ul] before: held-out {before['heldout']:.4f}, greedy seq-rep-4 {before['heldout_repetition']}",
+          flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.seq_ul_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    history, updates, t0 = [], 0, time.time()
+    while time.time() - t0 < args.seq_ul_seconds:
+        if updates % 2 == 0:
+            prefixes = random_batch(train, args.seq_ul_batch, args.seq_ul_prefix - 1, gen)
+            conts = greedy_continue(model, prefixes, args.seq_ul_len)
+            loss, repeat_share = sequence_unlikelihood_loss(model, prefixes, conts, device_type)
+        else:
+            loss = lm_loss(model, random_batch(train, args.batch_size, args.seq_len, gen), device_type)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if updates % 2 == 0:
+            history.append({"update": updates, "seconds": round(time.time() - t0, 1),
+                            "ul_loss": round(loss.item(), 4), "repeated_token_share": round(repeat_share, 4)})
+            if len(history) % 10 == 1:
+                print(f"[seq-ul] update {updates:5d}  ul {loss.item():.4f}  repeated tokens "
+                      f"{repeat_share:.3f}  {time.time() - t0:6.1f}s", flush=True)
+        else:
+            history[-1]["lm_loss"] = round(loss.item(), 4)
+        updates += 1
+    after = round(heldout_loss(model, held, args, device_type), 4)
+    rep_after = heldout_repetition(model, held)
+    print(f"[seq-ul] {updates} updates in {time.time() - t0:.0f}s: held-out {before['heldout']:.4f} -> {after:.4f}, "
+          f"greedy seq-rep-4 {before['heldout_repetition']} -> {rep_after}", flush=True)
+    return {"seconds": args.seq_ul_seconds, "updates": updates, "lr": args.seq_ul_lr,
+            "batch": args.seq_ul_batch, "prefix_tokens": args.seq_ul_prefix, "generated_tokens": args.seq_ul_len,
+            "ngram": 4, "before": before, "heldout_after": after, "heldout_repetition_after": rep_after,
+            "history": history}
 
 
 def main() -> None:
@@ -153,6 +252,14 @@ def main() -> None:
     ap.add_argument("--unlikelihood", type=float, default=0.0,
                     help="weight of the token-level unlikelihood loss (0: plain cross-entropy)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (off: compile time)")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start from this saved model instead of random weights (e.g. to fine-tune only)")
+    ap.add_argument("--seq-ul-seconds", type=float, default=0.0,
+                    help="after pre-training, this many seconds of sequence-level unlikelihood fine-tuning")
+    ap.add_argument("--seq-ul-lr", type=float, default=1e-4)
+    ap.add_argument("--seq-ul-batch", type=int, default=64, help="prefixes per unlikelihood update")
+    ap.add_argument("--seq-ul-prefix", type=int, default=32, help="tokens of real text each continuation starts from")
+    ap.add_argument("--seq-ul-len", type=int, default=96, help="greedy tokens generated per prefix")
     args = ap.parse_args()
 
     wall0 = time.time()
@@ -179,8 +286,12 @@ def main() -> None:
     print(f"[data] train {train.numel():,} tokens, held-out {held.numel():,} ({time.time() - wall0:.1f}s)",
           flush=True)
 
-    config = make_config(args)
-    model = Qwen3ForCausalLM(config).float().to(device)  # fp32 master weights; bf16 under autocast
+    if args.init_from:
+        model = Qwen3ForCausalLM.from_pretrained(args.init_from, dtype=torch.float32).to(device)
+        config = model.config
+    else:
+        config = make_config(args)
+        model = Qwen3ForCausalLM(config).float().to(device)  # fp32 master weights; bf16 under autocast
     n_params = sum(p.numel() for p in model.parameters())
     tokens_per_step = args.batch_size * args.seq_len
     print(f"[model] {n_params:,} parameters; {tokens_per_step:,} tokens/step", flush=True)
@@ -246,6 +357,11 @@ def main() -> None:
     print(f"[eval] after {step} steps ({tokens_seen:,} tokens, {train_seconds:.0f}s): held-out {held_loss:.4f} "
           f"(ppl {math.exp(held_loss):.1f})", flush=True)
 
+    seq_ul = None
+    if args.seq_ul_seconds > 0:
+        seq_ul = seq_ul_phase(model, train, held, gen, args, dt)
+        held_loss = seq_ul["heldout_after"]
+
     # Weights first, so that a failure in anything after (tokenizer, sampling) loses nothing.
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -284,6 +400,7 @@ def main() -> None:
                                   f"{ttm.MIN_LR_FRACTION} x peak", "grad_clip": 1.0},
         "autocast": "bfloat16",
         "unlikelihood_weight": args.unlikelihood,
+        "sequence_unlikelihood": seq_ul,
         "compiled": args.compile,
         "corpus": {**{k: v for k, v in corpus.items() if k != "command"},
                    "train_tokens": int(train.numel()), "heldout_tokens": int(held.numel())},
