@@ -25,6 +25,7 @@ use_triton_interpreter("minisgl.kernels.attention", "minisgl.kernels.elementwise
 from minisgl.attention.base import AttentionMetadata  # noqa: E402
 from minisgl.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from minisgl.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from minisgl.kernels import attention as attention_kernels  # noqa: E402
 from minisgl.kernels import elementwise as ew  # noqa: E402
 from minisgl.kernels.attention import (  # noqa: E402
     decode_attention,
@@ -340,12 +341,20 @@ def _meta(rows, prefix, ext, total_slots_used, out_cache_loc, is_decode):
         extend_lens_cpu=list(ext))
 
 
-def test_triton_backend_matches_torch_backend():
-    """Extend then decode through the backend API (store_kv included), against the torch backend."""
+@pytest.mark.parametrize("fused_store", [True, False], ids=["fused_store", "store_kv"])
+def test_triton_backend_matches_torch_backend(fused_store, monkeypatch):
+    """Extend then decode through the backend API (the K/V store included), against the torch backend: the same
+    outputs and the same pool. With DECODE_FUSED_STORE the decode step stores inside the decode kernel and never
+    calls the pool's store; off, and in every extend step, it stores through the pool first."""
+    monkeypatch.setattr(attention_kernels, "DECODE_FUSED_STORE", fused_store)
     gen = torch.Generator().manual_seed(3)
     hq, hkv, d, page_size, layers = 8, 2, 64, 4, 2
     num_pages, max_len = 40, 48
     caches = [KVCache(layers, num_pages, page_size, hkv, d, torch.float32, "cpu") for _ in range(2)]
+    stores = []  # (is_decode, layer) of every store through the Triton backend's pool
+    pool_store = caches[1].store
+    monkeypatch.setattr(caches[1], "store", lambda layer, *a: (stores.append((meta.is_decode, layer)),
+                                                                pool_store(layer, *a)))
     r2t = torch.zeros(4, max_len, dtype=torch.int32)
     table = make_slot_table(2, max_len, page_size, num_pages - 1, gen) + page_size  # page 0 stays reserved
     r2t[1], r2t[3] = table[0], table[1]
@@ -377,6 +386,10 @@ def test_triton_backend_matches_torch_backend():
             outs.append(torch.stack(layer_outs))
         assert rel_err(outs[1], outs[0].float()) < 1e-3
     assert torch.equal(caches[0].buffer, caches[1].buffer)
+    expected = [(False, layer) for layer in range(layers)]
+    if not fused_store:
+        expected += [(True, layer) for layer in range(layers)]
+    assert stores == expected
 
 
 def test_triton_backend_decode_workspaces_across_batch_sizes():
@@ -542,3 +555,33 @@ def test_elementwise_cpu_path_without_force():
     w = torch.ones(16)
     assert os.environ.get("MINISGL_FORCE_TRITON", "0") != "1"
     assert torch.equal(ew.rms_norm(x, w, 1e-6), ew.rms_norm_ref(x, w, 1e-6))
+
+
+# ------------------------------------------------------------------ engine ----------------------------------
+
+
+@pytest.mark.parametrize("fused_store", [True, False], ids=["fused_store", "store_kv"])
+def test_engine_on_triton_backend_matches_hf(fused_store, qwen3_path, make_llm, monkeypatch):
+    """A tiny Qwen3 (fp32) through the engine on the Triton attention backend under the interpreter, with the
+    decode K/V store in the decode kernel and as a separate store: greedy tokens equal Hugging Face's, and every
+    decode attention call stored its K/V itself exactly when the switch is on."""
+    from helpers import assert_parity, hf_greedy
+
+    from minisgl import SamplingParams
+    from minisgl.attention import triton_backend
+
+    monkeypatch.setattr(attention_kernels, "DECODE_FUSED_STORE", fused_store)
+    fused_calls = []
+    run = triton_backend.decode_attention
+
+    def recorded(*args, **kwargs):
+        fused_calls.append(kwargs.get("new_kv") is not None)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", recorded)
+    prompts = [[5, 9, 17, 3, 44, 8, 21, 60, 2, 7, 11], [100, 4, 4, 4, 33], [7]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm = make_llm(qwen3_path, dtype="float32", attention_backend="triton", page_size=4)
+    outs = llm.generate(prompts, params)
+    assert_parity(outs, hf_greedy(qwen3_path, prompts, max_new_tokens=5), prompts)
+    assert fused_calls and set(fused_calls) == {fused_store}
