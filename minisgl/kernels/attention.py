@@ -127,13 +127,16 @@ def _decode_stage1_kernel(
     if start < end:
         if FUSED_STORE:
             if end == seq_len:  # this split holds position seq_len - 1, the new token: store its K/V first
-                # Every other program reads only positions of its own split (or other requests' slots), never
-                # this slot, so this program is the only reader to order the store against. Its threads store
+                # Visibility. No other program reads this slot: the other splits of this row read only their
+                # own positions, and a new token's slot is freshly allocated, so no other request's table
+                # points at it. This program is the only reader to order the store against. Its threads store
                 # the row in one layout and load key tiles (through req_to_token, which points position
                 # seq_len - 1 at OutLoc[b]) in another, so a thread may load an element another thread stored:
                 # the CTA barrier (bar.sync) makes every thread's global stores before it visible to every
                 # thread of the block after it, as __syncthreads does. The branch is uniform (scalars only), so
-                # every thread reaches the barrier. Padded CUDA-graph rows (slot 0, seq_len 1) store to the
+                # every thread reaches the barrier. The key loads after it, the pipelined ones included, are
+                # plain or cp.async gathers issued after the barrier in program order (not TMA, whose async
+                # proxy would need a proxy fence). Padded CUDA-graph rows (slot 0, seq_len 1) store to the
                 # reserved slot 0 here, as store_kv would; no live request ever reads it.
                 slot = tl.load(OutLoc + b).to(tl.int64)
                 kn = tl.load(KNew + b.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d, mask=dmask)
