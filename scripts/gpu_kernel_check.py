@@ -5,9 +5,13 @@ contexts up to 32k, against an fp32 torch reference on the GPU; a CUDA-graph cap
 elementwise kernels against their torch references. Timings come from triton.testing.do_bench.
 Decode runs both split merges (DECODE_FUSED_MERGE's A/B: merged by the last stage-1 program, or a second
 launch); each row carries both errors and times (`us`, `rel_err`, `kv_gbps` are the fused path's).
+Decode's K/V store runs both ways too (DECODE_FUSED_STORE's A/B: stored by the decode kernel, or store_kv first),
+each captured in a CUDA graph, the fused side's new slots poisoned with NaN before every replay so that a key
+read before its store landed shows up.
 
     python scripts/gpu_kernel_check.py --out results.json [--quick]
     python scripts/gpu_kernel_check.py --out results.json --decode-merge-only   # the merge A/B alone
+    python scripts/gpu_kernel_check.py --out results.json --decode-store-only   # the store A/B alone
 
 Exits non-zero if any check fails; the JSON holds every case either way.
 """
@@ -31,6 +35,7 @@ from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 from minisgl.attention.base import AttentionMetadata  # noqa: E402
 from minisgl.kernels import elementwise as ew  # noqa: E402
 from minisgl.kernels.attention import (  # noqa: E402
+    DECODE_FUSED_MERGE,
     decode_attention,
     decode_merge_counters,
     decode_num_splits,
@@ -190,6 +195,94 @@ def check_decode_graph(gen: torch.Generator, results: list, replays: int = 40) -
     results.append(dict(kernel="decode_cuda_graph", sizes=list(sizes), splits=[splits_of(b) for b in sizes],
                         replays=replays, rel_err=worst, empty_rows_zero=empty_rows_zero,
                         counters_zero=counters_zero, ok=ok and empty_rows_zero and counters_zero))
+
+
+def _store_then(bufs, loc, k, v, attend) -> None:
+    """The unfused decode layer: store_kv's launch, then attention over the stored keys."""
+    ew.store_kv(*bufs, loc, k, v)
+    attend()
+
+
+def check_decode_store(model: str, page_size: int, bs: int, ctx: int, gen: torch.Generator, results: list,
+                       trials: int = 20) -> None:
+    """DECODE_FUSED_STORE's A/B at one shape: decode_attention storing the new K/V itself (new_kv=) against
+    store_kv then decode_attention, each captured in a CUDA graph as the engine runs a decode layer, k/v as views
+    of a qkv output. Before every replay the fused side's new slots are set to NaN: a key tile read before the
+    store landed (a missing barrier) turns the row's output into NaN. The batch holds a row of one key and, from
+    3 rows up, a CUDA-graph padded last row (slot 0, seq_len 1). Both sides must give the same buffers and the
+    reference's output, for both split merges; times are the default merge's replays (`saves_us` = store_kv's
+    launch and gap, per layer)."""
+    hq, hkv, d = MODELS[model]
+    lens = torch.randint(max(1, ctx // 2), ctx + 1, (bs,), generator=gen, device=DEV).tolist()
+    lens[0] = ctx
+    if bs > 1:
+        lens[1] = 1  # the new token is the request's only key
+    pad = bs >= 3
+    if pad:
+        lens[-1] = 1
+    k0, v0, num_pages = make_cache(lens, page_size, hkv, d, torch.bfloat16, gen)  # make_table leaves page 0 free
+    table = make_table(lens, page_size, num_pages, MAX_CONTEXT, gen)
+    rows = torch.arange(bs, device=DEV)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    loc = table[rows, seq_lens - 1].long()
+    if pad:
+        loc[-1] = 0  # a padded row: stores to the reserved slot 0, reads its stale row's position 0
+    live = loc != 0
+    qkv = torch.randn(bs, (hq + 2 * hkv) * d, generator=gen, device=DEV, dtype=torch.bfloat16)
+    q = qkv[:, : hq * d].view(bs, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(bs, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(bs, hkv, d)
+    scale = d ** -0.5
+    splits = decode_num_splits(bs, hkv, MAX_CONTEXT, NUM_SMS)
+    row = dict(kernel="decode_store", model=model, page_size=page_size, bs=bs, ctx=ctx, splits=splits,
+               padded_row=pad, default_fused_merge=DECODE_FUSED_MERGE)
+    ok = True
+    for merge, fused_merge in MERGES:
+        bufs = {side: (k0.clone(), v0.clone()) for side in ("fused", "store_kv")}
+        outs = {side: torch.empty(bs, hq, d, device=DEV, dtype=torch.bfloat16) for side in bufs}
+        # zeroed: the fused merge's counters live at the end and must start at zero
+        wss = {side: torch.zeros(max(1, decode_workspace_numel(bs, hq, d, splits, hkv)), dtype=torch.float32,
+                                 device=DEV) for side in bufs}
+        attend = {side: functools.partial(decode_attention, q, *bufs[side], table, rows, seq_lens, outs[side], scale,
+                                          max_seq_len=MAX_CONTEXT, workspace=wss[side], num_splits=splits,
+                                          fused_merge=fused_merge) for side in bufs}
+        runs = {"fused": functools.partial(attend["fused"], new_kv=(k, v, loc)),
+                "store_kv": functools.partial(_store_then, bufs["store_kv"], loc, k, v, attend["store_kv"])}
+        graphs = {side: capture(fn)[0] for side, fn in runs.items()}
+        worst, nan, diff, bitwise, same_bufs = 0.0, False, 0.0, True, True
+        for trial in range(trials):
+            qkv.copy_(torch.randn(qkv.shape, generator=gen, device=DEV, dtype=torch.bfloat16))
+            kf, vf = bufs["fused"]
+            kf[loc[live]] = float("nan")  # poison: only the kernel's own store can make these keys finite
+            vf[loc[live]] = float("nan")
+            for side in ("fused", "store_kv"):
+                outs[side].fill_(float("nan"))
+                graphs[side].replay()
+            torch.cuda.synchronize()
+            of, ou = outs["fused"][live], outs["store_kv"][live]
+            nan = nan or bool(torch.isnan(of).any())
+            d_abs = (of.float() - ou.float()).abs().max().item()
+            diff = max(diff, d_abs / max(ou.float().abs().max().item(), 1e-6))
+            bitwise = bitwise and torch.equal(of, ou)
+            (ku, vu) = bufs["store_kv"]
+            same_bufs = same_bufs and torch.equal(kf[1:], ku[1:]) and torch.equal(vf[1:], vu[1:])
+            if pad:  # slot 0 holds the padded row's k/v
+                same_bufs = same_bufs and torch.equal(kf[0], k[-1]) and torch.equal(vf[0], v[-1])
+            if trial in (0, trials - 1):
+                ref = ref_attention(q, kf, vf, table, rows, seq_lens - 1, torch.ones_like(seq_lens),
+                                    torch.arange(bs, device=DEV), scale)
+                worst = max(worst, rel(outs["fused"][live], ref[live])[1])
+        counters_zero = splits == 1 or not bool(decode_merge_counters(wss["fused"], bs, hkv).any())
+        row.update({f"{merge}_merge_rel_err": worst, f"{merge}_merge_nan": nan, f"{merge}_merge_vs_store_kv": diff,
+                    f"{merge}_merge_bitwise_equal": bitwise, f"{merge}_merge_same_buffers": same_bufs,
+                    f"{merge}_merge_counters_zero": counters_zero})
+        ok = ok and not nan and worst < 2e-2 and diff < 1e-2 and same_bufs and counters_zero
+        if fused_merge == DECODE_FUSED_MERGE:  # time the merge the engine runs
+            for side, fn in runs.items():
+                row[f"{side}_us"] = do_bench_cudagraph(fn, rep=50) * 1e3
+            row["saves_us"] = row["store_kv_us"] - row["fused_us"]
+    row["ok"] = ok
+    results.append(row)
 
 
 def check_backend(backend: str, model: str, page_size: int, gen: torch.Generator, results: list) -> None:
@@ -486,6 +579,8 @@ def main() -> int:
                     help="comma list (e.g. triton,flashinfer): only the backend checks and timings")
     ap.add_argument("--decode-merge-only", action="store_true",
                     help="only decode: fused vs two-launch split merge (check + time) and the graph replay check")
+    ap.add_argument("--decode-store-only", action="store_true",
+                    help="only decode: K/V stored by the decode kernel vs store_kv first (check + time)")
     ap.add_argument("--elementwise-only", action="store_true",
                     help="only the elementwise kernels (Qwen3's and Qwen3.5's), not attention")
     args = ap.parse_args()
@@ -507,6 +602,13 @@ def main() -> int:
                 for ctx in (1024, 8192):
                     guarded(check_decode, model, 1, bs, ctx)
         return finish(args, results, t0)
+    if args.decode_store_only:
+        for model in MODELS:
+            for page_size in (1, 16):
+                for bs in (1, 2, 8, 64):
+                    for ctx in (1024, 8192):
+                        guarded(check_decode_store, model, page_size, bs, ctx)
+        return finish(args, results, t0)
     if args.elementwise_only:
         guarded(check_elementwise)
         guarded(check_qwen35_elementwise)
@@ -527,6 +629,9 @@ def main() -> int:
                 for ctx in ctxs if not args.quick else [4096, 32768]:
                     guarded(check_decode, model, page_size, bs, ctx)
     guarded(check_decode_graph)
+    for bs in (1, 8):
+        for page_size in (1, 16):
+            guarded(check_decode_store, "qwen3-0.6b", page_size, bs, 4096)
     for page_size in (1, 16):
         guarded(check_backend, "triton", "qwen3-8b", page_size)
     extend_cases = [

@@ -30,6 +30,9 @@ Sections (comma separated):
   decode_merge  decode attention, split merge fused into stage 1 vs a second launch: both checked against the
              reference and timed (batch 1-256, contexts 1k/8k), plus a CUDA-graph replay check of the counters
   merge_ab06 W2 on Qwen3-0.6B with the fused split merge and with the two-launch one
+  decode_store  decode attention storing the step's K/V itself vs store_kv first: both checked (NaN-poisoned new
+             slots, same buffers, the reference's output) and timed as CUDA-graph replays (batch 1-64, 1k/8k)
+  store_ab06 W2 on Qwen3-0.6B with the decode K/V store fused into decode attention and with store_kv first
   qwen35     W2, W1, W3 on Qwen3.5-0.8B shapes (dummy bf16)
   qwen35_check  Qwen3.5 greedy tokens with CUDA Graph on and off, prefill graphs on and off, and a radix second
              pass (QWEN35_CHECK_DTYPES)
@@ -445,6 +448,9 @@ SECTIONS = {
     # decode attention's split merge in stage 1 vs a second launch: kernel check + timing, then W2 end to end
     "decode_merge": lambda: kernels("--decode-merge-only"),
     "merge_ab06": lambda: decode_merge_ab("qwen3-0.6b"),
+    # decode's K/V store inside the decode attention kernel vs a store_kv launch first: kernel A/B, then W2
+    "decode_store": lambda: kernels("--decode-store-only"),
+    "store_ab06": lambda: decode_store_ab("qwen3-0.6b"),
 }
 
 
@@ -459,6 +465,21 @@ def decode_merge_ab(model: str) -> dict:
             res.update(bench(model, [(label, ["w2"], {})]))
         finally:
             attention.DECODE_FUSED_MERGE = default
+    return res
+
+
+def decode_store_ab(model: str) -> dict:
+    """W2 (batch-1 decode) with the decode K/V store fused into decode attention (the default) and as a store_kv
+    launch first; the switch is module-level (kernels/attention.py DECODE_FUSED_STORE), read by the Triton backend
+    at every decode forward, so each engine's graphs capture the path set when it starts."""
+    from minisgl.kernels import attention
+    res, default = {}, attention.DECODE_FUSED_STORE
+    for label, fused in (("fused_store", True), ("store_kv", False)):
+        attention.DECODE_FUSED_STORE = fused
+        try:
+            res.update(bench(model, [(label, ["w2"], {})]))
+        finally:
+            attention.DECODE_FUSED_STORE = default
     return res
 
 

@@ -6,6 +6,9 @@ The one thing a captured decode needs fixed is its split count and workspace; bo
 size and `max_context_len`, never on the step's sequence lengths. The workspace's tail holds the split-merge
 counters (kernels/attention.py, DECODE_FUSED_MERGE): zeroed once here when allocated, left at zero by every
 launch, and sized for every batch size that shares it.
+
+A decode step stores its new K/V inside the decode kernel (kernels/attention.py, DECODE_FUSED_STORE): one launch
+fewer per layer. `forward` still stores k/v either way; extend steps always store with store_kv first.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.attention.base import AttentionBackend, AttentionMetadata
+from minisgl.kernels import attention as attention_kernels
 from minisgl.kernels.attention import (
     decode_attention,
     decode_num_splits,
@@ -64,16 +68,26 @@ class TritonAttentionBackend(AttentionBackend):
             self._eager_ws_bs = bs
         return self._eager_workspace
 
+    def _fuse_store(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether this decode step's K/V store goes into the decode kernel (the switch is read at every call, so
+        a captured graph holds whichever path was set when it was captured)."""
+        return attention_kernels.DECODE_FUSED_STORE and k.stride(-1) == 1 and v.stride(-1) == 1
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        self.store_kv(k, v, layer_id)
         meta = self.meta
+        fuse_store = meta.is_decode and self._fuse_store(k, v)
+        if not fuse_store:
+            self.store_kv(k, v, layer_id)
         k_buf, v_buf = self.kv_cache.k_buffers[layer_id], self.kv_cache.v_buffers[layer_id]
         out = torch.empty_like(q)
         if meta.is_decode:
             bs = q.shape[0]
+            # fused: the stage-1 kernel stores row b's k/v at out_cache_loc[b] before reading keys (a decode
+            # step has one new token per row, so out_cache_loc is per row)
             decode_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.seq_lens, out,
                              self.scale, max_seq_len=self.max_context_len,
-                             workspace=self._workspace(bs, q.device), num_splits=self._num_splits(bs))
+                             workspace=self._workspace(bs, q.device), num_splits=self._num_splits(bs),
+                             new_kv=(k, v, meta.out_cache_loc) if fuse_store else None)
         else:
             extend_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.prefix_lens,
                              meta.extend_lens, meta.extend_start, out, self.scale, meta.max_extend_len)

@@ -4,6 +4,13 @@ Both read keys through `req_to_token`, so the pool's page size never matters to 
 - K/V buffers of one layer: `[num_slots, num_kv_heads, head_dim]`, slot = page * page_size + offset.
 - `req_to_token[row, pos]` (int32) is the slot of token `pos` of the request that owns `row`.
 
+Decode can also store the step's new K/V itself (DECODE_FUSED_STORE, on by default): the stage-1 program that
+owns a request's last position writes that token's K and V into the buffers before it reads any key, so a decode
+step needs no separate store launch per layer. The switch exists for the A/B: at batch 1 a decode step is a few
+hundred short kernels, and the store kernel (~1.2 us plus a ~0.4 us kernel-to-kernel gap, once per layer) is a
+measurable part of it; turning the switch off (MINISGL_DECODE_FUSED_STORE=0) brings back the separate store_kv
+launch unchanged, to measure what the fusion saves or to rule it out when chasing a bug.
+
 The Triton import is guarded: this module imports on a machine without Triton; only the launchers fail.
 """
 
@@ -22,8 +29,8 @@ except ImportError:  # CPU-only installs: nothing here can run, but importing mu
     triton = None
     tl = None
 
-__all__ = ["DECODE_FUSED_MERGE", "decode_attention", "decode_merge_counters", "decode_num_splits",
-           "decode_shared_workspace_numel", "decode_workspace_numel", "extend_attention"]
+__all__ = ["DECODE_FUSED_MERGE", "DECODE_FUSED_STORE", "decode_attention", "decode_merge_counters",
+           "decode_num_splits", "decode_shared_workspace_numel", "decode_workspace_numel", "extend_attention"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -58,6 +65,12 @@ def _require_triton() -> None:
 # with it on.
 DECODE_FUSED_MERGE = os.environ.get("MINISGL_DECODE_FUSED_MERGE", "0") == "1"
 
+# The A/B switch of the fused K/V store: True lets the Triton backend hand a decode step's new K/V (and their
+# slots) to decode_attention, whose stage-1 kernel stores them (`new_kv=`); False keeps the separate store_kv launch
+# before attention, exactly as before. Read by the backend at every decode forward (so a CUDA graph captures
+# whichever path is set when it is captured); MINISGL_DECODE_FUSED_STORE=0 starts a process with it off.
+DECODE_FUSED_STORE = os.environ.get("MINISGL_DECODE_FUSED_STORE", "1") != "0"
+
 
 @_jit
 def _merge_head(
@@ -86,13 +99,14 @@ def _merge_head(
 
 @_jit
 def _decode_stage1_kernel(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, Counters, Out,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, Counters, Out, KNew, VNew, OutLoc,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    stride_knb, stride_knh, stride_vnb, stride_vnh,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, FUSED_STORE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -111,6 +125,25 @@ def _decode_stage1_kernel(
     dmask = offs_d < HEAD_DIM
 
     if start < end:
+        if FUSED_STORE:
+            if end == seq_len:  # this split holds position seq_len - 1, the new token: store its K/V first
+                # Visibility. No other program reads this slot: the other splits of this row read only their
+                # own positions, and a new token's slot is freshly allocated, so no other request's table
+                # points at it. This program is the only reader to order the store against. Its threads store
+                # the row in one layout and load key tiles (through req_to_token, which points position
+                # seq_len - 1 at OutLoc[b]) in another, so a thread may load an element another thread stored:
+                # the CTA barrier (bar.sync) makes every thread's global stores before it visible to every
+                # thread of the block after it, as __syncthreads does. The branch is uniform (scalars only), so
+                # every thread reaches the barrier. The key loads after it, the pipelined ones included, are
+                # plain or cp.async gathers issued after the barrier in program order (not TMA, whose async
+                # proxy would need a proxy fence). Padded CUDA-graph rows (slot 0, seq_len 1) store to the
+                # reserved slot 0 here, as store_kv would; no live request ever reads it.
+                slot = tl.load(OutLoc + b).to(tl.int64)
+                kn = tl.load(KNew + b.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d, mask=dmask)
+                tl.store(K + slot * stride_kn + kvh * stride_kh + offs_d, kn.to(K.dtype.element_ty), mask=dmask)
+                vn = tl.load(VNew + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=dmask)
+                tl.store(V + slot * stride_vn + kvh * stride_vh + offs_d, vn.to(V.dtype.element_ty), mask=dmask)
+                tl.debug_barrier()
         row = tl.load(ReqPoolIdx + b).to(tl.int64)
         q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=hmask[:, None] & dmask[None, :], other=0.0)
@@ -273,11 +306,16 @@ def _decode_block_n(head_dim: int) -> int:
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scale: float,
                      max_seq_len: int | None = None, workspace: torch.Tensor | None = None,
-                     num_splits: int | None = None, fused_merge: bool | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, fused_merge: bool | None = None,
+                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One new token per request: out[b] = softmax(q[b] K_b^T * scale) V_b over keys 0..seq_lens[b]-1.
 
     q, out: [B, Hq, D] (last dim contiguous); k_buf, v_buf: [num_slots, Hkv, D]; req_pool_indices: [B];
-    seq_lens: [B] (already counting the new token, whose K/V must be stored). `max_seq_len` is a host-side
+    seq_lens: [B] (already counting the new token). Without `new_kv` the new token's K/V must already be stored;
+    with `new_kv = (k, v, loc)` (k, v: [B, Hkv, D], any token/head strides, last dim contiguous; loc: [B] slots,
+    the slots req_to_token holds at position seq_lens[b] - 1) the kernel stores k[b], v[b] at loc[b] itself,
+    cast to the buffers' dtype, before it reads any key (DECODE_FUSED_STORE); rows of seq_len 0 store nothing,
+    and rows sharing a slot (CUDA-graph padding on slot 0) store in no defined order. `max_seq_len` is a host-side
     bound on seq_lens used only to pick the split count (pass a fixed bound when capturing a CUDA graph);
     `workspace` is an optional flat 4-byte (fp32) buffer of at least `decode_workspace_numel(...)` elements,
     ZEROED when allocated (its tail holds the merge counters, which every launch leaves at zero), so a captured
@@ -292,6 +330,12 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     assert req_to_token.stride(-1) == 1
     if B == 0:
         return out
+    if new_kv is not None:
+        k_new, v_new, out_loc = new_kv
+        assert k_new.shape == (B, Hkv, D) and v_new.shape == (B, Hkv, D) and out_loc.shape == (B,)
+        assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
+    else:  # placeholders for the unused pointer arguments (FUSED_STORE is off)
+        k_new, v_new, out_loc = k_buf, v_buf, seq_lens
     group = Hq // Hkv
     if num_splits is None:
         num_splits = decode_num_splits(B, Hkv, max_seq_len, _num_sms(q.device))
@@ -321,13 +365,16 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 
     _decode_stage1_kernel[(B, Hkv, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, counters, out,
+        k_new, v_new, out_loc,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         scale * _LOG2E,
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits,
-        IEEE_DOT=ieee, FUSED_MERGE=fused, BLOCK_S=block_s, num_warps=4, num_stages=2,
+        IEEE_DOT=ieee, FUSED_MERGE=fused, BLOCK_S=block_s, FUSED_STORE=new_kv is not None, num_warps=4,
+        num_stages=2,
     )
     if num_splits > 1 and not fused:
         _decode_stage2_kernel[(B, Hq)](
