@@ -13,6 +13,8 @@
 #   sglang   SGLang 0.5.16 on the same card: Qwen3-0.6B (W1, W1 top-k/top-p, W2, W3, sweep), Qwen3.5-0.8B
 #   rest     W2 0.6B/3.5, Qwen3-8B W2 with the GEMV on/off, the batch-mix sweep, the decode merge A/B, Qwen3.5
 #            greedy with graphs on/off (fp32)
+#   decode   the batch-1 step (issue 10): the decode K/V store fused into attention checked and A/B'd on W2, 8B W2,
+#            the step's timeline for 0.6B (default, and with a tiny KV pool) and 8B, the bare graph-gap test
 # The device returns at most 8 files a call (run10 lost two JSON files to that): JSON under $OUT, logs under
 # /tmp/lease-logs, packed into $OUT/logs.tgz when the part ends; each part writes at most 7 JSON files.
 set -u
@@ -51,4 +53,13 @@ case "${1:-minisgl}" in
     run run10_sweep sweep06
     run run10_merge_ab merge_ab06
     QWEN35_CHECK_DTYPES=float32 run run10_check qwen35_check ;;
+  decode)
+    run store_check decode_store
+    run store_ab store_ab06,w2_8b
+    timeline new
+    # a fuller card spaced out a bare graph's kernels (run11 graph_gap.json: 0.83 -> 1.00 us from 25% full)
+    timeline new_tinykv --set kv_memory_fraction=0.02
+    timeline 8b --model assets/configs/qwen3-8b
+    python3 scripts/gpu_graph_gap.py --out "$OUT" --fills 0,0.01,0.03,0.1,0.25 > /tmp/lease-logs/graph_gap.log 2>&1
+    tail -n 1 /tmp/lease-logs/graph_gap.log | cut -c1-300 ;;
 esac

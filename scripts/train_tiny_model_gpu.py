@@ -402,6 +402,11 @@ def main() -> None:
         "unlikelihood_weight": args.unlikelihood,
         "sequence_unlikelihood": seq_ul,
         "compiled": args.compile,
+        # fine-tuning an earlier model: its own record, so the shipped TRAINING.json tells the whole history
+        "init_from": None if args.init_from is None else {
+            "path": str(args.init_from),
+            "record": json.loads((args.init_from / "TRAINING.json").read_text())
+            if (args.init_from / "TRAINING.json").is_file() else None},
         "corpus": {**{k: v for k, v in corpus.items() if k != "command"},
                    "train_tokens": int(train.numel()), "heldout_tokens": int(held.numel())},
         "loss": {"heldout_at_init": round(init_held, 4), "heldout": round(held_loss, 4),
