@@ -59,19 +59,46 @@ def merged_state(src: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def check(dest: Path, prompt: str = "The function returns") -> str:
+def check(dest: Path, tokens: int = 40) -> dict:
+    """Load the installed model with Hugging Face, on the CPU in fp32 as the tests and the demo do, and record
+    into its TRAINING.json (`installed_check`) what a user meets: greedy text for the trainer's sample prompts
+    with its repeated-4-gram share, and how sharp the predictions along those continuations are (near-ties
+    between the top two logits are where two correct engines may pick different greedy tokens)."""
+    from train_tiny_model_gpu import SAMPLE_PROMPTS, repeated_ngram_share
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(dest)
     model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32).eval()
-    ids = tok(prompt, return_tensors="pt")
-    t = time.time()
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=40, do_sample=False)
-    text = tok.decode(out[0])
-    print(f"[check] {sum(p.numel() for p in model.parameters()):,} parameters; greedy 40 tokens in "
-          f"{time.time() - t:.2f}s: {text!r}")
-    return text
+    samples, top_probs, gaps, seconds = {}, [], [], []
+    for prompt in SAMPLE_PROMPTS:
+        ids = tok(prompt, return_tensors="pt")
+        t = time.time()
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=tokens, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True)
+        seconds.append(time.time() - t)
+        new = out.sequences[0, ids["input_ids"].shape[1]:].tolist()
+        samples[prompt] = {"text": tok.decode(out.sequences[0]), "repeated_4gram_share": round(
+            repeated_ngram_share(new), 3)}
+        for scores in out.scores:
+            top2 = scores[0].float().topk(2)
+            top_probs.append(scores[0].float().softmax(-1).max().item())
+            gaps.append((top2.values[0] - top2.values[1]).item())
+    gaps.sort()
+    result = {"parameters": sum(p.numel() for p in model.parameters()), "greedy_tokens": tokens,
+              "greedy_seconds_each": [round(x, 2) for x in seconds], "samples": samples,
+              "mean_top_token_probability": round(sum(top_probs) / len(top_probs), 3),
+              "median_top2_logit_gap": round(gaps[len(gaps) // 2], 3), "smallest_top2_logit_gap": round(gaps[0], 5),
+              "torch": torch.__version__, "threads": torch.get_num_threads()}
+    record = dest / "TRAINING.json"
+    data = json.loads(record.read_text())
+    data["installed_check"] = result
+    record.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    for sample in samples.values():
+        print(f"[check] {sample['repeated_4gram_share']:.3f} repeated: {sample['text']!r}")
+    print(f"[check] {result['parameters']:,} parameters; mean top-token probability "
+          f"{result['mean_top_token_probability']}, median top-2 logit gap {result['median_top2_logit_gap']}")
+    return result
 
 
 def main() -> None:
@@ -90,6 +117,7 @@ def main() -> None:
         save_file(tensors, str(stage / "model.safetensors"), metadata={"format": "pt"})
         for name in COPIED:
             shutil.copy(src / name, stage / name)
+            (stage / name).chmod(0o644)  # the device returns read-only files
         for name in TOKENIZER_FILES:
             shutil.copy(args.tokenizer_from / name, stage / name)
         dest.mkdir(parents=True, exist_ok=True)
