@@ -74,6 +74,9 @@ class EngineConfig:
                                   "pieces (engine/graph_pieces.py)", disable=True)
     gemv: bool = _opt(True, "--disable-gemv", "matmuls of at most 4 rows (batch-1..4 decode) through cuBLAS, not "
                       "minisgl's Triton GEMV (kernels/gemv.py; GPU, bf16/fp16 weights)", disable=True)
+    pdl: bool = _opt(True, "--disable-pdl", "launch minisgl's Triton kernels in plain stream order, without "
+                     "programmatic dependent launch (kernels/pdl.py; sm_90+ GPUs; process-wide, MINISGL_PDL=0 "
+                     "also turns it off)", disable=True)
     # prefill/extend steps as CUDA Graphs too (with cuda_graph on, Triton attention; engine/prefill_graph.py)
     prefill_graph_max_tokens: int = _opt(4096, "--prefill-graph-max-tokens",
                                          "largest prefill/extend step (tokens) replayed as a CUDA graph; token "

@@ -33,6 +33,12 @@ Sections (comma separated):
   decode_store  decode attention storing the step's K/V itself vs store_kv first: both checked (NaN-poisoned new
              slots, same buffers, the reference's output) and timed as CUDA-graph replays (batch 1-64, 1k/8k)
   store_ab06 W2 on Qwen3-0.6B with the decode K/V store fused into decode attention and with store_kv first
+  pdl_check  programmatic dependent launch (kernels/pdl.py): a decode-like kernel chain captured with PDL on and
+             off, outputs bitwise equal over fresh-input replays with NaN-poisoned new K/V slots, timed
+             (scripts/gpu_pdl_check.py); then Qwen3-0.6B greedy and seeded-sampling tokens (batch 1 and 8, a few
+             hundred decode steps) with PDL on, off, and on without CUDA graphs: all must equal PDL off's
+  pdl_ab06   W2 on Qwen3-0.6B with PDL on / off / on without the GEMV's early weight load, interleaved twice
+  pdl_ab8    W2 on Qwen3-8B with PDL on and off
   qwen35     W2, W1, W3 on Qwen3.5-0.8B shapes (dummy bf16)
   qwen35_check  Qwen3.5 greedy tokens with CUDA Graph on and off, prefill graphs on and off, and a radix second
              pass (QWEN35_CHECK_DTYPES)
@@ -451,6 +457,10 @@ SECTIONS = {
     # decode's K/V store inside the decode attention kernel vs a store_kv launch first: kernel A/B, then W2
     "decode_store": lambda: kernels("--decode-store-only"),
     "store_ab06": lambda: decode_store_ab("qwen3-0.6b"),
+    # programmatic dependent launch of the Triton kernels (kernels/pdl.py): correctness, then W2 on / off
+    "pdl_check": lambda: pdl_check(),
+    "pdl_ab06": lambda: pdl_ab("qwen3-0.6b", rounds=2, early_weights_ab=True),
+    "pdl_ab8": lambda: pdl_ab("qwen3-8b", rounds=1),
 }
 
 
@@ -480,6 +490,79 @@ def decode_store_ab(model: str) -> dict:
             res.update(bench(model, [(label, ["w2"], {})]))
         finally:
             attention.DECODE_FUSED_STORE = default
+    return res
+
+
+def pdl_check() -> dict:
+    """PDL's GPU checks: the kernel chain (scripts/gpu_pdl_check.py), then engine tokens with PDL on and off."""
+    import subprocess
+    path = "/tmp/gpu_pdl_check.json"
+    rc = subprocess.run([sys.executable, "scripts/gpu_pdl_check.py", "--out", path]).returncode
+    out = {"kernels_returncode": rc}
+    try:
+        with open(path) as f:
+            out["kernels"] = json.load(f)
+    except OSError as exc:
+        out["kernels"] = {"error": repr(exc)}
+    out["tokens"] = pdl_tokens("qwen3-0.6b")
+    out["ok"] = rc == 0 and out["tokens"]["ok"]
+    return out
+
+
+def pdl_tokens(model: str, new_tokens: int = 300) -> dict:
+    """Tokens of Qwen3-0.6B (dummy bf16) with PDL on (graphs), on without CUDA graphs, and off: batch 1 (two
+    prompts, each alone: the GEMV path) and batch 8, greedy and seeded top-k/top-p sampling, `new_tokens` each.
+    PDL changes no arithmetic, so every run must give PDL off's tokens exactly."""
+    import random
+    rng = random.Random(10)
+    prompts = [[rng.randint(0, 150000) for _ in range(rng.randint(50, 400))] for _ in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    sampled = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=new_tokens, ignore_eos=True,
+                              seed=100 + i) for i in range(len(prompts))]
+    runs = {}
+    for label, kw in (("no_pdl", {"pdl": False}), ("pdl", {}), ("pdl_no_graph", {"cuda_graph": False})):
+        llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16", max_model_len=4096, kv_memory_fraction=0.3,
+                  **kw)
+        from minisgl.kernels import pdl
+        toks = {"bs1_greedy": [llm.generate([p], greedy, progress=False)[0].token_ids for p in prompts[:2]],
+                "bs8_greedy": [o.token_ids for o in llm.generate(prompts, greedy, progress=False)],
+                "bs8_sampled": [o.token_ids for o in llm.generate(prompts, sampled, progress=False)]}
+        runs[label] = {"pdl_enabled": pdl.PDL_ENABLED,
+                       "pdl_active": bool(pdl.pdl_launch(next(llm.engine.runner.model.parameters()))),
+                       "graph_steps": llm.engine.stats["graph_steps"], "decode_steps": llm.engine.stats["decode_steps"],
+                       "tokens": toks}
+        llm = None
+        free_gpu()
+    ref = runs["no_pdl"]["tokens"]
+    out = {}
+    for label, r in runs.items():
+        same = {k: [a == b for a, b in zip(v, ref[k])] for k, v in r["tokens"].items()}
+        first_diff = {k: [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                          for a, b in zip(v, ref[k])] for k, v in r["tokens"].items()}
+        out[label] = {**{k: v for k, v in r.items() if k != "tokens"}, "same_as_no_pdl": same,
+                      "first_divergence": first_diff}
+        log("pdl_tokens", label, {k: v for k, v in out[label].items() if k != "first_divergence"})
+    out["ok"] = (all(all(all(v) for v in o["same_as_no_pdl"].values()) for o in out.values())
+                 and out["pdl"]["pdl_active"] and not out["no_pdl"]["pdl_enabled"])
+    return out
+
+
+def pdl_ab(model: str, rounds: int = 1, early_weights_ab: bool = False) -> dict:
+    """W2 (batch-1 decode) with PDL on (the default) and off (`pdl=False`), interleaved `rounds` times; with
+    early_weights_ab also PDL on with the GEMV's early weight load off (kernels/gemv.py PDL_EARLY_WEIGHTS,
+    module-level, read at every launch, so each engine's graphs capture the value set when it starts)."""
+    from minisgl.kernels import gemv
+    res, default = {}, gemv.PDL_EARLY_WEIGHTS
+    for r in range(rounds):
+        runs = [("pdl", {}, True), ("no_pdl", {"pdl": False}, True)]
+        if early_weights_ab:
+            runs.append(("pdl_no_early_weights", {}, False))
+        for label, kw, early in runs:
+            gemv.PDL_EARLY_WEIGHTS = early
+            try:
+                res.update(bench(model, [(f"{label}_{r}" if rounds > 1 else label, ["w2"], kw)]))
+            finally:
+                gemv.PDL_EARLY_WEIGHTS = default
     return res
 
 

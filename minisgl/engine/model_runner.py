@@ -22,6 +22,7 @@ from minisgl.engine.graph_pieces import run_in_pieces
 from minisgl.engine.prefill_graph import pad_extend_step, pad_state_step
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_bytes
+from minisgl.kernels import pdl
 from minisgl.kvcache import KVCache, ReqToTokenPool
 from minisgl.kvcache.state_pool import HybridAttentionMetadata, StatePool
 from minisgl.loader import DTYPES, load_model
@@ -68,6 +69,9 @@ class ModelRunner:
     def _setup(self, config: EngineConfig, rank: int, tp_link: tuple | None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        # programmatic dependent launch of the Triton kernels: a process-wide flag, set before any kernel is
+        # compiled or graph captured (kernels/pdl.py; the engine started last decides for the whole process)
+        pdl.configure(config.pdl)
         if config.tp_size > 1:  # --- tensor parallelism: join (rank 0: start) the group; a GPU per rank ---
             from minisgl.distributed import TensorParallel
             self.tp = TensorParallel(config, rank, self.device, tp_link)

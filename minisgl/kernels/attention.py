@@ -11,6 +11,9 @@ hundred short kernels, and the store kernel (~1.2 us plus a ~0.4 us kernel-to-ke
 measurable part of it; turning the switch off (MINISGL_DECODE_FUSED_STORE=0) brings back the separate store_kv
 launch unchanged, to measure what the fusion saves or to rule it out when chasing a bug.
 
+Every kernel here takes `USE_PDL` (programmatic dependent launch, kernels/pdl.py): launched with it, a kernel may
+start while its predecessor still runs, so its first statement, before any global load or store, is the wait.
+
 The Triton import is guarded: this module imports on a machine without Triton; only the launchers fail.
 """
 
@@ -21,6 +24,8 @@ import os
 from collections.abc import Callable, Iterable
 
 import torch
+
+from minisgl.kernels.pdl import pdl_enter, pdl_launch
 
 try:
     import triton
@@ -106,8 +111,10 @@ def _decode_stage1_kernel(
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    BLOCK_S: tl.constexpr, FUSED_STORE: tl.constexpr,
+    BLOCK_S: tl.constexpr, FUSED_STORE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # before any global access, the K/V store and the shared counters included (kernels/pdl.py)
+        pdl_enter()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -212,7 +219,9 @@ def _decode_stage1_kernel(
         if ticket == NUM_SPLITS - 1:
             tl.debug_barrier()
             # Every ticket is drawn: no program of this launch touches the counter again, and the next launch
-            # (or CUDA-graph replay) is stream-ordered after this one, so a plain store re-arms it.
+            # (or CUDA-graph replay) is stream-ordered after this one, so a plain store re-arms it. With PDL the
+            # next stage-1 launch (the next layer's) may start early, but it waits before touching memory, and
+            # that wait returns only after every kernel before it, this one included, has completed.
             tl.store(counter, 0)
             # Same split arithmetic as above: only the splits that saw keys wrote partials (the rest are stale).
             n_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
@@ -227,8 +236,10 @@ def _decode_stage2_kernel(
     PartO, PartLse, SeqLens, Out,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        pdl_enter()
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
@@ -363,6 +374,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         counters = out.new_empty((1,), dtype=torch.int32)
     fused = bool(fused_merge) and num_splits > 1
 
+    kw = pdl_launch(q)
     _decode_stage1_kernel[(B, Hkv, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, counters, out,
         k_new, v_new, out_loc,
@@ -373,15 +385,16 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         scale * _LOG2E,
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits,
-        IEEE_DOT=ieee, FUSED_MERGE=fused, BLOCK_S=block_s, FUSED_STORE=new_kv is not None, num_warps=4,
-        num_stages=2,
+        IEEE_DOT=ieee, FUSED_MERGE=fused, BLOCK_S=block_s, FUSED_STORE=new_kv is not None, USE_PDL=bool(kw),
+        num_warps=4, num_stages=2, **kw,
     )
     if num_splits > 1 and not fused:
         _decode_stage2_kernel[(B, Hq)](
             part_o, part_lse, seq_lens, out,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
-            BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits, num_warps=4,
+            BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits,
+            USE_PDL=bool(kw), num_warps=4, **kw,
         )
     return out
 
@@ -449,8 +462,10 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_r2t,
     qk_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        pdl_enter()
     b = tl.program_id(0)
     h = tl.program_id(1)
     # Last query blocks first: under the causal mask they have the most keys, so the short ones fill the tail.
@@ -545,12 +560,13 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     block_d = max(16, triton.next_power_of_2(D))
     ieee = k_buf.dtype == torch.float32  # q is cast to the cache dtype; fp32 dots must not drop to tf32
     grid = (B, Hq, triton.cdiv(max_extend_len, bm))
+    kw = pdl_launch(q)
     _extend_kernel[grid](
         q, k_buf, v_buf, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
         scale * _LOG2E,
-        GROUP=Hq // Hkv, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, HEAD_DIM=D, IEEE_DOT=ieee,
-        num_warps=num_warps, num_stages=num_stages,
+        GROUP=Hq // Hkv, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, HEAD_DIM=D, IEEE_DOT=ieee, USE_PDL=bool(kw),
+        num_warps=num_warps, num_stages=num_stages, **kw,
     )
     return out

@@ -9,6 +9,9 @@ Each op has a torch reference (`*_ref`, the semantics) and a fused Triton kernel
 Triton for CUDA tensors and the reference otherwise; setting MINISGL_FORCE_TRITON=1 sends CPU tensors to
 Triton too, which only works under TRITON_INTERPRET=1 (that is how the kernels are tested without a GPU).
 Triton is optional: without it this module still imports and everything runs the torch path.
+
+Every kernel takes `USE_PDL` (programmatic dependent launch, kernels/pdl.py): launched with it, a kernel may start
+while its predecessor still runs, so its first statement, before any global load or store, is the wait.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from minisgl.kernels.pdl import pdl_enter, pdl_launch
 
 try:
     import triton
@@ -147,7 +152,10 @@ def _rms_norm_kernel(
     X, R, W, Y, RES_OUT, n_rows, n_inner,
     stride_x0, stride_x1, stride_r0, stride_r1, stride_y0, stride_y1, stride_o0, stride_o1,
     N, eps, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, HAS_RES: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # before any global access: the predecessor may still be running (kernels/pdl.py)
+        pdl_enter()
     # BLOCK_R rows per program (short rows, e.g. per-head norms over 128 values, would leave a program mostly
     # idle). Rows are addressed as (outer, inner) so a [T, H, D] view with any token/head strides (Qwen3's
     # per-head q/k norm on a slice of the fused qkv output) needs no copy.
@@ -176,8 +184,10 @@ def _rms_norm_kernel(
 @_jit(do_not_specialize=["n_rows"])
 def _gated_rms_norm_kernel(
     X, Z, W, Y, n_rows, n_inner, stride_x0, stride_x1, stride_z0, stride_z1, stride_y0, stride_y1,
-    N, eps, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,
+    N, eps, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        pdl_enter()
     # Rows as in _rms_norm_kernel. Rounded where the torch reference rounds: the normed value, its product with
     # the weight, and the result (silu(z) stays fp32).
     i0, i1, offs, cmask, mask = _row_tile(n_rows, n_inner, N, BLOCK, BLOCK_R)
@@ -192,7 +202,9 @@ def _gated_rms_norm_kernel(
 
 @_jit(do_not_specialize=["n_tokens"])
 def _sigmoid_mul_kernel(X, G, Y, n_tokens, stride_xt, stride_gt, stride_gh, stride_yt, D: tl.constexpr,
-                        WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+                        WIDTH: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        pdl_enter()
     # Row t of x [T, H * D] times sigmoid(gate[t]), the gate a [T, H, D] view with any token / head stride.
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -206,7 +218,9 @@ def _sigmoid_mul_kernel(X, G, Y, n_tokens, stride_xt, stride_gt, stride_gh, stri
 
 
 @_jit
-def _silu_and_mul_kernel(GU, Out, stride_g, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(GU, Out, stride_g, stride_o, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        pdl_enter()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -268,8 +282,10 @@ def _rope_kernel(
     Q, K, QOut, Pos, CosSin, WQ, WK, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_cs,
     eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-    NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+    NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        pdl_enter()
     # One program per token: its q heads (to QOut, which may be Q) and k heads (in place), (normalised and)
     # rotated.
     t = tl.program_id(0).to(tl.int64)
@@ -289,7 +305,10 @@ def _rope_kernel(
 def _store_kv_kernel(
     K, V, Loc, KBuf, VBuf, stride_kt, stride_kh, stride_vt, stride_vh, stride_kbn, stride_kbh, stride_vbn,
     stride_vbh, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        pdl_enter()
     # One program per token: its K and V rows (all kv heads) go to slot Loc[t] of the layer's buffers.
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + t).to(tl.int64)
@@ -341,12 +360,13 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     block = triton.next_power_of_2(n)
     block_r, num_warps = _norm_config(block)
     n_rows = n0 * n1
+    kw = pdl_launch(x)
     _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         xv, rv, weight, yv, ro if ro is not None else yv, n_rows, n1,
         sx0, sx1, sr0, sr1, yv.stride(0), yv.stride(1),
         ro.stride(0) if ro is not None else 0, ro.stride(1) if ro is not None else 0,
         n, eps, BLOCK=block, BLOCK_R=block_r, HAS_RES=residual is not None, ZERO_CENTRED=zero_centred,
-        num_warps=num_warps,
+        USE_PDL=bool(kw), num_warps=num_warps, **kw,
     )
     return y, res_out
 
@@ -383,9 +403,10 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         return y
     block = triton.next_power_of_2(n)
     block_r, num_warps = _norm_config(block)
+    kw = pdl_launch(x)
     _gated_rms_norm_kernel[(triton.cdiv(n0 * n1, block_r),)](
         xv, zv, weight, yv, n0 * n1, n1, sx0, sx1, sz0, sz1, yv.stride(0), yv.stride(1), n, eps,
-        BLOCK=block, BLOCK_R=block_r, num_warps=num_warps)
+        BLOCK=block, BLOCK_R=block_r, USE_PDL=bool(kw), num_warps=num_warps, **kw)
     return y
 
 
@@ -400,9 +421,10 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     y = torch.empty(t, width, dtype=x.dtype, device=x.device)
     if t:
         block = min(1024, triton.next_power_of_2(width))
+        kw = pdl_launch(x)
         _sigmoid_mul_kernel[(t, triton.cdiv(width, block))](
             x, gate, y, t, x.stride(0), gate.stride(0), gate.stride(1), y.stride(0), D=gate.shape[-1],
-            WIDTH=width, BLOCK=block, num_warps=4)
+            WIDTH=width, BLOCK=block, USE_PDL=bool(kw), num_warps=4, **kw)
     return y
 
 
@@ -418,8 +440,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gu.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
     if gu.shape[0] and inter:
         block = min(1024, triton.next_power_of_2(inter))
+        kw = pdl_launch(gu)
         _silu_and_mul_kernel[(gu.shape[0], triton.cdiv(inter, block))](
-            gu, out, gu.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+            gu, out, gu.stride(0), out.stride(0), inter, BLOCK=block, USE_PDL=bool(kw), num_warps=4, **kw)
     return out.view(*shape[:-1], inter)
 
 
@@ -431,12 +454,14 @@ def _launch_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     rest = d - 2 * half
     norm = q_weight is not None
     q_out = q if q_out is None else q_out
+    kw = pdl_launch(q)
     _rope_kernel[(t,)](
         q, k, q_out, positions, cos_sin, q_weight if norm else cos_sin, k_weight if norm else cos_sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1), cos_sin.stride(0),
         eps, HQ=hq, HKV=hkv, HALF=half, REST=rest, BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_REST=triton.next_power_of_2(max(rest, 1)), NORM=norm, ZERO_CENTRED=zero_centred, num_warps=4,
+        BLOCK_REST=triton.next_power_of_2(max(rest, 1)), NORM=norm, ZERO_CENTRED=zero_centred,
+        USE_PDL=bool(kw), num_warps=4, **kw,
     )
 
 
@@ -490,8 +515,10 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     t, h, d = k.shape
     if t == 0:
         return
+    kw = pdl_launch(k)
     _store_kv_kernel[(t,)](
         k, v, loc, k_buf, v_buf, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        H=h, D=d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+        H=h, D=d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), USE_PDL=bool(kw),
+        num_warps=4, **kw,
     )

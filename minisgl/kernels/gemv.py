@@ -14,6 +14,12 @@ SiLU-and-mul into its down projection's GEMV. `use_gemv(model)` swaps every plai
 model for them; the engine does that on a GPU for half-precision weights unless the `gemv` switch is off
 (`EngineConfig.gemv`, `--disable-gemv`). Like the other kernel modules, CPU tensors take the torch path unless
 MINISGL_FORCE_TRITON=1 (then the Triton interpreter).
+
+With programmatic dependent launch (kernels/pdl.py) the GEMV may start while the kernel before it still runs. It
+waits for it before reading x or writing y, but it loads its first weight tile *before* the wait
+(`PDL_EARLY_WEIGHTS`), so the weight stream overlaps the predecessor's tail: the weights are written once at
+load time, long before any decode kernel runs, and never by a kernel, so reading them early is safe. (That is a
+precondition on `gemv`'s `weight`: it must not be the output of a kernel that may still be in flight.)
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.kernels import elementwise as ew
+from minisgl.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 
 try:
     import triton
@@ -79,10 +86,35 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("MINISGL_FORCE_TRITON", "0") == "1"
 
 
+# The A/B switch of the early weight load under PDL: True loads each program's first weight tile before waiting
+# for the previous kernel (see the module docstring); False waits first, as every other kernel does. Only matters
+# for launches with PDL. MINISGL_GEMV_PDL_EARLY_WEIGHTS=0 starts a process with it off.
+PDL_EARLY_WEIGHTS = os.environ.get("MINISGL_GEMV_PDL_EARLY_WEIGHTS", "1") != "0"
+
+
+@_jit
+def _load_w(w_ptr, offs_n, n_mask, k, k_mask, stride_wn):
+    # each weight byte is used once: keep it out of L2's way
+    return tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                   other=0.0, eviction_policy="evict_first").to(tl.float32)
+
+
+@_jit
+def _gemv_tile(acc, w, x_ptr, offs_m, m_mask, k, k_mask, K, stride_xm, SILU_MUL: tl.constexpr):
+    """acc + the products of the weight tile w [BLOCK_N, BLOCK_K] (columns k) with every input row."""
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :]
+    x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+    if SILU_MUL:  # x holds [gate | up] (2K wide): the input is silu(gate) * up, rounded as silu_and_mul does
+        up = tl.load(x_ptrs + K, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        silu = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+
+
 @_jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
                  ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS_PAD)
@@ -90,19 +122,24 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_
     n_mask = offs_n < N
     m_mask = offs_m < ROWS
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if USE_PDL:  # launched early (kernels/pdl.py): wait before reading x or writing y
+        gdc_launch_dependents()
+        if EARLY_W:
+            # The first weight tile before the wait: weights are never written by a kernel (module docstring).
+            # The loop's first step, peeled; the same operations in the same order, so the sums do not change.
+            k_mask = offs_k < K
+            w = _load_w(w_ptr, offs_n, n_mask, offs_k, k_mask, stride_wn)
+            gdc_wait()
+            acc = _gemv_tile(acc, w, x_ptr, offs_m, m_mask, offs_k, k_mask, K, stride_xm, SILU_MUL)
+            k_start = BLOCK_K
+        else:
+            gdc_wait()
+    for k0 in range(k_start, K, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < K
-        # each weight byte is used once: keep it out of L2's way
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0, eviction_policy="evict_first").to(tl.float32)
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :]
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if SILU_MUL:  # x holds [gate | up] (2K wide): the input is silu(gate) * up, rounded as silu_and_mul does
-            up = tl.load(x_ptrs + K, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            silu = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        w = _load_w(w_ptr, offs_n, n_mask, k, k_mask, stride_wn)
+        acc = _gemv_tile(acc, w, x_ptr, offs_m, m_mask, k, k_mask, K, stride_xm, SILU_MUL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -147,10 +184,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert weight.stride(-1) == 1 and weight.shape[1] == k
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = gemv_config(n, k)
+    kw = pdl_launch(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=warps)
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, USE_PDL=bool(kw), EARLY_W=bool(kw) and PDL_EARLY_WEIGHTS,
+        num_warps=warps, **kw)
     return y
 
 

@@ -34,7 +34,9 @@ Rows are split into fixed chunks (programs) for every pass, and partial results 
 order: a row's token is a function of that row alone, never of the batch size. The kernels that do
 floating-point arithmetic are compiled without fused multiply-add (`enable_fp_fusion=False`): x * (1/T) + g
 rounds as in torch, and the same way in the one-pass (no cuts) and the full variant of the draw kernel. No host sync, no
-data-dependent launch: the whole sampler can be captured in a CUDA graph.
+data-dependent launch: the whole sampler can be captured in a CUDA graph. Every kernel takes `USE_PDL`
+(programmatic dependent launch, kernels/pdl.py): launched with it, a kernel may start while its predecessor still
+runs, so its first statement, before any global load or store, is the wait.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.kernels.hashing import row_hash
+from minisgl.kernels.pdl import pdl_enter, pdl_launch
 
 try:
     import triton
@@ -103,7 +106,9 @@ if triton is not None:
 
     @triton.jit
     def _stats_kernel(logits_ptr, stride, vocab, flags_ptr, pmax_ptr, plow_ptr, num_chunks,
-                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # before any global access (kernels/pdl.py)
+            pdl_enter()
         # grid (rows, chunks): each block's max logit, and whether any logit of the chunk has low 16 key bits set
         row = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -121,7 +126,9 @@ if triton is not None:
     @triton.jit
     def _init_kernel(flags_ptr, top_k_ptr, pmax_ptr, plow_ptr, max_ptr, unit_ptr, lo_ptr, hi_ptr, num_rows,
                      num_chunks, num_blocks, NC_PAD: tl.constexpr, NB_PAD: tl.constexpr,
-                     TOP_K_BOUND: tl.constexpr):
+                     TOP_K_BOUND: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # before any global access (kernels/pdl.py)
+            pdl_enter()
         # grid (rows,): the row max; the search unit (2**16 when every logit is a widened bf16); the brackets
         row = tl.program_id(0)
         lo = tl.full([], _KEY_NEG_INF, tl.int64)  # -inf: every token qualifies
@@ -176,7 +183,10 @@ if triton is not None:
     @triton.jit
     def _search_kernel(logits_ptr, stride, vocab, flags_ptr, lo_ptr, hi_ptr, unit_ptr, max_ptr, inv_t_ptr,
                        pmax_ptr, part_ptr, num_rows, num_chunks, PHASE: tl.constexpr, NC: tl.constexpr,
-                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, STATS_BLOCK: tl.constexpr, SKIP: tl.constexpr):
+                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, STATS_BLOCK: tl.constexpr, SKIP: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+        if USE_PDL:  # before any global access (kernels/pdl.py)
+            pdl_enter()
         # grid (rows, chunks): count (top-k) or weight (top-p) of the chunk's tokens at or above each candidate
         row = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -208,7 +218,9 @@ if triton is not None:
     @triton.jit
     def _narrow_kernel(flags_ptr, lo_ptr, hi_ptr, unit_ptr, zk_ptr, top_k_ptr, top_p_ptr, part_ptr, num_rows,
                        num_chunks, PHASE: tl.constexpr, FIRST: tl.constexpr, NC: tl.constexpr,
-                       NC_PAD: tl.constexpr):
+                       NC_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # before any global access (kernels/pdl.py)
+            pdl_enter()
         # grid (rows,): sum the chunks' partials, keep the bracket [last qualifying, first failing candidate)
         row = tl.program_id(0)
         lo, hi, unit, searching = _bracket(flags_ptr, lo_ptr, hi_ptr, unit_ptr, row, num_rows, PHASE)
@@ -258,7 +270,10 @@ if triton is not None:
     @triton.jit
     def _draw_kernel(logits_ptr, stride, vocab, flags_ptr, lo_ptr, max_ptr, inv_t_ptr, log_min_p_ptr,
                      row_hash_ptr, pmax_ptr, partial_val_ptr, partial_idx_ptr, num_chunks, CUTS: tl.constexpr,
-                     CHUNK: tl.constexpr, BLOCK: tl.constexpr, STATS_BLOCK: tl.constexpr, SKIP: tl.constexpr):
+                     CHUNK: tl.constexpr, BLOCK: tl.constexpr, STATS_BLOCK: tl.constexpr, SKIP: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+        if USE_PDL:  # before any global access (kernels/pdl.py)
+            pdl_enter()
         # grid (rows, chunks): the chunk's best (value, index); greedy rows (T == 0) take the raw argmax
         row = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -347,20 +362,23 @@ def search_cuts(logits: torch.Tensor, flags: torch.Tensor, inv_t: torch.Tensor, 
     pmax = torch.empty(b, num_blocks, dtype=torch.float32, device=dev)
     plow = torch.empty(b, num_chunks, dtype=torch.int32, device=dev)
     part = torch.empty(b, num_chunks, NUM_CANDIDATES, dtype=torch.float32, device=dev)
+    kw = pdl_launch(logits)
+    pdl = bool(kw)
     _stats_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, pmax, plow, num_chunks,
-                                   CHUNK=chunk, BLOCK=stats_block)
+                                   CHUNK=chunk, BLOCK=stats_block, USE_PDL=pdl, **kw)
     _init_kernel[(b,)](flags, top_ks, pmax, plow, row_max, unit, lo, hi, b, num_chunks, num_blocks, NC_PAD=nc_pad,
-                       NB_PAD=max(16, triton.next_power_of_2(num_blocks)), TOP_K_BOUND=TOP_K_BOUND)
+                       NB_PAD=max(16, triton.next_power_of_2(num_blocks)), TOP_K_BOUND=TOP_K_BOUND, USE_PDL=pdl,
+                       **kw)
     top_ps = top_ps.float()
     for phase in phases:  # top-k, then top-p over the top-k survivors
         for p in range(passes):
             _search_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, hi, unit, row_max,
                                             inv_t, pmax, part, b, num_chunks, PHASE=phase, NC=NUM_CANDIDATES,
                                             CHUNK=chunk, BLOCK=search_block, STATS_BLOCK=stats_block,
-                                            SKIP=SKIP_BLOCKS,
-                                            num_warps=cfg["search_warps"], enable_fp_fusion=False)
+                                            SKIP=SKIP_BLOCKS, USE_PDL=pdl,
+                                            num_warps=cfg["search_warps"], enable_fp_fusion=False, **kw)
             _narrow_kernel[(b,)](flags, lo, hi, unit, zk, top_ks, top_ps, part, b, num_chunks,
-                                 PHASE=phase, FIRST=p == 0, NC=NUM_CANDIDATES, NC_PAD=nc_pad)
+                                 PHASE=phase, FIRST=p == 0, NC=NUM_CANDIDATES, NC_PAD=nc_pad, USE_PDL=pdl, **kw)
     return lo, row_max, zk, pmax
 
 
@@ -391,9 +409,10 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch
         lo = row_max = log_min_p = block_max = inv_t  # not read by the one-pass draw
     vals = torch.empty(b, num_chunks, dtype=torch.float32, device=dev)
     idxs = torch.empty(b, num_chunks, dtype=torch.int32, device=dev)
+    kw = pdl_launch(logits)
     _draw_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, row_max, inv_t, log_min_p,
                                   row_hash(seeds, steps), block_max, vals, idxs, num_chunks, CUTS=cuts, CHUNK=chunk,
-                                  BLOCK=draw_block, STATS_BLOCK=stats_block, SKIP=SKIP_BLOCKS,
-                                  num_warps=cfg["draw_warps"], enable_fp_fusion=False)
+                                  BLOCK=draw_block, STATS_BLOCK=stats_block, SKIP=SKIP_BLOCKS, USE_PDL=bool(kw),
+                                  num_warps=cfg["draw_warps"], enable_fp_fusion=False, **kw)
     best = vals.argmax(dim=1, keepdim=True)
     return idxs.gather(1, best).squeeze(1).long()
