@@ -48,6 +48,19 @@ def latest_lease(root: str | Path) -> Path | None:
     return best
 
 
+def later_leases(root: str | Path) -> list[Path]:
+    """Run folders with a TABLES.md newer than latest_lease(root) that measured minisgl only (their device time
+    did not stretch to SGLang), oldest first."""
+    best = latest_lease(root)
+    stamp = load(best)[1].get("time_utc", "") if best else ""
+    found = []
+    for tables in Path(root).glob("run*/TABLES.md"):
+        sections, env, _ = load(tables.parent)
+        if not any(k.startswith("sglang_") for k in sections) and env.get("time_utc", "") > stamp:
+            found.append((env["time_utc"], tables.parent))
+    return [run for _, run in sorted(found)]
+
+
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else ""
 
@@ -166,7 +179,8 @@ def gemv_tables(tune: dict | None, sec: dict) -> list[str]:
 def w2_runs_table(sec: dict) -> list[str]:
     """Every W2 run of the lease, with its section, settings and commit (runs after a change sit beside the first)."""
     rows = []
-    for name in ("sample06", "gemv_ab06", "w2_06", "merge_ab06", "qwen35", "gemv_ab35", "w2_35", "gemv_ab8"):
+    for name in ("sample06", "gemv_ab06", "w2_06", "merge_ab06", "store_ab06", "pdl_ab06", "qwen35", "gemv_ab35",
+                 "w2_35", "gemv_ab8", "w2_8b", "pdl_ab8"):
         for label, run in sec.get(name, {}).items():
             if isinstance(run, dict) and "w2" in run:
                 rows.append(f"| {name} / {label} | {COMMITS.get(name, '?')} | {run['w2']['ttft_ms_median']:.2f} | "
@@ -176,7 +190,10 @@ def w2_runs_table(sec: dict) -> list[str]:
     return ["## Every W2 run of the lease (batch 1, 8 requests x 256 tokens, medians)", "",
             "Sections of scripts/h200_run.py: `w2_06`/`w2_35` ran after the GEMV's per-row-count picks "
             "(minisgl/kernels/gemv_tuned/NVIDIA_H200.json); `merge_ab06` is the decode split merge fused (then "
-            "the default) vs two launches (the default since); `gemv_ab*` turn the GEMV off.", "",
+            "the default) vs two launches (the default since); `gemv_ab*` turn the GEMV off; `store_ab06` stores "
+            "the decode step's K/V inside decode attention (DECODE_FUSED_STORE) or with store_kv first; `pdl_ab*` "
+            "turn programmatic dependent launch (the `pdl` switch; `no_early_weights`: without the GEMV's weight "
+            "load before its wait) on and off, interleaved.", "",
             "| section / run | commit | TTFT ms | TPOT ms | linears on the GEMV |", "|---|---|---|---|---|", *rows, ""]
 
 
@@ -212,21 +229,56 @@ def main(folder: str, sglang_from: str | None = None) -> None:
                      f"radix second pass same tokens: {r['graph']['second_pass_same']} "
                      f"({r['graph']['second_pass_cached_tokens']} cached tokens).")
     if timelines:
+        lines += timeline_tables(timelines)
+    (d / "TABLES.md").write_text("\n".join(lines).rstrip() + "\n")
+    print((d / "TABLES.md").read_text())
+
+
+# Kernel kinds of a decode step, by a piece of the kernel's name (first match wins).
+KERNEL_KINDS = (("matmul, cuBLAS", ("nvjet", "gemm", "splitKreduce")), ("matmul, GEMV", ("_gemv",)),
+                ("attention", ("decode_stage",)), ("RMSNorm", ("rms_norm",)), ("q/k norm + RoPE", ("rope",)),
+                ("SiLU-and-mul", ("silu",)), ("K/V store", ("store_kv",)))
+
+
+def kernel_kinds(t: dict) -> dict[str, float]:
+    """GPU time per step by kernel kind, from a timeline's recorded activities (the script keeps the first few
+    thousand, so the step count is what they span, not the steps profiled)."""
+    acts = t["activities"]
+    steps = len(acts) / t["activities_per_step"]
+    out: dict[str, float] = {}
+    for _, dur, name in acts:
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "other (torch ops, copies)")
+        out[kind] = out.get(kind, 0.0) + dur / steps
+    return out
+
+
+def timeline_tables(timelines: list[dict]) -> list[str]:
+    lines = []
+    if timelines:
         bare = all("bare_replay" in t for t in timelines)  # recorded by the script from this session on
-        lines += ["", "## Batch-1 greedy decode step, Qwen3-0.6B (scripts/decode_timeline.py)", "",
+        lines += ["", "## Batch-1 greedy decode step (scripts/decode_timeline.py; Qwen3-0.6B unless the label "
+                  "says 8b)", "",
                   "| package | ms per step, unprofiled | GPU busy us per step (profiled) | GPU activities per step |"
                   + (" bare graph replay us per step | mean kernel-to-kernel gap us | graphs (decode + prefill) |"
                      if bare else ""),
                   "|---|---|---|---|" + ("---|---|---|" if bare else "")]
         for t in timelines:
-            row = (f"| {t['label']} | {t['unprofiled_ms_per_step']:.3f} | "
+            commit = t.get("environment", {}).get("git_commit", "?")[:7]
+            row = (f"| {t['label']} ({commit}) | {t['unprofiled_ms_per_step']:.3f} | "
                    f"{t['gpu_busy_us_sum'] / t['profiled_steps']:.0f} | {t['activities_per_step']:.0f} |")
             if bare:
                 b, g = t["bare_replay"], t["graphs"]
                 row += f" {b['us_per_step']:.0f} | {b['kernel_gap_us']:.2f} | {g['decode']} + {g['prefill']} |"
             lines.append(row)
-    (d / "TABLES.md").write_text("\n".join(lines).rstrip() + "\n")
-    print((d / "TABLES.md").read_text())
+        kinds = [kernel_kinds(t) for t in timelines]
+        names = [k for k, _ in KERNEL_KINDS if any(k in x for x in kinds)] + ["other (torch ops, copies)"]
+        lines += ["", "GPU time per step by kernel kind, us (summed kernel durations; under PDL a kernel's span "
+                  "includes the time it waits for its predecessor, so the sum exceeds the step):", "",
+                  "| kind | " + " | ".join(t["label"] for t in timelines) + " |",
+                  "|---|" + "---|" * len(timelines)]
+        for name in names:
+            lines.append(f"| {name} | " + " | ".join(f"{x.get(name, 0.0):.0f}" for x in kinds) + " |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -435,17 +435,24 @@ def main(folder: str) -> None:
 def latest_lease_lines(folder: str) -> list[str]:
     """The tables of the newest lease that measured both engines (reports/h200/runN/TABLES.md, generated from that
     folder's JSON by scripts/make_lease_tables.py), one heading level down: the figures above are older runs'."""
-    from make_lease_tables import latest_lease  # a sibling script (this one's folder is on the path)
+    from make_lease_tables import later_leases, latest_lease  # a sibling script (its folder is on the path)
 
     run = latest_lease(folder)
     if run is None:
         return []
     text = (run / "TABLES.md").read_text().splitlines()
     body = ["#" + line if line.startswith("#") else line for line in text[1:]]
-    return ["", f"## The latest lease: minisgl and SGLang side by side (`{run.name}/`)", "",
-            f"The sections above come from the older single-engine runs named in them. `{run.name}/TABLES.md`, "
-            "copied here, measured both engines in one lease; where a figure appears in both places, this one is "
-            "newer.", *body]
+    lines = ["", f"## The latest lease: minisgl and SGLang side by side (`{run.name}/`)", "",
+             f"The sections above come from the older single-engine runs named in them. `{run.name}/TABLES.md`, "
+             "copied here, measured both engines in one lease; where a figure appears in both places, this one is "
+             "newer.", *body]
+    for later in later_leases(folder):  # minisgl-only leases since: their tables, SGLang's figures borrowed
+        text = (later / "TABLES.md").read_text().splitlines()
+        lines += ["", f"## Since then, minisgl only (`{later.name}/`)", "",
+                  f"`{later.name}/TABLES.md`, copied here: a later lease that measured minisgl alone; where it names "
+                  "SGLang's figures they come from the lease above.",
+                  *["#" + line if line.startswith("#") else line for line in text[1:]]]
+    return lines
 
 
 if __name__ == "__main__":
