@@ -39,6 +39,7 @@ Sections (comma separated):
              hundred decode steps) with PDL on, off, and on without CUDA graphs: all must equal PDL off's
   pdl_ab06   W2 on Qwen3-0.6B with PDL on / off / on without the GEMV's early weight load, interleaved twice
   pdl_ab8    W2 on Qwen3-8B with PDL on and off
+  pdl_w1_06  W1 and W1 top-k/top-p on Qwen3-0.6B with PDL on and off (PDL must not cost throughput)
   qwen35     W2, W1, W3 on Qwen3.5-0.8B shapes (dummy bf16)
   qwen35_check  Qwen3.5 greedy tokens with CUDA Graph on and off, prefill graphs on and off, and a radix second
              pass (QWEN35_CHECK_DTYPES)
@@ -461,6 +462,8 @@ SECTIONS = {
     "pdl_check": lambda: pdl_check(),
     "pdl_ab06": lambda: pdl_ab("qwen3-0.6b", rounds=2, early_weights_ab=True),
     "pdl_ab8": lambda: pdl_ab("qwen3-8b", rounds=1),
+    "pdl_w1_06": lambda: bench("qwen3-0.6b", [("pdl", ["w1", "w1_topkp"], {}),
+                                              ("no_pdl", ["w1", "w1_topkp"], {"pdl": False})]),
 }
 
 
