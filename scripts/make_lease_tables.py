@@ -263,7 +263,9 @@ def timeline_tables(timelines: list[dict]) -> list[str]:
                      if bare else ""),
                   "|---|---|---|---|" + ("---|---|---|" if bare else "")]
         for t in timelines:
-            commit = t.get("environment", {}).get("git_commit", "?")[:7]
+            # an A/B against an older package (MINISGL_ROOT) records the checkout's commit, not the package's
+            own = t.get("root", "this checkout") == "this checkout"
+            commit = t.get("environment", {}).get("git_commit", "?")[:7] if own else "older package"
             row = (f"| {t['label']} ({commit}) | {t['unprofiled_ms_per_step']:.3f} | "
                    f"{t['gpu_busy_us_sum'] / t['profiled_steps']:.0f} | {t['activities_per_step']:.0f} |")
             if bare:
