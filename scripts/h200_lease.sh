@@ -15,6 +15,8 @@
 #            greedy with graphs on/off (fp32)
 #   decode   the batch-1 step (issue 10): the decode K/V store fused into attention checked and A/B'd on W2, 8B W2,
 #            the step's timeline for 0.6B (default, and with a tiny KV pool) and 8B, the bare graph-gap test
+#   verify   after run11's default changes (fused K/V store, PDL): W1 / W1 top-k/top-p with PDL on and off, the
+#            Qwen3-0.6B standard set and the batch-mix sweep, Qwen3-8B W1 / W1 top-k/top-p / W2
 # The device returns at most 8 files a call (run10 lost two JSON files to that): JSON under $OUT, logs under
 # /tmp/lease-logs, packed into $OUT/logs.tgz when the part ends; each part writes at most 7 JSON files.
 set -u
@@ -62,4 +64,8 @@ case "${1:-minisgl}" in
     timeline 8b --model assets/configs/qwen3-8b
     python3 scripts/gpu_graph_gap.py --out "$OUT" --fills 0,0.01,0.03,0.1,0.25 > /tmp/lease-logs/graph_gap.log 2>&1
     tail -n 1 /tmp/lease-logs/graph_gap.log | cut -c1-300 ;;
+  verify)
+    run pdl_w1 pdl_w1_06
+    run verify06 sample06,sweep06
+    run verify8 sample8 ;;
 esac
