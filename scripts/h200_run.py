@@ -51,6 +51,7 @@ Each section's result (or its traceback) is written as soon as it ends, so a tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -467,33 +468,40 @@ SECTIONS = {
 }
 
 
-def decode_merge_ab(model: str) -> dict:
-    """W2 (batch-1 decode) with the decode split merge fused into stage 1 and as a second launch (the default);
-    the switch is module-level (kernels/attention.py DECODE_FUSED_MERGE), read when the graphs are captured."""
-    from minisgl.kernels import attention
-    res, default = {}, attention.DECODE_FUSED_MERGE
-    for label, fused in (("fused_merge", True), ("two_launch_merge", False)):
-        attention.DECODE_FUSED_MERGE = fused
-        try:
+@contextlib.contextmanager
+def module_flag(module, name: str, value):
+    """Set a module-level kernel switch (e.g. kernels/attention.py DECODE_FUSED_MERGE) for one engine's life,
+    then restore it: such switches are read when an engine compiles its kernels and captures its graphs."""
+    default = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, default)
+
+
+def w2_flag_ab(model: str, module, name: str, runs: tuple[tuple[str, object], ...]) -> dict:
+    """W2 (batch-1 decode) once per (label, value) of the module-level switch `name`."""
+    res = {}
+    for label, value in runs:
+        with module_flag(module, name, value):
             res.update(bench(model, [(label, ["w2"], {})]))
-        finally:
-            attention.DECODE_FUSED_MERGE = default
     return res
+
+
+def decode_merge_ab(model: str) -> dict:
+    """W2 with the decode split merge fused into stage 1 and as a second launch (the default); the switch is
+    kernels/attention.py DECODE_FUSED_MERGE, read when the graphs are captured."""
+    from minisgl.kernels import attention
+    return w2_flag_ab(model, attention, "DECODE_FUSED_MERGE", (("fused_merge", True), ("two_launch_merge", False)))
 
 
 def decode_store_ab(model: str) -> dict:
-    """W2 (batch-1 decode) with the decode K/V store fused into decode attention (the default) and as a store_kv
-    launch first; the switch is module-level (kernels/attention.py DECODE_FUSED_STORE), read by the Triton backend
-    at every decode forward, so each engine's graphs capture the path set when it starts."""
+    """W2 with the decode K/V store fused into decode attention (the default) and as a store_kv launch first; the
+    switch is kernels/attention.py DECODE_FUSED_STORE, read by the Triton backend at every decode forward, so each
+    engine's graphs capture the path set when it starts."""
     from minisgl.kernels import attention
-    res, default = {}, attention.DECODE_FUSED_STORE
-    for label, fused in (("fused_store", True), ("store_kv", False)):
-        attention.DECODE_FUSED_STORE = fused
-        try:
-            res.update(bench(model, [(label, ["w2"], {})]))
-        finally:
-            attention.DECODE_FUSED_STORE = default
-    return res
+    return w2_flag_ab(model, attention, "DECODE_FUSED_STORE", (("fused_store", True), ("store_kv", False)))
 
 
 def pdl_check() -> dict:
@@ -555,17 +563,14 @@ def pdl_ab(model: str, rounds: int = 1, early_weights_ab: bool = False) -> dict:
     early_weights_ab also PDL on with the GEMV's early weight load off (kernels/gemv.py PDL_EARLY_WEIGHTS,
     module-level, read at every launch, so each engine's graphs capture the value set when it starts)."""
     from minisgl.kernels import gemv
-    res, default = {}, gemv.PDL_EARLY_WEIGHTS
+    res = {}
     for r in range(rounds):
         runs = [("pdl", {}, True), ("no_pdl", {"pdl": False}, True)]
         if early_weights_ab:
             runs.append(("pdl_no_early_weights", {}, False))
         for label, kw, early in runs:
-            gemv.PDL_EARLY_WEIGHTS = early
-            try:
+            with module_flag(gemv, "PDL_EARLY_WEIGHTS", early):
                 res.update(bench(model, [(f"{label}_{r}" if rounds > 1 else label, ["w2"], kw)]))
-            finally:
-                gemv.PDL_EARLY_WEIGHTS = default
     return res
 
 
