@@ -253,33 +253,32 @@ def kernel_kinds(t: dict) -> dict[str, float]:
 
 
 def timeline_tables(timelines: list[dict]) -> list[str]:
-    lines = []
-    if timelines:
-        bare = all("bare_replay" in t for t in timelines)  # recorded by the script from this session on
-        lines += ["", "## Batch-1 greedy decode step (scripts/decode_timeline.py; Qwen3-0.6B unless the label "
-                  "says 8b)", "",
-                  "| package | ms per step, unprofiled | GPU busy us per step (profiled) | GPU activities per step |"
-                  + (" bare graph replay us per step | mean kernel-to-kernel gap us | graphs (decode + prefill) |"
-                     if bare else ""),
-                  "|---|---|---|---|" + ("---|---|---|" if bare else "")]
-        for t in timelines:
-            # an A/B against an older package (MINISGL_ROOT) records the checkout's commit, not the package's
-            own = t.get("root", "this checkout") == "this checkout"
-            commit = t.get("environment", {}).get("git_commit", "?")[:7] if own else "older package"
-            row = (f"| {t['label']} ({commit}) | {t['unprofiled_ms_per_step']:.3f} | "
-                   f"{t['gpu_busy_us_sum'] / t['profiled_steps']:.0f} | {t['activities_per_step']:.0f} |")
-            if bare:
-                b, g = t["bare_replay"], t["graphs"]
-                row += f" {b['us_per_step']:.0f} | {b['kernel_gap_us']:.2f} | {g['decode']} + {g['prefill']} |"
-            lines.append(row)
-        kinds = [kernel_kinds(t) for t in timelines]
-        names = [k for k, _ in KERNEL_KINDS if any(k in x for x in kinds)] + ["other (torch ops, copies)"]
-        lines += ["", "GPU time per step by kernel kind, us (summed kernel durations; under PDL a kernel's span "
-                  "includes the time it waits for its predecessor, so the sum exceeds the step):", "",
-                  "| kind | " + " | ".join(t["label"] for t in timelines) + " |",
-                  "|---|" + "---|" * len(timelines)]
-        for name in names:
-            lines.append(f"| {name} | " + " | ".join(f"{x.get(name, 0.0):.0f}" for x in kinds) + " |")
+    """The decode-timeline tables: one row per timeline, then GPU time per step by kernel kind."""
+    bare = all("bare_replay" in t for t in timelines)  # recorded by the script from this session on
+    lines = ["", "## Batch-1 greedy decode step (scripts/decode_timeline.py; Qwen3-0.6B unless the label "
+              "says 8b)", "",
+              "| package | ms per step, unprofiled | GPU busy us per step (profiled) | GPU activities per step |"
+              + (" bare graph replay us per step | mean kernel-to-kernel gap us | graphs (decode + prefill) |"
+                 if bare else ""),
+              "|---|---|---|---|" + ("---|---|---|" if bare else "")]
+    for t in timelines:
+        # an A/B against an older package (MINISGL_ROOT) records the checkout's commit, not the package's
+        own = t.get("root", "this checkout") == "this checkout"
+        commit = t.get("environment", {}).get("git_commit", "?")[:7] if own else "older package"
+        row = (f"| {t['label']} ({commit}) | {t['unprofiled_ms_per_step']:.3f} | "
+               f"{t['gpu_busy_us_sum'] / t['profiled_steps']:.0f} | {t['activities_per_step']:.0f} |")
+        if bare:
+            b, g = t["bare_replay"], t["graphs"]
+            row += f" {b['us_per_step']:.0f} | {b['kernel_gap_us']:.2f} | {g['decode']} + {g['prefill']} |"
+        lines.append(row)
+    kinds = [kernel_kinds(t) for t in timelines]
+    names = [k for k, _ in KERNEL_KINDS if any(k in x for x in kinds)] + ["other (torch ops, copies)"]
+    lines += ["", "GPU time per step by kernel kind, us (summed kernel durations; under PDL a kernel's span "
+              "includes the time it waits for its predecessor, so the sum exceeds the step):", "",
+              "| kind | " + " | ".join(t["label"] for t in timelines) + " |",
+              "|---|" + "---|" * len(timelines)]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{x.get(name, 0.0):.0f}" for x in kinds) + " |")
     return lines
 
 
