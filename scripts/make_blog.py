@@ -5,22 +5,19 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from make_report import MODELS, get, load_sections, w1_floor_seconds, w2_tpot_floor_ms, weight_bytes  # noqa: E402
+from make_report import MODELS, get, h200_baseline, load_sections, w1_floor_seconds, w2_tpot_floor_ms, weight_bytes  # noqa: E402
 
 from minisgl.bench.workloads import w1_offline  # noqa: E402
 
 
 def main(folder: str) -> None:
     sections, _ = load_sections(folder)
-    root = os.path.join(os.path.dirname(__file__), "..")
-    with open(os.path.join(root, "autograder", "baselines", "nvidia-h200.json")) as f:
-        sg = json.load(f)["sglang"]
+    sg = h200_baseline()["sglang"]
     b06, b8 = sections["bench06"][0], sections["bench8"][0]
     prof = sections["profile"][0]
     par = sections["parity"][0]
@@ -214,9 +211,7 @@ def latest_lease_text(folder: str) -> str:
             kinds = kernel_kinds(by_label["8b"])
             matmul_us = kinds.get("matmul, cuBLAS", 0.0) + kinds.get("matmul, GEMV", 0.0)
             weights = weight_bytes(MODELS["qwen3-8b"])
-            with open(os.path.join(os.path.dirname(__file__), "..", "autograder", "baselines",
-                                   "nvidia-h200.json")) as f:
-                copy_bw = json.load(f)["card"]["copy_bytes_per_s"]
+            copy_bw = h200_baseline()["card"]["copy_bytes_per_s"]
             why = (f"{matmul_us / 1e3:.2f} ms of its {by_label['8b']['unprofiled_ms_per_step']:.2f} ms step "
                    f"(decode_timeline) are the matmuls streaming {weights / 1e9:.1f} GB of weights, "
                    f"{weights / matmul_us / 1e6:.2f} TB/s; at the card's measured copy speed "
