@@ -9,8 +9,8 @@ are replayed with fresh inputs each time, the new K/V slots poisoned with NaN be
 that read before its predecessor finished would see stale or NaN data: every output (final hidden state, logits,
 sampled and greedy tokens, the stored K/V rows) must be bitwise equal between the two graphs, replay after replay.
 The chain also runs eagerly both ways (outside a graph, PDL launches go straight to the stream) and is compared.
-With PDL on, the GEMV runs with and without its early weight load (PDL_EARLY_WEIGHTS). Then the graphs are timed
-(interleaved rounds, CUDA events around each batch of replays).
+With PDL on, the GEMV runs with up to 3, with 1 and with no weight tiles loaded before its wait (PDL_EARLY_TILES).
+Then the graphs are timed (interleaved rounds, CUDA events around each batch of replays).
 
     python scripts/gpu_pdl_check.py --out pdl_check.json [--replays 200] [--layers 8]
 
@@ -166,8 +166,8 @@ def compare(outs_a: dict, outs_b: dict, rows_a: list, rows_b: list) -> list[str]
     return bad + [f"nan_in_{k}" for k in nan]
 
 
-def run_case(w: Weights, bs: int, layers: int, seq_lens: list[int], replays: int, early: bool) -> dict:
-    gv.PDL_EARLY_WEIGHTS = early
+def run_case(w: Weights, bs: int, layers: int, seq_lens: list[int], replays: int, early: int) -> dict:
+    gv.PDL_EARLY_TILES = early
     gen = torch.Generator(device=DEV).manual_seed(bs)
     states, graphs, dots = {}, {}, {}
     for label, on in (("pdl", True), ("no_pdl", False)):
@@ -236,16 +236,16 @@ def main() -> int:
     gen = torch.Generator(device=DEV).manual_seed(0)
     w = Weights(a.layers, gen)
     res["gemv_table"] = gv.load_device_table(torch.cuda.get_device_name(DEV))  # the engine's GEMV tiles
-    default_early = gv.PDL_EARLY_WEIGHTS
+    default_early = gv.PDL_EARLY_TILES
     try:
         for bs, seq_lens in ((1, [700]), (4, [300, 1100, 2500, 4000])):
-            for early in (True, False):
+            for early in (gv.MAX_EARLY_TILES, 1, 0):
                 case = run_case(w, bs, a.layers, seq_lens, a.replays, early)
                 res["cases"].append(case)
                 print({k: v for k, v in case.items() if k != "graph_mismatches"}, flush=True)
                 torch.cuda.empty_cache()
     finally:
-        gv.PDL_EARLY_WEIGHTS = default_early
+        gv.PDL_EARLY_TILES = default_early
     res["ok"] = all(c["ok"] for c in res["cases"])
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))

@@ -15,6 +15,12 @@
 #            greedy with graphs on/off (fp32)
 #   decode   the batch-1 step (issue 10): the decode K/V store fused into attention checked and A/B'd on W2, 8B W2,
 #            the step's timeline for 0.6B (default, and with a tiny KV pool) and 8B, the bare graph-gap test
+#   early    (run12, call 1; carry .sglang-whl/a .sglang-kit) how many GEMV weight tiles to load before the PDL
+#            wait and cuBLAS's batch-1 projections on the GEMV (0.6B W2 and 8B W2), W1 / W1 top-k/top-p with PDL on
+#            and off, where the long-prompt sweep mix's time goes; SGLang's wheels of .sglang-whl/a unpacked
+#   final    (call 2, right after; carry .sglang-whl/b .sglang-kit) SGLang on Qwen3-0.6B (W1, W1 top-k/top-p, W2,
+#            W3, sweep), then minisgl's standard set and sweep with the early-tile count that won in part early
+#   final8   (call 3, right after) minisgl and SGLang on Qwen3-8B: W1, W1 top-k/top-p, W2
 #   verify   after run11's default changes (fused K/V store, PDL): W1 / W1 top-k/top-p with PDL on and off, the
 #            Qwen3-0.6B standard set and the batch-mix sweep, Qwen3-8B W1 / W1 top-k/top-p / W2
 # The device returns at most 8 files a call (run10 lost two JSON files to that): JSON under $OUT, logs under
@@ -22,8 +28,29 @@
 set -u
 mkdir -p /tmp/lease-logs
 trap 'tar czf "$OUT/logs.tgz" -C /tmp lease-logs 2>/dev/null' EXIT
+# each JSON is also kept in /tmp/lease-logs, where a later call on the same warm machine can read it
 run() { local file=$1; shift; python3 scripts/h200_run.py --out "$OUT" --file "$file.json" --sections "$@" \
-          > "/tmp/lease-logs/$file.log" 2>&1; tail -n 3 "/tmp/lease-logs/$file.log" | cut -c1-300; }
+          > "/tmp/lease-logs/$file.log" 2>&1; tail -n 3 "/tmp/lease-logs/$file.log" | cut -c1-300
+        cp "$OUT/$file.json" /tmp/lease-logs/ 2>/dev/null; }
+sglang() { local model=$1 tag=$2 sections=$3
+           bash scripts/sglang_env.sh .sglang-whl/a .sglang-whl/b -- scripts/sglang_bench.py --model "$model" \
+             --sections "$sections" --out "$OUT/sglang_$tag.json" > "/tmp/lease-logs/sglang_$tag.log" 2>&1
+           tail -n 2 "/tmp/lease-logs/sglang_$tag.log" | cut -c1-300; }
+# the early-tile count (kernels/gemv.py PDL_EARLY_TILES) with the lowest mean W2 TPOT in part early's A/B (1 if
+# that did not run on this machine); the engines of parts final/final8 run with it
+pick_early() { python3 - <<'PY'
+import collections, json, statistics
+try:
+    runs = json.load(open("/tmp/lease-logs/early.json"))["sections"]["early_ab06"]["result"]
+except (OSError, KeyError):
+    runs = {}
+tpot = collections.defaultdict(list)
+for label, r in runs.items():
+    if "all_gemv" not in label and "w2" in r:
+        tpot[int(label[len("early"):].split("_")[0])].append(r["w2"]["tpot_ms_median"])
+print(min(tpot, key=lambda n: statistics.mean(tpot[n])) if tpot else 1)
+PY
+}
 timeline() { local label=$1; shift; python3 scripts/decode_timeline.py --out "$OUT" --label "$label" "$@" 2>&1 \
                | tail -n 1 | cut -c1-300; }
 case "${1:-minisgl}" in
@@ -64,6 +91,18 @@ case "${1:-minisgl}" in
     timeline 8b --model assets/configs/qwen3-8b
     python3 scripts/gpu_graph_gap.py --out "$OUT" --fills 0,0.01,0.03,0.1,0.25 > /tmp/lease-logs/graph_gap.log 2>&1
     tail -n 1 /tmp/lease-logs/graph_gap.log | cut -c1-300 ;;
+  early)
+    [ -d .sglang-whl/a ] && bash scripts/sglang_env.sh .sglang-whl/a -- >/dev/null 2>&1 &
+    run early early_ab06,pdl_w1_06,sweep_phases06,early_ab8
+    wait ;;
+  final)
+    sglang qwen3-0.6b 06 w1,w1_topkp,w2,w3,sweep
+    export MINISGL_GEMV_PDL_EARLY_TILES=$(pick_early); echo "early tiles: $MINISGL_GEMV_PDL_EARLY_TILES"
+    run final06 sample06,w3_06,sweep06 ;;
+  final8)
+    export MINISGL_GEMV_PDL_EARLY_TILES=$(pick_early); echo "early tiles: $MINISGL_GEMV_PDL_EARLY_TILES"
+    run final8 sample8
+    sglang qwen3-8b 8 w1,w1_topkp,w2 ;;
   verify)
     run pdl_w1 pdl_w1_06
     run verify06 sample06,sweep06

@@ -39,6 +39,11 @@ Sections (comma separated):
              hundred decode steps) with PDL on, off, and on without CUDA graphs: all must equal PDL off's
   pdl_ab06   W2 on Qwen3-0.6B with PDL on / off / on without the GEMV's early weight load, interleaved twice
   pdl_ab8    W2 on Qwen3-8B with PDL on and off
+  sweep_phases06  the 256-request 1-4k-prompt sweep mix on Qwen3-0.6B: greedy / top-k/top-p / greedy, then
+             each with every step synchronised and timed (prefill vs decode time)
+  early_ab06 W2 on Qwen3-0.6B with 1, 3 and 2 GEMV weight tiles loaded before the PDL wait, and 3 with every
+             projection on the GEMV (cuBLAS's too), interleaved twice
+  early_ab8  the same on Qwen3-8B, 1 and 3 tiles, once
   pdl_w1_06  W1 and W1 top-k/top-p on Qwen3-0.6B with PDL on and off (PDL must not cost throughput)
   qwen35     W2, W1, W3 on Qwen3.5-0.8B shapes (dummy bf16)
   qwen35_check  Qwen3.5 greedy tokens with CUDA Graph on and off, prefill graphs on and off, and a radix second
@@ -236,6 +241,63 @@ def sweep(model: str, **kw) -> dict:
         r = res["cells"][cell.name]
         log("sweep", cell.name, round(r["output_tok_per_s"]),
             {k: v for k, v in r["engine"].items() if k != "cuda_graph_batch_sizes"})
+    llm = None
+    free_gpu()
+    return res
+
+
+def sweep_phases(model: str, requests: int = 256, prompt_lo: int = 1024) -> dict:
+    """Where a long-prompt sweep cell's time goes (issue 10: 1-4k prompts, greedy, behind SGLang in run10 while
+    top-k/top-p was not). The greedy and top-k/top-p cells of one mix run normally in the order greedy, top-k/top-p,
+    greedy (an order effect shows as two different greedy figures); then each again with every step synchronised
+    and timed, split into prefill (and mixed) steps and decode steps. Timing serialises the overlap loop, so those
+    runs are slower than the cell's: they show the split, not the throughput."""
+    from minisgl.bench.runner import flush_prefix_cache, run_throughput
+    from minisgl.bench.workloads import sweep_cells, sweep_workload
+    cells = {c.sampling: c for c in sweep_cells() if c.requests == requests and c.prompt_lo == prompt_lo}
+    llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
+    vocab = llm.engine.model_config.vocab_size
+    res = {"cells": {c.sampling: c.name for c in cells.values()}, "runs": []}
+    for sampling in ("greedy", "topkp", "greedy"):
+        flush_prefix_cache(llm)
+        r = run_throughput(llm, sweep_workload(cells[sampling], vocab))
+        res["runs"].append({"sampling": sampling, **{k: v for k, v in r.items() if not isinstance(v, (list, dict))}})
+        log("sweep_phases", sampling, round(r["output_tok_per_s"]))
+    runner = llm.engine.runner
+    forward = runner.forward
+    for sampling in ("greedy", "topkp"):
+        steps = []
+
+        def timed(batch, _steps=steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = forward(batch)
+            torch.cuda.synchronize()
+            _steps.append((batch.is_decode, batch.size, batch.num_tokens,
+                           sum(batch.prefix_lens) + batch.num_tokens, time.perf_counter() - t0))
+            return out
+
+        w = sweep_workload(cells[sampling], vocab)
+        flush_prefix_cache(llm)
+        runner.forward = timed  # the engine is warm from the runs above
+        try:
+            t0 = time.perf_counter()
+            llm.generate(w.prompts, w.params, progress=False)
+            wall = time.perf_counter() - t0
+        finally:
+            runner.forward = forward
+        decode = [s for s in steps if s[0]]
+        prefill = [s for s in steps if not s[0]]
+        res[f"timed_{sampling}"] = {
+            "wall_s": wall, "prefill_steps": len(prefill), "prefill_s": sum(s[4] for s in prefill),
+            "prefill_tokens": sum(s[2] for s in prefill), "decode_steps": len(decode),
+            "decode_s": sum(s[4] for s in decode), "decode_tokens": sum(s[2] for s in decode),
+            # K/V tokens the decode steps attend over (each read once a layer per step)
+            "decode_kv_tokens": sum(s[3] for s in decode),
+            "steps": [[int(d), b, n, kv, round(dt * 1e3, 3)] for d, b, n, kv, dt in steps],
+            "steps_columns": ["is_decode", "batch_size", "tokens", "kv_tokens", "ms"]}
+        log("sweep_phases timed", sampling, {k: v for k, v in res[f"timed_{sampling}"].items()
+                                             if not isinstance(v, list)})
     llm = None
     free_gpu()
     return res
@@ -463,6 +525,10 @@ SECTIONS = {
     "pdl_check": lambda: pdl_check(),
     "pdl_ab06": lambda: pdl_ab("qwen3-0.6b", rounds=2, early_weights_ab=True),
     "pdl_ab8": lambda: pdl_ab("qwen3-8b", rounds=1),
+    "sweep_phases06": lambda: sweep_phases("qwen3-0.6b"),
+    # how many GEMV weight tiles to load before the PDL wait; cuBLAS's projections on the GEMV too
+    "early_ab06": lambda: early_tiles_ab("qwen3-0.6b"),
+    "early_ab8": lambda: early_tiles_ab("qwen3-8b", tiles=(1, 3), rounds=1),
     "pdl_w1_06": lambda: bench("qwen3-0.6b", [("pdl", ["w1", "w1_topkp"], {}),
                                               ("no_pdl", ["w1", "w1_topkp"], {"pdl": False})]),
 }
@@ -560,17 +626,58 @@ def pdl_tokens(model: str, new_tokens: int = 300) -> dict:
 
 def pdl_ab(model: str, rounds: int = 1, early_weights_ab: bool = False) -> dict:
     """W2 (batch-1 decode) with PDL on (the default) and off (`pdl=False`), interleaved `rounds` times; with
-    early_weights_ab also PDL on with the GEMV's early weight load off (kernels/gemv.py PDL_EARLY_WEIGHTS,
+    early_weights_ab also PDL on with the GEMV's early weight load off (kernels/gemv.py PDL_EARLY_TILES = 0,
     module-level, read at every launch, so each engine's graphs capture the value set when it starts)."""
     from minisgl.kernels import gemv
     res = {}
     for r in range(rounds):
-        runs = [("pdl", {}, True), ("no_pdl", {"pdl": False}, True)]
+        runs = [("pdl", {}, gemv.PDL_EARLY_TILES), ("no_pdl", {"pdl": False}, gemv.PDL_EARLY_TILES)]
         if early_weights_ab:
-            runs.append(("pdl_no_early_weights", {}, False))
+            runs.append(("pdl_no_early_weights", {}, 0))
         for label, kw, early in runs:
-            with module_flag(gemv, "PDL_EARLY_WEIGHTS", early):
+            with module_flag(gemv, "PDL_EARLY_TILES", early):
                 res.update(bench(model, [(f"{label}_{r}" if rounds > 1 else label, ["w2"], kw)]))
+    return res
+
+
+@contextlib.contextmanager
+def gemv_shapes(configs: dict):
+    """The card's tuned GEMV table with some shapes' entries replaced ((N, K) -> (BLOCK_N, BLOCK_K, warps, rows)),
+    for one engine's life: e.g. a projection the table gives to cuBLAS taken by the GEMV instead."""
+    from minisgl.kernels import gemv
+    if not gemv.GEMV_CONFIGS:
+        gemv.load_device_table(torch.cuda.get_device_name())
+    saved = {shape: gemv.GEMV_CONFIGS.get(shape, "absent") for shape in configs}
+    gemv.GEMV_CONFIGS.update(configs)
+    try:
+        yield
+    finally:
+        for shape, value in saved.items():
+            if value == "absent":
+                gemv.GEMV_CONFIGS.pop(shape, None)
+            else:
+                gemv.GEMV_CONFIGS[shape] = value
+
+
+# cuBLAS's projections at batch 1 taken by the GEMV (4 or 8 output rows a program, 1024-wide K tiles, one row)
+GEMV_ALL = {"qwen3-0.6b": {(6144, 1024): (4, 1024, 4, 1)},
+            "qwen3-8b": {(6144, 4096): (4, 1024, 4, 1), (24576, 4096): (8, 1024, 4, 1),
+                         (4096, 12288): (4, 1024, 4, 1)}}
+
+
+def early_tiles_ab(model: str, tiles=(1, 3, 2), rounds: int = 2, all_gemv: bool = True) -> dict:
+    """W2 (batch-1 decode, PDL on) with the GEMV loading 1, 3 or 2 weight tiles before its wait
+    (kernels/gemv.py PDL_EARLY_TILES), interleaved `rounds` times; with all_gemv also the most tiles with the
+    projections the tuned table leaves to cuBLAS on the GEMV too (GEMV_ALL)."""
+    from minisgl.kernels import gemv
+    res = {}
+    for r in range(rounds):
+        for n in tiles:
+            with module_flag(gemv, "PDL_EARLY_TILES", n):
+                res.update(bench(model, [(f"early{n}_{r}", ["w2"], {})]))
+        if all_gemv:
+            with module_flag(gemv, "PDL_EARLY_TILES", max(tiles)), gemv_shapes(GEMV_ALL[model]):
+                res.update(bench(model, [(f"early{max(tiles)}_all_gemv_{r}", ["w2"], {})]))
     return res
 
 

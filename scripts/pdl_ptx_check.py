@@ -8,8 +8,8 @@ PTX on any machine) and its PTX read: `griddepcontrol.wait` must sit in the entr
 or block label, and no global memory instruction (ld/st/atom/red/cp.async on .global, or a generic ld/st/atom)
 may come before it; two control kernels that break the rule must be flagged. That is the rule of kernels/pdl.py
 checked on what the compiler emits, not on the source. The GEMV with the early
-weight load (EARLY_W) may load before the wait (its first weight tile) but not store or use atomics; its strict
-variant (EARLY_W False) is held to the full rule. Every `*_kernel` of the four modules must take USE_PDL and be
+weight load (EARLY_W, 1-3 tiles) may load before the wait (its first weight tiles) but not store or use atomics;
+its strict variant (EARLY_W 0) is held to the full rule. Every `*_kernel` of the four modules must take USE_PDL and be
 among the compiled ones (a new kernel left out of this check fails it).
 
     python scripts/pdl_ptx_check.py [--json out.json]
@@ -261,7 +261,7 @@ def main() -> int:
     for kernel, a, kw in record_launches():
         variants = [{}]
         if "EARLY_W" in [p.name for p in kernel.params]:
-            variants = [{"EARLY_W": True}, {"EARLY_W": False}]
+            variants = [{"EARLY_W": 3}, {"EARLY_W": 1}, {"EARLY_W": 0}]
         for overrides in variants:
             key = (kernel.__name__, repr([(k, v) for k, v in kw.items() if k not in ("USE_PDL", "EARLY_W")]),
                    tuple(_arg_type(v) if not isinstance(v, torch.Tensor) else str(v.dtype) for v in a),
@@ -270,7 +270,7 @@ def main() -> int:
                 continue
             seen.add(key)
             ptx = compile_ptx(kernel, a, kw, USE_PDL=True, **overrides)
-            problems = check_ptx(ptx, allow_loads_before_wait=overrides.get("EARLY_W", False))
+            problems = check_ptx(ptx, allow_loads_before_wait=overrides.get("EARLY_W", 0) > 0)
             consts = {k: v for k, v in kw.items() if k.isupper() and k != "USE_PDL"} | overrides
             results.append({"kernel": kernel.__name__, "constexprs": {k: str(v) for k, v in consts.items()},
                             "problems": problems})

@@ -158,12 +158,12 @@ def _with_pdl(monkeypatch, mods, fn):
     return without, fn()
 
 
-@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("early", [3, 2, 1, 0])
 @pytest.mark.parametrize("rows,n,k,silu,bias", [(1, 37, 50, False, False), (3, 96, 2100, False, True),
                                                  (4, 24, 1030, True, False), (2, 8, 16, True, False)])
 def test_gemv_pdl_path_is_bitwise_the_same(interp, monkeypatch, early, rows, n, k, silu, bias):
     gv = interp.gv
-    monkeypatch.setattr(gv, "PDL_EARLY_WEIGHTS", early)
+    monkeypatch.setattr(gv, "PDL_EARLY_TILES", early)
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, 2 * k if silu else k, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)

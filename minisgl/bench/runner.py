@@ -195,6 +195,9 @@ def environment() -> dict:
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
         "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        # kernel switches set from the environment (e.g. MINISGL_PDL=0) are settings of the run too
+        "minisgl_env": {k: v for k, v in sorted(os.environ.items())
+                        if k.startswith("MINISGL_") and k not in ("MINISGL_GIT_COMMIT", "MINISGL_GIT_DIRTY")},
     }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()

@@ -16,8 +16,8 @@ model for them; the engine does that on a GPU for half-precision weights unless 
 MINISGL_FORCE_TRITON=1 (then the Triton interpreter).
 
 With programmatic dependent launch (kernels/pdl.py) the GEMV may start while the kernel before it still runs. It
-waits for it before reading x or writing y, but it loads its first weight tile *before* the wait
-(`PDL_EARLY_WEIGHTS`), so the weight stream overlaps the predecessor's tail: the weights are written once at
+waits for it before reading x or writing y, but it loads its first weight tiles *before* the wait (up to
+`PDL_EARLY_TILES` of them), so the weight stream overlaps the predecessor's tail: the weights are written once at
 load time, long before any decode kernel runs, and never by a kernel, so reading them early is safe. (That is a
 precondition on `gemv`'s `weight`: it must not be the output of a kernel that may still be in flight.)
 """
@@ -86,17 +86,18 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("MINISGL_FORCE_TRITON", "0") == "1"
 
 
-# The A/B switch of the early weight load under PDL: True loads each program's first weight tile before waiting
-# for the previous kernel (see the module docstring); False waits first, as every other kernel does. Only matters
-# for launches with PDL. MINISGL_GEMV_PDL_EARLY_WEIGHTS=0 starts a process with it off.
-PDL_EARLY_WEIGHTS = os.environ.get("MINISGL_GEMV_PDL_EARLY_WEIGHTS", "1") != "0"
+# The early weight load under PDL: each program loads up to this many of its weight tiles before waiting for the
+# previous kernel (see the module docstring; the kernel holds at most 3); 0 waits first, as every other kernel
+# does. Only matters for launches with PDL. MINISGL_GEMV_PDL_EARLY_TILES sets it for a process.
+MAX_EARLY_TILES = 3
+PDL_EARLY_TILES = int(os.environ.get("MINISGL_GEMV_PDL_EARLY_TILES", "1"))
 
 
 @_jit
 def _load_w(w_ptr, offs_n, n_mask, k, k_mask, stride_wn):
     # each weight byte is used once: keep it out of L2's way
     return tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                   other=0.0, eviction_policy="evict_first").to(tl.float32)
+                   other=0.0, eviction_policy="evict_first")
 
 
 @_jit
@@ -108,7 +109,7 @@ def _gemv_tile(acc, w, x_ptr, offs_m, m_mask, k, k_mask, K, stride_xm, SILU_MUL:
         up = tl.load(x_ptrs + K, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         silu = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
         x = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    return acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 @_jit
@@ -122,20 +123,25 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_
     n_mask = offs_n < N
     m_mask = offs_m < ROWS
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
-    k_start = 0
     if USE_PDL:  # launched early (kernels/pdl.py): wait before reading x or writing y
         gdc_launch_dependents()
-        if EARLY_W:
-            # The first weight tile before the wait: weights are never written by a kernel (module docstring).
-            # The loop's first step, peeled; the same operations in the same order, so the sums do not change.
-            k_mask = offs_k < K
-            w = _load_w(w_ptr, offs_n, n_mask, offs_k, k_mask, stride_wn)
-            gdc_wait()
-            acc = _gemv_tile(acc, w, x_ptr, offs_m, m_mask, offs_k, k_mask, K, stride_xm, SILU_MUL)
-            k_start = BLOCK_K
-        else:
-            gdc_wait()
-    for k0 in range(k_start, K, BLOCK_K):
+        # EARLY_W (0-3) weight tiles before the wait: weights are never written by a kernel (module docstring).
+        # The loop's first steps, peeled; the same operations in the same order, so the sums do not change.
+        ka, kb, kc = offs_k, BLOCK_K + offs_k, 2 * BLOCK_K + offs_k
+        if EARLY_W >= 1:
+            w0 = _load_w(w_ptr, offs_n, n_mask, ka, ka < K, stride_wn)
+        if EARLY_W >= 2:
+            w1 = _load_w(w_ptr, offs_n, n_mask, kb, kb < K, stride_wn)
+        if EARLY_W >= 3:
+            w2 = _load_w(w_ptr, offs_n, n_mask, kc, kc < K, stride_wn)
+        gdc_wait()
+        if EARLY_W >= 1:
+            acc = _gemv_tile(acc, w0, x_ptr, offs_m, m_mask, ka, ka < K, K, stride_xm, SILU_MUL)
+        if EARLY_W >= 2:
+            acc = _gemv_tile(acc, w1, x_ptr, offs_m, m_mask, kb, kb < K, K, stride_xm, SILU_MUL)
+        if EARLY_W >= 3:
+            acc = _gemv_tile(acc, w2, x_ptr, offs_m, m_mask, kc, kc < K, K, stride_xm, SILU_MUL)
+    for k0 in range(EARLY_W * BLOCK_K, K, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < K
         w = _load_w(w_ptr, offs_n, n_mask, k, k_mask, stride_wn)
@@ -185,10 +191,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = gemv_config(n, k)
     kw = pdl_launch(x)
+    early_tiles = min(PDL_EARLY_TILES, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, USE_PDL=bool(kw), EARLY_W=bool(kw) and PDL_EARLY_WEIGHTS,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, USE_PDL=bool(kw), EARLY_W=early_tiles,
         num_warps=warps, **kw)
     return y
 
