@@ -314,9 +314,11 @@ def check_backend(backend: str, model: str, page_size: int, gen: torch.Generator
                                  [p + e for p, e in zip(prefix, ext)], list(prefix), list(ext))
 
     worst, ok = 0.0, True
-    # two steps: fresh prefills (one of a single token), then chunks over those prefixes plus a decode row
+    # three steps: fresh prefills (one of a single token), then chunks over those prefixes plus a decode row, then
+    # two leading decode rows, a chunk and a trailing decode row (the Triton backend's mixed split: the leading
+    # rows take the decode kernel, the rest the extend kernel)
     lens = [0] * bs
-    for ext in ([700, 1, 1500, 33], [300, 1, 17, 999]):
+    for ext in ([700, 1, 1500, 33], [300, 1, 17, 999], [1, 1, 40, 1]):
         m = meta_for(lens, ext, False)
         ref_be.prepare(m)
         gpu_be.prepare(m)

@@ -21,6 +21,8 @@
 #   final    (call 2, right after; carry .sglang-whl/b .sglang-kit) SGLang on Qwen3-0.6B (W1, W1 top-k/top-p, W2,
 #            W3, sweep), then minisgl's standard set and sweep with the early-tile count that won in part early
 #   final8   (call 3, right after) minisgl and SGLang on Qwen3-8B: W1, W1 top-k/top-p, W2
+#   after    (call 4) after the mixed-step split and the new GEMV defaults: the Triton backend checked on the GPU,
+#            Qwen3-0.6B's standard set and sweep, the split A/B, Qwen3-8B's set
 #   verify   after run11's default changes (fused K/V store, PDL): W1 / W1 top-k/top-p with PDL on and off, the
 #            Qwen3-0.6B standard set and the batch-mix sweep, Qwen3-8B W1 / W1 top-k/top-p / W2
 # The device returns at most 8 files a call (run10 lost two JSON files to that): JSON under $OUT, logs under
@@ -103,6 +105,11 @@ case "${1:-minisgl}" in
     export MINISGL_GEMV_PDL_EARLY_TILES=$(pick_early); echo "early tiles: $MINISGL_GEMV_PDL_EARLY_TILES"
     run final8 sample8
     sglang qwen3-8b 8 w1,w1_topkp,w2 ;;
+  after)
+    # (run12, call 4) after the mixed-step split and the new GEMV defaults: the backend check, the 0.6B standard
+    # set and sweep, the split A/B, 8B
+    run after06 kernels_backends,sample06,w3_06,sweep06,split_ab06
+    run after8 sample8 ;;
   verify)
     run pdl_w1 pdl_w1_06
     run verify06 sample06,sweep06

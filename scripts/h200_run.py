@@ -41,6 +41,9 @@ Sections (comma separated):
   pdl_ab8    W2 on Qwen3-8B with PDL on and off
   sweep_phases06  the 256-request 1-4k-prompt sweep mix on Qwen3-0.6B: greedy / top-k/top-p / greedy, then
              each with every step synchronised and timed (prefill vs decode time)
+  split_ab06 W1 and the 1-4k-prompt greedy sweep cells on Qwen3-0.6B with a mixed step's decode rows on the
+             decode kernel (MIXED_DECODE_SPLIT, default) and on the extend kernel with the rest
+  kernels_backends  the Triton backend against the torch backend on the GPU (mixed steps, graph replays)
   early_ab06 W2 on Qwen3-0.6B with 1, 3 and 2 GEMV weight tiles loaded before the PDL wait, and 3 with every
              projection on the GEMV (cuBLAS's too), interleaved twice
   early_ab8  the same on Qwen3-8B, 1 and 3 tiles, once
@@ -303,6 +306,25 @@ def sweep_phases(model: str, requests: int = 256, prompt_lo: int = 1024) -> dict
     return res
 
 
+def mixed_split_ab(model: str) -> dict:
+    """W1 and the two 1-4k-prompt greedy sweep cells with a mixed step's leading decode rows on the decode kernel
+    (attention/triton_backend.py MIXED_DECODE_SPLIT, the default) and with the whole step on the extend kernel."""
+    from minisgl.attention import triton_backend
+    from minisgl.bench.runner import run_sweep
+    from minisgl.bench.workloads import sweep_cells
+    cells = [c for c in sweep_cells() if c.prompt_lo == 1024 and c.sampling == "greedy"]
+    res = {}
+    for label, value in (("split", True), ("one_launch", False)):
+        with module_flag(triton_backend, "MIXED_DECODE_SPLIT", value):
+            llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
+            res[label] = {"w1": run_workload(llm, "w1"), "sweep": run_sweep(llm, cells)}
+            log("mixed_split_ab", label, round(res[label]["w1"]["output_tok_per_s"]),
+                {k: round(v["output_tok_per_s"]) for k, v in res[label]["sweep"].items()})
+            llm = None
+            free_gpu()
+    return res
+
+
 LARGE_DECODE_CONFIGS = (("pieces", {}), ("eager", {"cuda_graph_split": False}),
                         ("graphs512", {"cuda_graph_max_bs": 512}))
 
@@ -526,6 +548,8 @@ SECTIONS = {
     "pdl_ab06": lambda: pdl_ab("qwen3-0.6b", rounds=2, early_weights_ab=True),
     "pdl_ab8": lambda: pdl_ab("qwen3-8b", rounds=1),
     "sweep_phases06": lambda: sweep_phases("qwen3-0.6b"),
+    "split_ab06": lambda: mixed_split_ab("qwen3-0.6b"),
+    "kernels_backends": lambda: kernels("--backends-only", "triton"),
     # how many GEMV weight tiles to load before the PDL wait; cuBLAS's projections on the GEMV too
     "early_ab06": lambda: early_tiles_ab("qwen3-0.6b"),
     "early_ab8": lambda: early_tiles_ab("qwen3-8b", tiles=(1, 3), rounds=1),

@@ -341,12 +341,21 @@ def _meta(rows, prefix, ext, total_slots_used, out_cache_loc, is_decode):
         extend_lens_cpu=list(ext))
 
 
+@pytest.mark.parametrize("mixed_split", [True, False], ids=["mixed_split", "mixed_one_launch"])
 @pytest.mark.parametrize("fused_store", [True, False], ids=["fused_store", "store_kv"])
-def test_triton_backend_matches_torch_backend(fused_store, monkeypatch):
-    """Extend then decode through the backend API (the K/V store included), against the torch backend: the same
-    outputs and the same pool. With DECODE_FUSED_STORE the decode step stores inside the decode kernel and never
-    calls the pool's store; off, and in every extend step, it stores through the pool first."""
+def test_triton_backend_matches_torch_backend(fused_store, mixed_split, monkeypatch):
+    """Extend, decode, then a mixed step (a decode row first, a chunk after it) through the backend API (the K/V
+    store included), against the torch backend: the same outputs and the same pool. With DECODE_FUSED_STORE the
+    decode step stores inside the decode kernel and never calls the pool's store; off, and in every extend step,
+    it stores through the pool first. With MIXED_DECODE_SPLIT the mixed step's decode row takes the decode kernel
+    (one row) and the chunk the extend kernel."""
+    from minisgl.attention import triton_backend
     monkeypatch.setattr(attention_kernels, "DECODE_FUSED_STORE", fused_store)
+    monkeypatch.setattr(triton_backend, "MIXED_DECODE_SPLIT", mixed_split)
+    decode_rows = []  # rows of every decode-kernel launch, and whether the step was a decode step
+    kernel = triton_backend.decode_attention
+    monkeypatch.setattr(triton_backend, "decode_attention",
+                        lambda q, *a, **kw: (decode_rows.append((meta.is_decode, q.shape[0])), kernel(q, *a, **kw))[1])
     gen = torch.Generator().manual_seed(3)
     hq, hkv, d, page_size, layers = 8, 2, 64, 4, 2
     num_pages, max_len = 40, 48
@@ -366,6 +375,7 @@ def test_triton_backend_matches_torch_backend(fused_store, monkeypatch):
     rows, prefix, ext = [1, 3], [0, 0], [21, 37]
     steps = [(_meta(rows, prefix, ext, None, None, False), False)]
     steps.append((_meta(rows, [21, 37], [1, 1], None, None, True), True))
+    steps.append((_meta(rows, [22, 38], [1, 5], None, None, False), False))
     for meta, is_decode in steps:
         meta.out_cache_loc = torch.cat([r2t[r, p:p + e] for r, p, e in zip(rows, meta.prefix_lens_cpu,
                                                                            meta.extend_lens_cpu)]).long()
@@ -389,7 +399,9 @@ def test_triton_backend_matches_torch_backend(fused_store, monkeypatch):
     expected = [(False, layer) for layer in range(layers)]
     if not fused_store:
         expected += [(True, layer) for layer in range(layers)]
+    expected += [(False, layer) for layer in range(layers)]
     assert stores == expected
+    assert decode_rows == [(True, 2)] * layers + ([(False, 1)] * layers if mixed_split else [])
 
 
 def test_triton_backend_decode_workspaces_across_batch_sizes():

@@ -9,6 +9,13 @@ launch, and sized for every batch size that shares it.
 
 A decode step stores its new K/V inside the decode kernel (kernels/attention.py, DECODE_FUSED_STORE): one launch
 fewer per layer. `forward` still stores k/v either way; extend steps always store with store_kv first.
+
+A mixed step (chunked prefill with decode rows riding along; the scheduler puts the decode rows first) sends its
+leading one-token rows through the decode kernel and only the rest through the extend kernel (MIXED_DECODE_SPLIT).
+The extend kernel gives each request and head a 128-query tile: a decode row would fill one row of it and pay
+the tensor-core work of 128 over its whole context, which made the decode rows of a 1-4k-prompt mix three times
+dearer in a mixed step than in a decode step (reports/h200/run12, sweep_phases06). The split needs the host's
+extend lengths, so a prefill-graph step (engine/prefill_graph.py, whose fixed metadata has none) keeps one launch.
 """
 
 from __future__ import annotations
@@ -23,6 +30,19 @@ from minisgl.kernels.attention import (
     decode_shared_workspace_numel,
     extend_attention,
 )
+
+# The switch of the mixed-step split (module docstring); read at every extend forward.
+MIXED_DECODE_SPLIT = True
+
+
+def leading_decode_rows(meta: AttentionMetadata) -> int:
+    """How many of the step's first requests extend by one token (0 when the host lengths are unknown, or when
+    every request does: a decode step, or a mixed step of nothing else, keeps its own path)."""
+    ext = meta.extend_lens_cpu
+    if ext is None:
+        return 0
+    n = next((i for i, e in enumerate(ext) if e != 1), len(ext))
+    return n if n < len(ext) else 0
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -89,8 +109,15 @@ class TritonAttentionBackend(AttentionBackend):
                              workspace=self._workspace(bs, q.device), num_splits=self._num_splits(bs),
                              new_kv=(k, v, meta.out_cache_loc) if fuse_store else None)
         else:
-            extend_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.prefix_lens,
-                             meta.extend_lens, meta.extend_start, out, self.scale, meta.max_extend_len)
+            n_dec = leading_decode_rows(meta) if MIXED_DECODE_SPLIT else 0
+            if n_dec:  # rows 0..n_dec-1 own tokens 0..n_dec-1; their K/V are stored above
+                decode_attention(q[:n_dec], k_buf, v_buf, self.req_to_token, meta.req_pool_indices[:n_dec],
+                                 meta.seq_lens[:n_dec], out[:n_dec], self.scale, max_seq_len=self.max_context_len,
+                                 workspace=self._workspace(n_dec, q.device), num_splits=self._num_splits(n_dec))
+            # extend_start holds absolute token offsets: the extend kernel writes only its requests' rows
+            extend_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices[n_dec:],
+                             meta.prefix_lens[n_dec:], meta.extend_lens[n_dec:], meta.extend_start[n_dec:], out,
+                             self.scale, meta.max_extend_len)
         return out
 
     # --- CUDA Graph (decode) ---
