@@ -110,6 +110,10 @@ case "${1:-minisgl}" in
     # set and sweep, the split A/B, 8B
     run after06 kernels_backends,sample06,w3_06,sweep06,split_ab06
     run after8 sample8 ;;
+  mixed)
+    # (call 5) the mixed-step split A/B, one process per arm (split_ab06's arms did not start on equal memory)
+    run mixed_split mixed06
+    MINISGL_MIXED_DECODE_SPLIT=0 run mixed_one_launch mixed06_long ;;
   verify)
     run pdl_w1 pdl_w1_06
     run verify06 sample06,sweep06

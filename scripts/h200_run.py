@@ -43,6 +43,8 @@ Sections (comma separated):
              each with every step synchronised and timed (prefill vs decode time)
   split_ab06 W1 and the 1-4k-prompt greedy sweep cells on Qwen3-0.6B with a mixed step's decode rows on the
              decode kernel (MIXED_DECODE_SPLIT, default) and on the extend kernel with the rest
+  mixed06, mixed06_long  one engine with MIXED_DECODE_SPLIT as the process has it (MINISGL_MIXED_DECODE_SPLIT):
+             a mixed-step warm-up, W1, W1 top-k/top-p, and the sweep (mixed06_long: its 1-4k-prompt cells only)
   kernels_backends  the Triton backend against the torch backend on the GPU (mixed steps, graph replays)
   early_ab06 W2 on Qwen3-0.6B with 1, 3 and 2 GEMV weight tiles loaded before the PDL wait, and 3 with every
              projection on the GEMV (cuBLAS's too), interleaved twice
@@ -232,12 +234,13 @@ def sweep(model: str, **kw) -> dict:
     t0 = time.perf_counter()
     llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16", **kw)
     graphs = llm.engine.runner.graph_runner
+    batch_sizes = list(graphs.batch_sizes) if graphs is not None else []
+    graphs = None  # no reference may outlive the engine: free_gpu() below must get its memory back
     res = {"settings": kw, "startup_s": time.perf_counter() - t0,
            "kv_pool_tokens": llm.engine.runner.kv_capacity_tokens,
            # the scheduler's: the resolved value where the config leaves it to the engine (0/None)
            "max_running_requests": llm.engine.scheduler.max_running,
-           "cuda_graph_batch_sizes": list(graphs.batch_sizes) if graphs is not None else [],
-           "sampler_launch": sampler_launch(), "cells": {}}
+           "cuda_graph_batch_sizes": batch_sizes, "sampler_launch": sampler_launch(), "cells": {}}
     from minisgl.bench.workloads import sweep_cells
     for cell in sweep_cells():
         res["cells"].update(run_sweep(llm, [cell]))
@@ -301,6 +304,34 @@ def sweep_phases(model: str, requests: int = 256, prompt_lo: int = 1024) -> dict
             "steps_columns": ["is_decode", "batch_size", "tokens", "kv_tokens", "ms"]}
         log("sweep_phases timed", sampling, {k: v for k, v in res[f"timed_{sampling}"].items()
                                              if not isinstance(v, list)})
+    llm = None
+    free_gpu()
+    return res
+
+
+def mixed_arm(model: str, full_sweep: bool) -> dict:
+    """One engine with MIXED_DECODE_SPLIT as this process has it (MINISGL_MIXED_DECODE_SPLIT): the 64-request
+    1-4k-prompt greedy cell once untimed first (it compiles the kernel variants of mixed steps), then W1, W1
+    top-k/top-p and the sweep (every cell with full_sweep, else the two 1-4k-prompt mixes). One arm per process, so
+    neither arm starts on memory the other left cached (split_ab06 did: its first engine got a smaller KV pool)."""
+    from minisgl.attention import triton_backend
+    from minisgl.bench.runner import run_sweep
+    from minisgl.bench.workloads import sweep_cells
+    free_gpu()
+    cells = [c for c in sweep_cells() if full_sweep or c.prompt_lo == 1024]
+    llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
+    res = {"mixed_decode_split": triton_backend.MIXED_DECODE_SPLIT,
+           "kv_pool_tokens": llm.engine.runner.kv_capacity_tokens,
+           "max_running_requests": llm.engine.scheduler.max_running,
+           "warmup": run_sweep(llm, [c for c in cells if c.prompt_lo == 1024 and c.requests == 64][:1])}
+    for w in ("w1", "w1_topkp"):
+        res[w] = run_workload(llm, w)
+        log("mixed_arm", w, round(res[w]["output_tok_per_s"]), res[w]["triton_compiles_timed"])
+    res["sweep"] = {}
+    for cell in cells:
+        res["sweep"].update(run_sweep(llm, [cell]))
+        r = res["sweep"][cell.name]
+        log("mixed_arm", cell.name, round(r["output_tok_per_s"]), r["triton_compiles_timed"])
     llm = None
     free_gpu()
     return res
@@ -549,6 +580,8 @@ SECTIONS = {
     "pdl_ab8": lambda: pdl_ab("qwen3-8b", rounds=1),
     "sweep_phases06": lambda: sweep_phases("qwen3-0.6b"),
     "split_ab06": lambda: mixed_split_ab("qwen3-0.6b"),
+    "mixed06": lambda: mixed_arm("qwen3-0.6b", full_sweep=True),
+    "mixed06_long": lambda: mixed_arm("qwen3-0.6b", full_sweep=False),
     "kernels_backends": lambda: kernels("--backends-only", "triton"),
     # how many GEMV weight tiles to load before the PDL wait; cuBLAS's projections on the GEMV too
     "early_ab06": lambda: early_tiles_ab("qwen3-0.6b"),

@@ -20,6 +20,8 @@ extend lengths, so a prefill-graph step (engine/prefill_graph.py, whose fixed me
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from minisgl.attention.base import AttentionBackend, AttentionMetadata
@@ -31,8 +33,9 @@ from minisgl.kernels.attention import (
     extend_attention,
 )
 
-# The switch of the mixed-step split (module docstring); read at every extend forward.
-MIXED_DECODE_SPLIT = True
+# The switch of the mixed-step split (module docstring); read at every extend forward. MINISGL_MIXED_DECODE_SPLIT=0
+# starts a process with it off.
+MIXED_DECODE_SPLIT = os.environ.get("MINISGL_MIXED_DECODE_SPLIT", "1") != "0"
 
 
 def leading_decode_rows(meta: AttentionMetadata) -> int:
