@@ -19,22 +19,32 @@ import json
 from pathlib import Path
 
 COMMITS: dict[str, str] = {}  # section name -> the commit its file records
+# section name -> every run of it in the folder: (time, commit, MINISGL_* settings, file, result)
+RUNS: dict[str, list[tuple[str, str, dict, str, dict]]] = {}
 
 
 def load(folder: Path) -> tuple[dict, dict, list[dict]]:
-    """(sections by name, the environment of the first minisgl file, decode timelines)."""
-    sections, env, timelines = {}, {}, []
+    """(sections by name, the environment of the first minisgl file, decode timelines). A section run in several
+    calls of one lease (a re-run after a change) is taken from its first call for the main tables; RUNS has all."""
+    sections, env, timelines, stamps = {}, {}, [], {}
+    RUNS.clear()
     for path in sorted(folder.glob("*.json")):
         data = json.loads(path.read_text())
         if path.name.startswith("decode_timeline_"):
             timelines.append(data)
             continue
-        for name, sec in data.get("sections", {}).items():
-            sections[name] = sec["result"]
-            COMMITS[name] = data.get("environment", {}).get("git_commit", "?")
         e = data.get("environment", {})
+        for name, sec in data.get("sections", {}).items():
+            if "result" not in sec:
+                continue
+            run = (e.get("time_utc", ""), e.get("git_commit", "?"), e.get("minisgl_env", {}), path.name, sec["result"])
+            RUNS.setdefault(name, []).append(run)
+            if name not in stamps or run[0] < stamps[name]:
+                sections[name], COMMITS[name], stamps[name] = sec["result"], run[1], run[0]
         if e.get("git_commit") and "sglang" not in data and e.get("time_utc", "") > env.get("time_utc", ""):
             env = e  # the newest minisgl file's
+    for name in RUNS:
+        RUNS[name].sort(key=lambda run: run[0])
     return sections, env, timelines
 
 
@@ -176,15 +186,23 @@ def gemv_tables(tune: dict | None, sec: dict) -> list[str]:
     return lines
 
 
-def w2_runs_table(sec: dict) -> list[str]:
+def settings(env: dict, extra: dict | None = None) -> str:
+    """A run's MINISGL_* environment settings and any others, for a table cell ('defaults' when none)."""
+    items = {k.removeprefix("MINISGL_"): v for k, v in env.items()} | (extra or {})
+    return ", ".join(f"{k}={v}" for k, v in items.items()) or "defaults"
+
+
+def w2_runs_table(runs: dict) -> list[str]:
     """Every W2 run of the lease, with its section, settings and commit (runs after a change sit beside the first)."""
     rows = []
-    for name in ("sample06", "gemv_ab06", "w2_06", "merge_ab06", "store_ab06", "pdl_ab06", "qwen35", "gemv_ab35",
-                 "w2_35", "gemv_ab8", "w2_8b", "pdl_ab8"):
-        for label, run in sec.get(name, {}).items():
-            if isinstance(run, dict) and "w2" in run:
-                rows.append(f"| {name} / {label} | {COMMITS.get(name, '?')} | {run['w2']['ttft_ms_median']:.2f} | "
-                            f"{run['w2']['tpot_ms_median']:.3f} | {run.get('gemv_linears')} |")
+    for name in ("sample06", "gemv_ab06", "w2_06", "merge_ab06", "store_ab06", "pdl_ab06", "early_ab06", "qwen35",
+                 "gemv_ab35", "w2_35", "gemv_ab8", "w2_8b", "pdl_ab8", "early_ab8", "sample8"):
+        for _, commit, env, _, result in runs.get(name, []):
+            for label, run in result.items():
+                if isinstance(run, dict) and "w2" in run:
+                    rows.append(f"| {name} / {label} | {commit[:7]} | {settings(env)} | "
+                                f"{run['w2']['ttft_ms_median']:.2f} | {run['w2']['tpot_ms_median']:.3f} | "
+                                f"{run.get('gemv_linears')} |")
     if not rows:
         return []
     return ["## Every W2 run of the lease (batch 1, 8 requests x 256 tokens, medians)", "",
@@ -193,13 +211,95 @@ def w2_runs_table(sec: dict) -> list[str]:
             "the default) vs two launches (the default since); `gemv_ab*` turn the GEMV off; `store_ab06` stores "
             "the decode step's K/V inside decode attention (DECODE_FUSED_STORE) or with store_kv first; `pdl_ab*` "
             "turn programmatic dependent launch (the `pdl` switch; `no_early_weights`: without the GEMV's weight "
-            "load before its wait) on and off, interleaved.", "",
-            "| section / run | commit | TTFT ms | TPOT ms | linears on the GEMV |", "|---|---|---|---|---|", *rows, ""]
+            "load before its wait) on and off, interleaved; `early_ab*` load 1, 2 or 3 GEMV weight tiles before the "
+            "PDL wait (PDL_EARLY_TILES), and `all_gemv` also puts the projections the tuned table gave to cuBLAS on "
+            "the GEMV.", "",
+            "| section / run | commit | settings | TTFT ms | TPOT ms | linears on the GEMV |",
+            "|---|---|---|---|---|---|", *rows, ""]
+
+
+def _compiles(r: dict) -> int:
+    return sum(r.get("triton_compiles_timed", {}).values())
+
+
+def throughput_runs_table(runs: dict) -> list[str]:
+    """Every W1 / W1 top-k/top-p run of the lease: the standard sets, the PDL and mixed-step A/Bs."""
+    rows = []
+    for name in ("sample06", "pdl_w1_06", "split_ab06", "mixed06", "mixed06_long", "sample8"):
+        for _, commit, env, file, result in runs.get(name, []):
+            arms = {"": result} if "w1" in result else result
+            for label, run in arms.items():
+                if not isinstance(run, dict) or "w1" not in run:
+                    continue
+                extra = {"MIXED_DECODE_SPLIT": run["mixed_decode_split"]} if "mixed_decode_split" in run else {}
+                extra |= run.get("settings") or {}
+                w = [run.get(k) for k in ("w1", "w1_topkp")]
+                eng = w[0]["engine"]
+                rows.append(f"| {name}{' / ' + label if label else ''} | {file} | {commit[:7]} | "
+                            f"{settings(env, extra)} | "
+                            + " | ".join(f"{x['output_tok_per_s']:,.0f}" if x else "" for x in w)
+                            + f" | {sum(_compiles(x) for x in w if x)} | "
+                            f"{eng.get('retractions', '')} / {eng.get('max_running_requests', '')} |")
+    if not rows:
+        return []
+    return ["## Every W1 run of the lease (output tok/s)", "",
+            "Qwen3-0.6B except `sample8` (Qwen3-8B). 'compiles' counts Triton kernel variants compiled inside the "
+            "timed runs (minisgl.bench.runner records them); 'retractions / max running' shows an engine short of KV "
+            "memory.", "",
+            "| section / arm | file | commit | settings | W1 | W1 top-k/top-p | compiles | retractions / max running |",
+            "|---|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def sweep_runs_table(runs: dict, theirs: dict | None) -> list[str]:
+    """Every run of the batch-mix sweep's cells in the lease (sweep06 and the mixed-step arms) beside SGLang's."""
+    cols = []
+    for name in ("sweep06", "mixed06", "mixed06_long"):
+        for _, commit, env, file, result in runs.get(name, []):
+            cells = result.get("cells") or result.get("sweep") or {}
+            extra = {"MIXED_DECODE_SPLIT": result["mixed_decode_split"]} if "mixed_decode_split" in result else {}
+            cols.append((f"{name}, {file}, {commit[:7]}, {settings(env, extra)}", cells))
+    if len(cols) < 2:
+        return []
+    names = list(dict.fromkeys(c for _, cells in cols for c in cells))
+    theirs = theirs or {}
+    lines = ["## Every run of the sweep's cells (output tok/s; ratio to SGLang; * = Triton compiles in the timed run)",
+             "", "Columns: " + "; ".join(f"({i + 1}) {head}" for i, (head, _) in enumerate(cols)) + ".", "",
+             "| cell | SGLang | " + " | ".join(f"({i + 1})" for i in range(len(cols))) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    for cell in names:
+        b = theirs.get(cell, {}).get("output_tok_per_s")
+        vals = []
+        for _, cells in cols:
+            r = cells.get(cell)
+            vals.append("" if r is None else f"{r['output_tok_per_s']:,.0f}{'*' if _compiles(r) else ''}"
+                        + (f" ({ratio(r['output_tok_per_s'], b)})" if b else ""))
+        lines.append(f"| {cell} | {f'{b:,.0f}' if b else ''} | " + " | ".join(vals) + " |")
+    return lines + [""]
+
+
+def sweep_phases_table(r: dict) -> list[str]:
+    """Where the 1-4k-prompt 256-request mix's time goes (h200_run sweep_phases06)."""
+    lines = ["## The 1-4k-prompt, 256-request sweep mix: prefill vs decode (sweep_phases06)", "",
+             "Untimed-step runs in order: " + ", ".join(f"{x['sampling']} {x['output_tok_per_s']:,.0f} tok/s"
+                                                        for x in r["runs"]) + ".", "",
+             "Then each with every step synchronised and timed (serialises the overlap loop, so slower in all):", "",
+             "| sampling | wall s | prefill steps | prefill s | prefill tokens | decode steps | decode s | "
+             "decode ms/step | mixed-step ms, first / last |", "|---|---|---|---|---|---|---|---|---|"]
+    for sampling in ("greedy", "topkp"):
+        t = r.get(f"timed_{sampling}")
+        if not t:
+            continue
+        pre = [step[4] for step in t["steps"] if not step[0]]
+        lines.append(f"| {sampling} | {t['wall_s']:.2f} | {t['prefill_steps']} | {t['prefill_s']:.2f} | "
+                     f"{t['prefill_tokens']:,} | {t['decode_steps']} | {t['decode_s']:.2f} | "
+                     f"{1e3 * t['decode_s'] / max(t['decode_steps'], 1):.1f} | {pre[0]:.1f} / {max(pre):.1f} |")
+    return lines + [""]
 
 
 def main(folder: str, sglang_from: str | None = None) -> None:
     d = Path(folder)
     sec, env, timelines = load(d)
+    runs = dict(RUNS)  # before another folder's load() refills it
     title = f"# One H200 lease: minisgl {env.get('git_commit', '?')[:7]} and SGLang 0.5.16"
     note = ""
     if sglang_from:
@@ -221,7 +321,11 @@ def main(folder: str, sglang_from: str | None = None) -> None:
     if "qwen35" in sec:
         w3 = sec.get("w3_06", {}).get("default", {}).get("w3")
         lines += qwen35_table(sec["qwen35"]["default"], sec, w3) + [""]
-    lines += w2_runs_table(sec)
+    lines += w2_runs_table(runs)
+    lines += throughput_runs_table(runs)
+    lines += sweep_runs_table(runs, sec.get("sglang_sweep_06"))
+    if "sweep_phases06" in sec:
+        lines += sweep_phases_table(sec["sweep_phases06"])
     tune_path = d / "gpu_gemv_tune.json"
     lines += gemv_tables(json.loads(tune_path.read_text()) if tune_path.is_file() else None, sec)
     for dtype, r in sec.get("qwen35_check", {}).items():

@@ -327,6 +327,28 @@ def test_extend_attention_mixed_batch(hq, hkv, d, page_size, dtype):
     assert rel_err(out, ref) < tol
 
 
+def test_extend_attention_from_a_first_row():
+    """first_row=n computes requests n.. only (a mixed step's decode rows go to the decode kernel): their rows
+    equal the full call's, and the rows of requests 0..n-1 are left untouched."""
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, page_size, max_len = 4, 2, 32, 4, 96
+    num_pages = 4 * max_len // page_size + 1
+    k_buf, v_buf = make_pool(num_pages * page_size, hkv, d, torch.float32, gen)
+    r2t = make_slot_table(4, max_len, page_size, num_pages, gen)
+    rows = torch.tensor([2, 0, 3, 1])
+    prefix_lens, extend_lens = i32([40, 7, 0, 20]), i32([1, 1, 50, 9])
+    extend_start = torch.cumsum(extend_lens, 0, dtype=torch.int32) - extend_lens
+    q = torch.randn(int(extend_lens.sum()), hq, d, generator=gen)
+    full = extend_attention(q, k_buf, v_buf, r2t, rows, prefix_lens, extend_lens, extend_start,
+                            torch.full_like(q, float("nan")), d ** -0.5, 50)
+    for first in (1, 2, 3):
+        part = extend_attention(q, k_buf, v_buf, r2t, rows, prefix_lens, extend_lens, extend_start,
+                                torch.full_like(q, float("nan")), d ** -0.5, 50, first_row=first)
+        own = int(extend_start[first])
+        assert torch.isnan(part[:own]).all()
+        assert torch.equal(part[own:], full[own:])
+
+
 # ------------------------------------------------------------------ backend ---------------------------------
 
 

@@ -113,15 +113,27 @@ class TritonAttentionBackend(AttentionBackend):
                              new_kv=(k, v, meta.out_cache_loc) if fuse_store else None)
         else:
             n_dec = leading_decode_rows(meta) if MIXED_DECODE_SPLIT else 0
-            if n_dec:  # rows 0..n_dec-1 own tokens 0..n_dec-1; their K/V are stored above
-                decode_attention(q[:n_dec], k_buf, v_buf, self.req_to_token, meta.req_pool_indices[:n_dec],
-                                 meta.seq_lens[:n_dec], out[:n_dec], self.scale, max_seq_len=self.max_context_len,
-                                 workspace=self._workspace(n_dec, q.device), num_splits=self._num_splits(n_dec))
-            # extend_start holds absolute token offsets: the extend kernel writes only its requests' rows
-            extend_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices[n_dec:],
-                             meta.prefix_lens[n_dec:], meta.extend_lens[n_dec:], meta.extend_start[n_dec:], out,
-                             self.scale, meta.max_extend_len)
+            if n_dec:
+                self._mixed_decode_rows(n_dec, q, k, v, k_buf, v_buf, out)
+            # the requests from n_dec on; extend_start holds absolute token offsets, so only their rows are written
+            extend_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.prefix_lens,
+                             meta.extend_lens, meta.extend_start, out, self.scale, meta.max_extend_len,
+                             first_row=n_dec)
         return out
+
+    def _mixed_decode_rows(self, n: int, q, k, v, k_buf, v_buf, out) -> None:
+        """Rows 0..n-1 of a mixed step (tokens 0..n-1, one each) through the decode kernel, launched as a decode
+        step of the next power-of-2 batch size launches it: the same split count and the same K/V store choice, so
+        it runs a kernel variant the decode graphs compiled (the split count is a compile-time constant; an exact
+        count for every n would compile new variants in the middle of serving). Their K/V were stored with the
+        rest of the step; the fused store writes the same values to the same slots again."""
+        meta = self.meta
+        as_bs = 1 << (n - 1).bit_length()
+        fuse = self._fuse_store(k, v)
+        decode_attention(q[:n], k_buf, v_buf, self.req_to_token, meta.req_pool_indices[:n], meta.seq_lens[:n],
+                         out[:n], self.scale, max_seq_len=self.max_context_len,
+                         workspace=self._workspace(max(n, as_bs), q.device), num_splits=self._num_splits(as_bs),
+                         new_kv=(k[:n], v[:n], meta.out_cache_loc[:n]) if fuse else None)
 
     # --- CUDA Graph (decode) ---
 

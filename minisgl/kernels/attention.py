@@ -43,8 +43,10 @@ _MIN_TOKENS_PER_SPLIT = 256  # below this, another split costs more in the reduc
 _DEFAULT_NUM_SMS = 132  # H200; used when the tensor is not on a CUDA device (interpreter tests)
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+def _jit(fn=None, **options):
+    if fn is None:  # used as @_jit(do_not_specialize=...)
+        return lambda f: _jit(f, **options)
+    return triton.jit(fn, **options) if triton is not None else fn
 
 
 def _require_triton() -> None:
@@ -456,17 +458,19 @@ def _extend_tile(
     return m_new, l_i, acc
 
 
-@_jit
+# first_row is a plain runtime int (no specialisation on 1 or on multiples of 16): any first row runs the one
+# compiled variant
+@_jit(do_not_specialize=["first_row"])
 def _extend_kernel(
     Q, K, V, Out, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_r2t,
-    qk_scale,
+    qk_scale, first_row,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         pdl_enter()
-    b = tl.program_id(0)
+    b = tl.program_id(0) + first_row
     h = tl.program_id(1)
     # Last query blocks first: under the causal mask they have the most keys, so the short ones fill the tail.
     mblk = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -537,12 +541,14 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                      extend_start: torch.Tensor, out: torch.Tensor, scale: float, max_extend_len: int,
-                     block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                     block_m: int | None = None, block_n: int | None = None, first_row: int = 0) -> torch.Tensor:
     """Causal attention of the new tokens of a batch over each request's cached prefix and themselves.
 
     q, out: [T, Hq, D]; request i owns rows extend_start[i] : extend_start[i] + extend_lens[i] of q, at
     positions prefix_lens[i] + j. All keys 0 .. prefix_lens[i] + extend_lens[i] - 1 must already be stored.
-    `max_extend_len` (host int) bounds extend_lens and sizes the grid. Rows of q owned by no request are left
+    `max_extend_len` (host int) bounds extend_lens and sizes the grid. Only requests first_row.. are computed
+    (the per-request tensors are indexed from 0, not sliced: a slice at an odd offset would be a differently
+    aligned pointer, for which Triton compiles another variant). Rows of q owned by no computed request are left
     untouched in `out`.
     """
     _require_triton()
@@ -552,20 +558,20 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     assert Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads"
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
     assert req_to_token.stride(-1) == 1
-    if T == 0 or B == 0 or max_extend_len <= 0:
+    if T == 0 or B <= first_row or max_extend_len <= 0:
         return out
     bm, bn, num_warps, num_stages = _extend_blocks(D, q.device, k_buf.element_size())
     bm = block_m or bm
     bn = block_n or bn
     block_d = max(16, triton.next_power_of_2(D))
     ieee = k_buf.dtype == torch.float32  # q is cast to the cache dtype; fp32 dots must not drop to tf32
-    grid = (B, Hq, triton.cdiv(max_extend_len, bm))
+    grid = (B - first_row, Hq, triton.cdiv(max_extend_len, bm))
     kw = pdl_launch(q)
     _extend_kernel[grid](
         q, k_buf, v_buf, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
-        scale * _LOG2E,
+        scale * _LOG2E, first_row,
         GROUP=Hq // Hkv, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, HEAD_DIM=D, IEEE_DOT=ieee, USE_PDL=bool(kw),
         num_warps=num_warps, num_stages=num_stages, **kw,
     )
