@@ -20,7 +20,8 @@
 #            and off, where the long-prompt sweep mix's time goes; SGLang's wheels of .sglang-whl/a unpacked
 #   final    (call 2, right after; carry .sglang-whl/b .sglang-kit) SGLang on Qwen3-0.6B (W1, W1 top-k/top-p, W2,
 #            W3, sweep), then minisgl's standard set and sweep with the early-tile count that won in part early
-#   final8   (call 3, right after) minisgl and SGLang on Qwen3-8B: W1, W1 top-k/top-p, W2
+#   final8   (call 3, right after; carry .sglang-kit again: a call without it in carry lost the kit's stubs, and
+#            run12's SGLang import failed on IPython) minisgl and SGLang on Qwen3-8B: W1, W1 top-k/top-p, W2
 #   after    (call 4) after the mixed-step split and the new GEMV defaults: the Triton backend checked on the GPU,
 #            Qwen3-0.6B's standard set and sweep, the split A/B, Qwen3-8B's set
 #   verify   after run11's default changes (fused K/V store, PDL): W1 / W1 top-k/top-p with PDL on and off, the

@@ -131,43 +131,40 @@ kernels; its per-step planning runs on the host, the likely cost at batch 1 (not
 
 
 def latest_lease_text(folder: str) -> str:
-    """Where things stand in the newest lease that measured both engines, and what is still open there."""
+    """The leases from the two-engine one before the newest on (make_lease_tables.earlier_leases), oldest first:
+    what each found and changed, then what is still open by the newest figures of each kind."""
     from pathlib import Path
 
-    from make_lease_tables import kernel_kinds, later_leases, latest_lease, load
+    from make_lease_tables import RUNS, earlier_leases, later_leases, latest_lease, load
 
     run = latest_lease(folder)
     if run is None:
         return ""
-    sec, env, timelines = load(Path(run))
-    # minisgl-only leases since then: their sections and timelines extend (and, by name, replace) the lease's
-    later = later_leases(folder)
-    newer_sec: dict = {}
-    for folder_later in later:
-        lsec, _, ltl = load(folder_later)
-        newer_sec.update(lsec)
-        timelines = timelines + ltl
-    by_label = {t["label"]: t for t in timelines if "bare_replay" in t}
-    gap = {k: t["bare_replay"]["kernel_gap_us"] for k, t in by_label.items()}
-    ngraphs = {k: t["graphs"]["decode"] + t["graphs"]["prefill"] for k, t in by_label.items()}
-    base = next((v for k, v in gap.items() if k.startswith("base")), None)
-    gap_text = "the step is a few hundred kernels"
-    if base is not None and "new" in gap:
-        gap_text = (f"inside the step's CUDA graph each kernel starts {gap['new'] - base:.2f} us later than in an "
-                    "older build of the engine (decode_timeline), for a reason not yet found")
-        if "new_fewgraphs" in gap:
-            gap_text += (f" (not the number of captured graphs: with {ngraphs['new_fewgraphs']} instead of "
-                         f"{ngraphs['new']} the gap is {gap['new_fewgraphs']:.2f} us against {gap['new']:.2f}")
-            if "new_tinykv" in gap:
-                mem = {k: by_label[k].get("memory_gib", {}).get("allocated", float("nan")) for k in ("new_tinykv",
-                                                                                                     "new")}
-                gap_text += (f"; nor how full the card is: with {mem['new_tinykv']:.0f} GiB allocated instead of "
-                             f"{mem['new']:.0f} it is {gap['new_tinykv']:.2f} us")
-            gap_text += ")"
-        if "pdl" in gap:
-            gap_text += (f"; programmatic dependent launch lets each kernel start before the previous one ends, "
-                         f"which brought it to {gap['pdl']:.2f} us")
-    out = [f"\n## Since then: both engines in one lease (`{run.name}/`, minisgl {env.get('git_commit', '?')})\n"]
+    window = [*reversed(earlier_leases(folder)), run, *later_leases(folder)]
+    out, newest, runs, timelines, two_engine = [], {}, {}, [], {}
+    for lease in window:
+        sec, env, tl = load(Path(lease))
+        lease_runs = dict(RUNS)
+        newest.update(sec)  # later leases replace a section by name
+        for name, rs in lease_runs.items():
+            runs.setdefault(name, []).extend(rs)
+        timelines += tl
+        if any(k.startswith("sglang_") for k in sec):
+            two_engine = sec
+        out += lease_story(lease, sec, lease_runs)
+    out += open_items(newest, runs, timelines, two_engine)
+    return "\n\n".join(out).replace("\n\n- ", "\n- ") + "\n"
+
+
+def lease_story(lease, sec: dict, runs: dict) -> list[str]:
+    """Paragraphs for one lease folder, each written only when the sections it cites are there."""
+    commits = ", ".join(dict.fromkeys(r[1][:7] for name, rs in sorted(runs.items()) for r in rs
+                                      if not name.startswith("sglang_")))
+    out = []
+    if any(k.startswith("sglang_") for k in sec):
+        out.append(f"\n## Both engines in one lease (`{lease.name}/`, minisgl {commits})\n")
+    else:
+        out.append(f"\n## minisgl alone (`{lease.name}/`, minisgl {commits})\n")
     q06, q35 = get(sec, "sample06", "default"), get(sec, "qwen35", "default")
     s = {k: sec.get(f"sglang_{k}") for k in ("w1_06", "w1_topkp_06", "w2_06", "w1_35", "w2_35")}
     if q06 and s["w1_06"] and s["w2_06"]:
@@ -184,28 +181,77 @@ def latest_lease_text(folder: str) -> str:
             f"On the hybrid Qwen3.5-0.8B (Gated DeltaNet layers with a per-request state pool): W1 "
             f"{q35['w1']['output_tok_per_s']:,.0f} against {s['w1_35']['output_tok_per_s']:,.0f} tok/s, TPOT "
             f"{q35['w2']['tpot_ms_median']:.2f} against {s['w2_35']['tpot_ms_median']:.2f} ms.")
-    if later:
-        pdl, store = newer_sec.get("pdl_ab06", {}), newer_sec.get("store_ab06", {})
-        if "pdl_0" in pdl and "no_pdl_0" in pdl and "fused_store" in store:
-            out.append(
-                f"After that lease (`{later[-1].name}/`, minisgl alone) two changes went into the batch-1 step: the "
-                "decode attention kernel stores the new token's K and V itself (one launch fewer per layer: "
-                f"{store['store_kv']['w2']['tpot_ms_median']:.3f} -> {store['fused_store']['w2']['tpot_ms_median']:.3f}"
-                " ms per token on Qwen3-0.6B), and every Triton kernel of the step is launched with programmatic "
-                "dependent launch, so it is scheduled while its predecessor still runs and waits on the GPU, not "
-                f"behind it ({pdl['no_pdl_0']['w2']['tpot_ms_median']:.3f} -> "
-                f"{pdl['pdl_0']['w2']['tpot_ms_median']:.3f} ms; the GEMVs also start streaming their weights "
-                "before the wait).")
-    open_items = []
-    both = {**sec, **newer_sec}
-    w2_runs = [r["w2"]["tpot_ms_median"] for name in ("sample06", "w2_06", "merge_ab06", "store_ab06", "pdl_ab06")
-               for r in (both.get(name) or {}).values() if isinstance(r, dict) and "w2" in r]
-    if w2_runs and min(w2_runs) > 1.0:
-        open_items.append(f"Qwen3-0.6B at batch 1: {min(w2_runs):.3f} ms per token at best, above the 1.0 ms we aim "
-                          f"for; {gap_text}.")
-    g8 = (get(both, "pdl_ab8", "pdl", "w2") or get(both, "w2_8b", "default", "w2")
-          or get(both, "gemv_ab8", "default", "w2"))
-    if g8:
+    pdl, store = sec.get("pdl_ab06", {}), sec.get("store_ab06", {})
+    if "pdl_0" in pdl and "no_pdl_0" in pdl and "fused_store" in store:
+        out.append(
+            "Two changes went into the batch-1 step: the decode attention kernel stores the new token's K and V "
+            "itself (one launch fewer per layer: "
+            f"{store['store_kv']['w2']['tpot_ms_median']:.3f} -> {store['fused_store']['w2']['tpot_ms_median']:.3f}"
+            " ms per token on Qwen3-0.6B), and every Triton kernel of the step is launched with programmatic "
+            "dependent launch, so it is scheduled while its predecessor still runs and waits on the GPU, not "
+            f"behind it ({pdl['no_pdl_0']['w2']['tpot_ms_median']:.3f} -> "
+            f"{pdl['pdl_0']['w2']['tpot_ms_median']:.3f} ms; the GEMVs also start streaming their weights "
+            "before the wait).")
+    early = sec.get("early_ab06", {})
+    if early:
+        def mean(prefix):
+            xs = [r["w2"]["tpot_ms_median"] for k, r in early.items() if k.startswith(prefix) and "all_gemv" not in k]
+            return sum(xs) / len(xs) if xs else float("nan")
+        default_w2 = [r[4]["default"]["w2"] for r in runs.get("sample06", []) if "w2" in r[4].get("default", {})]
+        out.append(
+            "The batch-1 step again, on Qwen3-0.6B, in interleaved A/B runs: the GEMV loading two of its weight "
+            f"tiles before the PDL wait instead of one ({mean('early1_'):.3f} -> {mean('early2_'):.3f} ms per token; "
+            f"three: {mean('early3_'):.3f}; means of two rounds), and the gate/up projection on the GEMV instead "
+            "of cuBLAS, where the standalone tune had found no 2% win at one row; inside the step a cuBLAS launch "
+            "cannot start streaming its weights before the kernel ahead of it ends (with three early tiles: "
+            + ", ".join(f"{r['w2']['tpot_ms_median']:.3f}" for k, r in early.items() if "all_gemv" in k)
+            + " ms). With both as defaults W2 ran at "
+            + " and ".join(f"{w['tpot_ms_median']:.3f}" for w in default_w2[-1:]) + " ms per token.")
+    arms: dict[bool, list] = {}  # split on / off: each arm's runs (one process each), oldest first
+    for name in ("mixed06", "mixed06_long"):
+        for r in runs.get(name, []):
+            arms.setdefault(bool(r[4].get("mixed_decode_split")), []).append(r)
+    phases = sec.get("sweep_phases06", {}).get("timed_greedy")
+    if True in arms and False in arms:
+        ons = [r[4] for r in sorted(arms[True], key=lambda r: r[0])]
+        off = arms[False][-1][4]
+
+        def both(key, cell=None):
+            pick = (lambda x: x["sweep"][cell]) if cell else (lambda x: x[key])
+            return f"{pick(off)['output_tok_per_s']:,.0f} -> " + " / ".join(
+                f"{pick(x)['output_tok_per_s']:,.0f}" for x in ons if cell is None or cell in x["sweep"])
+        text = "Then the prompts of 1-4k tokens. "
+        if phases:
+            pre = [st[4] for st in phases["steps"] if not st[0]]
+            dec = [st for st in phases["steps"] if st[0]]
+            top = max(dec, key=lambda st: st[1])
+            text += (f"Timing every step of the 256-request mix showed its chunked-prefill steps growing from "
+                     f"{pre[0]:.0f} to {max(pre):.0f} ms as more running requests rode along as decode rows, while a "
+                     f"decode step of {top[1]} rows took {top[4]:.0f} ms: the extend kernel gives each request a "
+                     "128-query tile, so a one-token row paid for 128 over its whole context. ")
+        cells = [c for c in off["sweep"] if all(c in x["sweep"] for x in ons)]
+        text += ("Sending a mixed step's decode rows to the decode kernel (`MIXED_DECODE_SPLIT`), one process per "
+                 f"run, off -> on ({len(ons)} runs): W1 {both('w1')}, W1 top-k/top-p {both('w1_topkp')}, "
+                 + ", ".join(f"{c} {both(None, c)}" for c in cells) + " tok/s.")
+        out.append(text)
+    return out
+
+
+def open_items(newest: dict, runs: dict, timelines: list, two_engine: dict) -> list[str]:
+    """What is still open, by the newest figures of each kind in the window."""
+    from make_lease_tables import kernel_kinds
+
+    by_label = {t["label"]: t for t in timelines if "bare_replay" in t}
+    items = []
+    w2 = [r["w2"]["tpot_ms_median"] for name in ("sample06", "w2_06", "merge_ab06", "store_ab06", "pdl_ab06",
+                                                   "early_ab06") for rr in runs.get(name, [])
+          for r in rr[4].values() if isinstance(r, dict) and "w2" in r]
+    if w2 and min(w2) > 1.0:
+        items.append(f"Qwen3-0.6B at batch 1: {min(w2):.3f} ms per token at best, above the 1.0 ms we aim for.")
+    w8 = [(rr[0], r["w2"]) for name in ("sample8", "pdl_ab8", "early_ab8", "w2_8b", "gemv_ab8")
+          for rr in runs.get(name, []) for k, r in rr[4].items() if k in ("default", "pdl", "early1_0") and "w2" in r]
+    if w8:
+        g8 = max(w8, key=lambda x: x[0])[1]
         why = "on its large weights cuBLAS streams as fast as our GEMV"
         if "8b" in by_label:
             kinds = kernel_kinds(by_label["8b"])
@@ -218,18 +264,34 @@ def latest_lease_text(folder: str) -> str:
                    f"({copy_bw / 1e12:.2f} TB/s) they would still take {weights / copy_bw * 1e3:.2f} ms, and the "
                    "rest of the step (attention, norms, launches) takes "
                    f"{by_label['8b']['unprofiled_ms_per_step'] - matmul_us / 1e3:.2f} ms")
-        open_items.append(f"Qwen3-8B at batch 1: {g8['tpot_ms_median']:.2f} ms per token, above the 4.1 ms we aim "
-                          f"for; {why}.")
-    sweep, ssweep = sec.get("sweep06"), sec.get("sglang_sweep_06")
-    if sweep and ssweep:
-        behind = [f"{n} ({c['output_tok_per_s'] / ssweep[n]['output_tok_per_s']:.2f}x)"
-                  for n, c in sweep["cells"].items()
-                  if n in ssweep and c["output_tok_per_s"] < ssweep[n]["output_tok_per_s"]]
+        if g8["tpot_ms_median"] > 4.1:
+            items.append(f"Qwen3-8B at batch 1: {g8['tpot_ms_median']:.2f} ms per token, above the 4.1 ms we aim "
+                         f"for; {why}.")
+    theirs = two_engine.get("sglang_sweep_06")
+    if theirs:
+        # every cell's runs at the newest commit that measured it, default settings (the sweep and the split arm)
+        cell_runs: dict[str, list] = {}
+        for name in ("sweep06", "mixed06", "mixed06_long"):
+            for t, commit, env, file, res in runs.get(name, []):
+                if env or res.get("mixed_decode_split") is False:
+                    continue  # a non-default setting
+                for cell, r in (res.get("cells") or res.get("sweep") or {}).items():
+                    cell_runs.setdefault(cell, []).append((t, commit, file, r))
+        behind = []
+        for cell, rs in cell_runs.items():
+            last = max(rs, key=lambda x: x[0])[1]
+            at_last = [x for x in rs if x[1] == last]
+            b = theirs.get(cell, {}).get("output_tok_per_s")
+            slow = [x for x in at_last if b and x[3]["output_tok_per_s"] < b]
+            if slow:
+                behind.append(f"{cell} at {last[:7]}: " + "; ".join(
+                    f"{x[3]['output_tok_per_s'] / b:.2f}x in {x[2]}"
+                    + (f" ({sum(x[3].get('triton_compiles_timed', {}).values())} Triton variants compiled inside "
+                       "the timed run)" if x[3].get("triton_compiles_timed") else "") for x in at_last))
         if behind:
-            open_items.append("Batch mixes where SGLang is ahead: " + ", ".join(behind) + ".")
-    if open_items:
-        out += ["\n## What is still open\n", *[f"- {item}" for item in open_items]]
-    return "\n\n".join(out).replace("\n\n- ", "\n- ") + "\n"
+            items.append("Batch mixes where SGLang is ahead in a run at the newest commit that measured them: "
+                         + "; ".join(behind) + ".")
+    return ["\n## What is still open\n", *[f"- {item}" for item in items]] if items else []
 
 
 if __name__ == "__main__":

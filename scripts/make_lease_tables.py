@@ -71,6 +71,24 @@ def later_leases(root: str | Path) -> list[Path]:
     return [run for _, run in sorted(found)]
 
 
+def earlier_leases(root: str | Path) -> list[Path]:
+    """Run folders with a TABLES.md older than latest_lease(root), newest first, down to and including the two-engine
+    lease before it: what the newest two-engine lease has not re-measured (other models, kernel tables) is there."""
+    best = latest_lease(root)
+    stamp = load(best)[1].get("time_utc", "") if best else ""
+    found = []
+    for tables in Path(root).glob("run*/TABLES.md"):
+        sections, env, _ = load(tables.parent)
+        if env.get("time_utc", "") < stamp:
+            found.append((env.get("time_utc", ""), tables.parent, any(k.startswith("sglang_") for k in sections)))
+    out = []
+    for _, run, two_engines in sorted(found, reverse=True):
+        out.append(run)
+        if two_engines:
+            break
+    return out
+
+
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else ""
 
@@ -300,14 +318,17 @@ def main(folder: str, sglang_from: str | None = None) -> None:
     d = Path(folder)
     sec, env, timelines = load(d)
     runs = dict(RUNS)  # before another folder's load() refills it
-    title = f"# One H200 lease: minisgl {env.get('git_commit', '?')[:7]} and SGLang 0.5.16"
+    # every minisgl commit the lease ran, oldest first (the main tables name theirs in the W2/W1 tables below)
+    ours = sorted((r for name, rs in runs.items() if not name.startswith("sglang_") for r in rs), key=lambda r: r[0])
+    commits = ", ".join(dict.fromkeys(r[1][:7] for r in ours))
+    title = f"# One H200 lease: minisgl {commits or env.get('git_commit', '?')[:7]} and SGLang 0.5.16"
     note = ""
     if sglang_from:
         theirs, their_env, _ = load(Path(sglang_from))
         borrowed = {k: v for k, v in theirs.items() if k.startswith("sglang_") and k not in sec}
         sec.update(borrowed)
         if borrowed:
-            title = f"# H200: minisgl {env.get('git_commit', '?')[:7]}; SGLang 0.5.16 from another lease"
+            title = f"# H200: minisgl {commits or env.get('git_commit', '?')[:7]}; SGLang 0.5.16 from another lease"
             note = (f" SGLang's figures are those of `{sglang_from}` (its lease of {their_env.get('time_utc', '?')}, "
                     f"minisgl {their_env.get('git_commit', '?')[:7]} beside it there), not measured in this lease: "
                     "ratios across two leases carry the card-to-card and run-to-run spread (a few percent).")

@@ -440,7 +440,7 @@ def main(folder: str) -> None:
 def latest_lease_lines(folder: str) -> list[str]:
     """The tables of the newest lease that measured both engines (reports/h200/runN/TABLES.md, generated from that
     folder's JSON by scripts/make_lease_tables.py), one heading level down: the figures above are older runs'."""
-    from make_lease_tables import later_leases, latest_lease  # a sibling script (its folder is on the path)
+    from make_lease_tables import earlier_leases, later_leases, latest_lease  # a sibling script (on the path)
 
     run = latest_lease(folder)
     if run is None:
@@ -457,6 +457,12 @@ def latest_lease_lines(folder: str) -> list[str]:
                   f"`{later.name}/TABLES.md`, copied here: a later lease that measured minisgl alone; where it names "
                   "SGLang's figures they come from the lease above.",
                   *["#" + line if line.startswith("#") else line for line in text[1:]]]
+    for earlier in earlier_leases(folder):  # back to the two-engine lease before: what was not re-measured since
+        text = (earlier / "TABLES.md").read_text().splitlines()
+        lines += ["", f"## Before it (`{earlier.name}/`)", "",
+                  f"`{earlier.name}/TABLES.md`, copied here: an earlier lease. Its figures of a kind the leases above "
+                  "also measured are superseded by theirs; the rest (other models, kernel tables, profiles) were "
+                  "not measured again since.", *["#" + line if line.startswith("#") else line for line in text[1:]]]
     return lines
 
 
