@@ -2,7 +2,7 @@
 # H200 calls of a lease, one part per call (each under the device's 10-minute limit), JSON under $OUT:
 #   MINISGL_GIT_COMMIT=<sha> MINISGL_GIT_DIRTY=0 bash scripts/h200_lease.sh PART
 #   carry: part minisgl .baseline (decode-step A/B), .sglang-whl/a, .sglang-kit; part sglang .sglang-whl/b,
-#   .sglang-kit (SGLang's wheels, 25 MB each, in two calls: the tree takes 21 of the 64 MiB a call carries).
+#   .sglang-kit (SGLang's wheels, 25 MB each, in two calls: the tree takes 37 of the 64 MiB a call carries).
 #   Call part sglang right after part minisgl: a machine idle for 30 s is released, and a fresh one lacks the
 #   wheels of .sglang-whl/a (then unpack them first: `bash scripts/sglang_env.sh .sglang-whl/a --`).
 # Parts, in priority order:
@@ -20,10 +20,9 @@
 #            and off, where the long-prompt sweep mix's time goes; SGLang's wheels of .sglang-whl/a unpacked
 #   final    (call 2, right after; carry .sglang-whl/b .sglang-kit) SGLang on Qwen3-0.6B (W1, W1 top-k/top-p, W2,
 #            W3, sweep), then minisgl's standard set and sweep with the early-tile count that won in part early
+#   mixed    the mixed-step split: the Triton backend checked on the GPU, then one process per arm (W1s, sweep)
 #   final8   (call 3, right after; carry .sglang-kit again: a call without it in carry lost the kit's stubs, and
 #            run12's SGLang import failed on IPython) minisgl and SGLang on Qwen3-8B: W1, W1 top-k/top-p, W2
-#   after    (call 4) after the mixed-step split and the new GEMV defaults: the Triton backend checked on the GPU,
-#            Qwen3-0.6B's standard set and sweep, the split A/B, Qwen3-8B's set
 #   verify   after run11's default changes (fused K/V store, PDL): W1 / W1 top-k/top-p with PDL on and off, the
 #            Qwen3-0.6B standard set and the batch-mix sweep, Qwen3-8B W1 / W1 top-k/top-p / W2
 # The device returns at most 8 files a call (run10 lost two JSON files to that): JSON under $OUT, logs under
@@ -39,8 +38,8 @@ sglang() { local model=$1 tag=$2 sections=$3
            bash scripts/sglang_env.sh .sglang-whl/a .sglang-whl/b -- scripts/sglang_bench.py --model "$model" \
              --sections "$sections" --out "$OUT/sglang_$tag.json" > "/tmp/lease-logs/sglang_$tag.log" 2>&1
            tail -n 2 "/tmp/lease-logs/sglang_$tag.log" | cut -c1-300; }
-# the early-tile count (kernels/gemv.py PDL_EARLY_TILES) with the lowest mean W2 TPOT in part early's A/B (1 if
-# that did not run on this machine); the engines of parts final/final8 run with it
+# the early-tile count (kernels/gemv.py PDL_EARLY_TILES) with the lowest mean W2 TPOT in part early's A/B (nothing
+# if that did not run on this machine: the default stands); the engines of parts final/final8 run with it
 pick_early() { python3 - <<'PY'
 import collections, json, statistics
 try:
@@ -51,7 +50,7 @@ tpot = collections.defaultdict(list)
 for label, r in runs.items():
     if "all_gemv" not in label and "w2" in r:
         tpot[int(label[len("early"):].split("_")[0])].append(r["w2"]["tpot_ms_median"])
-print(min(tpot, key=lambda n: statistics.mean(tpot[n])) if tpot else 1)
+print(min(tpot, key=lambda n: statistics.mean(tpot[n])) if tpot else "")
 PY
 }
 timeline() { local label=$1; shift; python3 scripts/decode_timeline.py --out "$OUT" --label "$label" "$@" 2>&1 \
@@ -100,19 +99,16 @@ case "${1:-minisgl}" in
     wait ;;
   final)
     sglang qwen3-0.6b 06 w1,w1_topkp,w2,w3,sweep
-    export MINISGL_GEMV_PDL_EARLY_TILES=$(pick_early); echo "early tiles: $MINISGL_GEMV_PDL_EARLY_TILES"
+    early=$(pick_early); [ -n "$early" ] && export MINISGL_GEMV_PDL_EARLY_TILES=$early; echo "early tiles: ${early:-default}"
     run final06 sample06,w3_06,sweep06 ;;
   final8)
-    export MINISGL_GEMV_PDL_EARLY_TILES=$(pick_early); echo "early tiles: $MINISGL_GEMV_PDL_EARLY_TILES"
+    early=$(pick_early); [ -n "$early" ] && export MINISGL_GEMV_PDL_EARLY_TILES=$early; echo "early tiles: ${early:-default}"
     run final8 sample8
     sglang qwen3-8b 8 w1,w1_topkp,w2 ;;
-  after)
-    # (run12, call 4) after the mixed-step split and the new GEMV defaults: the backend check, the 0.6B standard
-    # set and sweep, the split A/B, 8B
-    run after06 kernels_backends,sample06,w3_06,sweep06,split_ab06
-    run after8 sample8 ;;
   mixed)
-    # (call 5) the mixed-step split A/B, one process per arm (split_ab06's arms did not start on equal memory)
+    # the mixed-step split A/B, one process per arm (run12's in-process split_ab06 at 6caa2fa did not start its
+    # arms on equal memory); the backend checked against the torch backend on the GPU first
+    run mixed_check kernels_backends
     run mixed_split mixed06
     MINISGL_MIXED_DECODE_SPLIT=0 run mixed_one_launch mixed06_long ;;
   verify)

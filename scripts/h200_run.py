@@ -41,8 +41,6 @@ Sections (comma separated):
   pdl_ab8    W2 on Qwen3-8B with PDL on and off
   sweep_phases06  the 256-request 1-4k-prompt sweep mix on Qwen3-0.6B: greedy / top-k/top-p / greedy, then
              each with every step synchronised and timed (prefill vs decode time)
-  split_ab06 W1 and the 1-4k-prompt greedy sweep cells on Qwen3-0.6B with a mixed step's decode rows on the
-             decode kernel (MIXED_DECODE_SPLIT, default) and on the extend kernel with the rest
   mixed06, mixed06_long  one engine with MIXED_DECODE_SPLIT as the process has it (MINISGL_MIXED_DECODE_SPLIT):
              a mixed-step warm-up, W1, W1 top-k/top-p, and the sweep (mixed06_long: its 1-4k-prompt cells only)
   kernels_backends  the Triton backend against the torch backend on the GPU (mixed steps, graph replays)
@@ -313,7 +311,8 @@ def mixed_arm(model: str, full_sweep: bool) -> dict:
     """One engine with MIXED_DECODE_SPLIT as this process has it (MINISGL_MIXED_DECODE_SPLIT): the 64-request
     1-4k-prompt greedy cell once untimed first (it compiles the kernel variants of mixed steps), then W1, W1
     top-k/top-p and the sweep (every cell with full_sweep, else the two 1-4k-prompt mixes). One arm per process, so
-    neither arm starts on memory the other left cached (split_ab06 did: its first engine got a smaller KV pool)."""
+    neither arm starts on memory the other left cached (run12's in-process A/B at 6caa2fa, split_ab06, did: its first
+    engine got a smaller KV pool)."""
     from minisgl.attention import triton_backend
     from minisgl.bench.runner import run_sweep
     from minisgl.bench.workloads import sweep_cells
@@ -334,25 +333,6 @@ def mixed_arm(model: str, full_sweep: bool) -> dict:
         log("mixed_arm", cell.name, round(r["output_tok_per_s"]), r["triton_compiles_timed"])
     llm = None
     free_gpu()
-    return res
-
-
-def mixed_split_ab(model: str) -> dict:
-    """W1 and the two 1-4k-prompt greedy sweep cells with a mixed step's leading decode rows on the decode kernel
-    (attention/triton_backend.py MIXED_DECODE_SPLIT, the default) and with the whole step on the extend kernel."""
-    from minisgl.attention import triton_backend
-    from minisgl.bench.runner import run_sweep
-    from minisgl.bench.workloads import sweep_cells
-    cells = [c for c in sweep_cells() if c.prompt_lo == 1024 and c.sampling == "greedy"]
-    res = {}
-    for label, value in (("split", True), ("one_launch", False)):
-        with module_flag(triton_backend, "MIXED_DECODE_SPLIT", value):
-            llm = LLM(CONFIGS[model], load_format="dummy", dtype="bfloat16")
-            res[label] = {"w1": run_workload(llm, "w1"), "sweep": run_sweep(llm, cells)}
-            log("mixed_split_ab", label, round(res[label]["w1"]["output_tok_per_s"]),
-                {k: round(v["output_tok_per_s"]) for k, v in res[label]["sweep"].items()})
-            llm = None
-            free_gpu()
     return res
 
 
@@ -579,7 +559,6 @@ SECTIONS = {
     "pdl_ab06": lambda: pdl_ab("qwen3-0.6b", rounds=2, early_weights_ab=True),
     "pdl_ab8": lambda: pdl_ab("qwen3-8b", rounds=1),
     "sweep_phases06": lambda: sweep_phases("qwen3-0.6b"),
-    "split_ab06": lambda: mixed_split_ab("qwen3-0.6b"),
     "mixed06": lambda: mixed_arm("qwen3-0.6b", full_sweep=True),
     "mixed06_long": lambda: mixed_arm("qwen3-0.6b", full_sweep=False),
     "kernels_backends": lambda: kernels("--backends-only", "triton"),
