@@ -302,7 +302,7 @@ def sweep_phases_table(r: dict) -> list[str]:
                                                         for x in r["runs"]) + ".", "",
              "Then each with every step synchronised and timed (serialises the overlap loop, so slower in all):", "",
              "| sampling | wall s | prefill steps | prefill s | prefill tokens | decode steps | decode s | "
-             "decode ms/step | mixed-step ms, first / last |", "|---|---|---|---|---|---|---|---|---|"]
+             "decode ms/step | mixed-step ms, first / largest |", "|---|---|---|---|---|---|---|---|---|"]
     for sampling in ("greedy", "topkp"):
         t = r.get(f"timed_{sampling}")
         if not t:
