@@ -426,6 +426,67 @@ def test_triton_backend_matches_torch_backend(fused_store, mixed_split, monkeypa
     assert decode_rows == [(True, 2)] * layers + ([(False, 1)] * layers if mixed_split else [])
 
 
+def _launch_key(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What makes Triton compile a new variant of `kernel` for a launch: the constexprs, each tensor's dtype and
+    16-byte alignment, and each int's specialisation (== 1, a multiple of 16) unless marked do_not_specialize."""
+    plain = kernel.kwargs.get("do_not_specialize") or []  # the interpreter's kernel keeps the jit options
+
+    def spec(name, a):
+        if isinstance(a, torch.Tensor):
+            return ("tensor", a.dtype, a.data_ptr() % 16 == 0)
+        if isinstance(a, bool) or not isinstance(a, int) or name in plain:
+            return type(a).__name__
+        return ("int", a == 1, a % 16 == 0)
+    return tuple(map(spec, kernel.arg_names, args)) + tuple(sorted(kwargs.items()))
+
+
+@pytest.mark.parametrize("fused_store", [True, False], ids=["fused_store", "store_kv"])
+def test_mixed_decode_rows_reuse_the_decode_graph_variants(fused_store, monkeypatch):
+    """A mixed step with any number of decode rows launches the decode kernels exactly as a decode step of one of
+    the CUDA-graph batch sizes does (same constexprs, alignments and int specialisations), so serving compiles no
+    kernel variant after the graphs are captured; launches are recorded, not run."""
+    from minisgl.engine.cuda_graph import default_batch_sizes
+    monkeypatch.setattr(attention_kernels, "DECODE_FUSED_STORE", fused_store)
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(attention_kernels, name)
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, _launch_key(self.kernel, args, kwargs)))
+
+    for name in ("_decode_stage1_kernel", "_decode_stage2_kernel", "_extend_kernel"):
+        monkeypatch.setattr(attention_kernels, name, Recorder(name))
+    hq, hkv, d, max_len, rows = 16, 8, 128, 4096, 320
+    cache = KVCache(1, rows * 8 + 1, 16, hkv, d, torch.bfloat16, "cpu")
+    monkeypatch.setattr(cache, "store", lambda *a: None)  # the K/V values do not matter here
+    r2t = torch.zeros(rows, max_len, dtype=torch.int32)
+    backend = TritonAttentionBackend(cache, r2t, hq, hkv, d, d ** -0.5, max_context_len=max_len)
+    sizes = default_batch_sizes(256)
+    backend.init_cuda_graph_state(max(sizes))
+
+    def step(ext: list[int], is_decode: bool):
+        t = sum(ext)
+        meta = _meta(list(range(len(ext))), [100] * len(ext), ext, None, None, is_decode)
+        meta.out_cache_loc = torch.arange(t, dtype=torch.int64)
+        qkv = torch.zeros(t, (hq + 2 * hkv) * d, dtype=torch.bfloat16)  # q, k, v are views of it, as in the model
+        q, k, v = (qkv[:, a * d:b * d].view(t, b - a, d) for a, b in ((0, hq), (hq, hq + hkv),
+                                                                       (hq + hkv, hq + 2 * hkv)))
+        backend.prepare(meta)
+        backend.forward(q, k, v, 0)
+
+    for bs in sizes:  # what graph capture compiles
+        step([1] * bs, True)
+    graph_variants = {key for name, key in launches if name.startswith("_decode")}
+    launches.clear()
+    for n in range(1, rows):  # mixed steps: n decode rows first, then a chunk of 40
+        step([1] * n + [40], False)
+    mixed = {key for name, key in launches if name.startswith("_decode")}
+    assert mixed and mixed <= graph_variants
+    assert len({key for name, key in launches if name == "_extend_kernel"}) == 1  # first_row is not specialised
+
+
 def test_triton_backend_decode_workspaces_across_batch_sizes():
     """Split decode steps of several batch sizes through the backend: sizes up to the graph bound share the
     graph workspace, larger ones an eager one that grows; each must match the torch backend, and both
