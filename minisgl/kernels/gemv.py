@@ -89,8 +89,8 @@ def _use_triton(x: torch.Tensor) -> bool:
 # The early weight load under PDL: each program loads up to this many of its weight tiles before waiting for the
 # previous kernel (see the module docstring; the kernel holds at most 3); 0 waits first, as every other kernel
 # does. Only matters for launches with PDL. MINISGL_GEMV_PDL_EARLY_TILES sets it for a process. 2 had the lowest
-# batch-1 TPOT on Qwen3-0.6B in reports/h200/run12 (early_ab06: 1.006 ms mean, against 1.014 with 1 and 1.035 with
-# 3, whose larger register footprint lost in one of the two rounds).
+# batch-1 TPOT on Qwen3-0.6B in reports/h200/run12 (early_ab06, means of two rounds: 1.006 ms, against 1.014 with 1
+# and 1.035 with 3, whose rounds were 1.060 and 1.011).
 MAX_EARLY_TILES = 3
 PDL_EARLY_TILES = int(os.environ.get("MINISGL_GEMV_PDL_EARLY_TILES", "2"))
 
