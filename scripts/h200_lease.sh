@@ -20,7 +20,8 @@
 #            and off, where the long-prompt sweep mix's time goes; SGLang's wheels of .sglang-whl/a unpacked
 #   final    (call 2, right after; carry .sglang-whl/b .sglang-kit) SGLang on Qwen3-0.6B (W1, W1 top-k/top-p, W2,
 #            W3, sweep), then minisgl's standard set and sweep with the early-tile count that won in part early
-#   mixed    the mixed-step split: the Triton backend checked on the GPU, then one process per arm (W1s, sweep)
+#   mixed    the mixed-step split: the Triton backend checked on the GPU, then one process per arm (W1s, sweep);
+#            with .sglang-whl/a and .sglang-kit carried, a first call before final and final8 (as part early)
 #   final8   (call 3, right after; carry .sglang-kit again: a call without it in carry lost the kit's stubs, and
 #            run12's SGLang import failed on IPython) minisgl and SGLang on Qwen3-8B: W1, W1 top-k/top-p, W2
 #   verify   after run11's default changes (fused K/V store, PDL): W1 / W1 top-k/top-p with PDL on and off, the
@@ -107,10 +108,13 @@ case "${1:-minisgl}" in
     sglang qwen3-8b 8 w1,w1_topkp,w2 ;;
   mixed)
     # the mixed-step split A/B, one process per arm (run12's in-process split_ab06 at 6caa2fa did not start its
-    # arms on equal memory); the backend checked against the torch backend on the GPU first
+    # arms on equal memory); the backend checked against the torch backend on the GPU first. Carrying
+    # .sglang-whl/a and .sglang-kit makes it a first call that parts final and final8 can follow on the same machine.
+    [ -d .sglang-whl/a ] && bash scripts/sglang_env.sh .sglang-whl/a -- >/dev/null 2>&1 &
     run mixed_check kernels_backends
     run mixed_split mixed06
-    MINISGL_MIXED_DECODE_SPLIT=0 run mixed_one_launch mixed06_long ;;
+    MINISGL_MIXED_DECODE_SPLIT=0 run mixed_one_launch mixed06_long
+    wait ;;
   verify)
     run pdl_w1 pdl_w1_06
     run verify06 sample06,sweep06
