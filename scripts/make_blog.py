@@ -135,31 +135,28 @@ def latest_lease_text(folder: str) -> str:
     what each found and changed, then what is still open by the newest figures of each kind."""
     from pathlib import Path
 
-    from make_lease_tables import RUNS, earlier_leases, later_leases, latest_lease, load
+    from make_lease_tables import RUNS, earlier_leases, later_leases, latest_lease, lease_commits, load
 
     run = latest_lease(folder)
     if run is None:
         return ""
     window = [*reversed(earlier_leases(folder)), run, *later_leases(folder)]
-    out, newest, runs, timelines, two_engine = [], {}, {}, [], {}
+    out, runs, timelines, two_engine = [], {}, [], {}
     for lease in window:
-        sec, env, tl = load(Path(lease))
+        sec, _, tl = load(Path(lease))
         lease_runs = dict(RUNS)
-        newest.update(sec)  # later leases replace a section by name
         for name, rs in lease_runs.items():
             runs.setdefault(name, []).extend(rs)
         timelines += tl
         if any(k.startswith("sglang_") for k in sec):
             two_engine = sec
-        out += lease_story(lease, sec, lease_runs)
-    out += open_items(newest, runs, timelines, two_engine)
+        out += lease_story(lease, sec, lease_commits(lease_runs), lease_runs)
+    out += open_items(runs, timelines, two_engine)
     return "\n\n".join(out).replace("\n\n- ", "\n- ") + "\n"
 
 
-def lease_story(lease, sec: dict, runs: dict) -> list[str]:
+def lease_story(lease, sec: dict, commits: str, runs: dict) -> list[str]:
     """Paragraphs for one lease folder, each written only when the sections it cites are there."""
-    commits = ", ".join(dict.fromkeys(r[1][:7] for name, rs in sorted(runs.items()) for r in rs
-                                      if not name.startswith("sglang_")))
     out = []
     if any(k.startswith("sglang_") for k in sec):
         out.append(f"\n## Both engines in one lease (`{lease.name}/`, minisgl {commits})\n")
@@ -237,7 +234,7 @@ def lease_story(lease, sec: dict, runs: dict) -> list[str]:
     return out
 
 
-def open_items(newest: dict, runs: dict, timelines: list, two_engine: dict) -> list[str]:
+def open_items(runs: dict, timelines: list, two_engine: dict) -> list[str]:
     """What is still open, by the newest figures of each kind in the window."""
     from make_lease_tables import kernel_kinds
 

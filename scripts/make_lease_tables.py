@@ -48,45 +48,47 @@ def load(folder: Path) -> tuple[dict, dict, list[dict]]:
     return sections, env, timelines
 
 
-def latest_lease(root: str | Path) -> Path | None:
-    """The run folder under `root` (reports/h200) whose TABLES.md covers the newest lease with SGLang in it."""
-    best, stamp = None, ""
+def _leases(root: str | Path) -> tuple[list[tuple[str, Path, bool]], int | None]:
+    """Every run folder under `root` with a TABLES.md as (time of its newest minisgl file, folder, whether it
+    measured SGLang), oldest first, and the index of the newest one that measured SGLang (None if none did)."""
+    found = []
     for tables in Path(root).glob("run*/TABLES.md"):
         sections, env, _ = load(tables.parent)
-        if any(k.startswith("sglang_") for k in sections) and env.get("time_utc", "") > stamp:
-            best, stamp = tables.parent, env["time_utc"]
-    return best
+        found.append((env.get("time_utc", ""), tables.parent, any(k.startswith("sglang_") for k in sections)))
+    found.sort()
+    both = [i for i, (_, _, two_engines) in enumerate(found) if two_engines]
+    return found, both[-1] if both else None
+
+
+def latest_lease(root: str | Path) -> Path | None:
+    """The run folder under `root` (reports/h200) whose TABLES.md covers the newest lease with SGLang in it."""
+    found, best = _leases(root)
+    return found[best][1] if best is not None else None
 
 
 def later_leases(root: str | Path) -> list[Path]:
     """Run folders with a TABLES.md newer than latest_lease(root) that measured minisgl only (their device time
     did not stretch to SGLang), oldest first."""
-    best = latest_lease(root)
-    stamp = load(best)[1].get("time_utc", "") if best else ""
-    found = []
-    for tables in Path(root).glob("run*/TABLES.md"):
-        sections, env, _ = load(tables.parent)
-        if not any(k.startswith("sglang_") for k in sections) and env.get("time_utc", "") > stamp:
-            found.append((env["time_utc"], tables.parent))
-    return [run for _, run in sorted(found)]
+    found, best = _leases(root)
+    return [run for _, run, _ in found[(best + 1 if best is not None else 0):]]
 
 
 def earlier_leases(root: str | Path) -> list[Path]:
     """Run folders with a TABLES.md older than latest_lease(root), newest first, down to and including the two-engine
     lease before it: what the newest two-engine lease has not re-measured (other models, kernel tables) is there."""
-    best = latest_lease(root)
-    stamp = load(best)[1].get("time_utc", "") if best else ""
-    found = []
-    for tables in Path(root).glob("run*/TABLES.md"):
-        sections, env, _ = load(tables.parent)
-        if env.get("time_utc", "") < stamp:
-            found.append((env.get("time_utc", ""), tables.parent, any(k.startswith("sglang_") for k in sections)))
+    found, best = _leases(root)
     out = []
-    for _, run, two_engines in sorted(found, reverse=True):
+    for _, run, two_engines in reversed(found[:best or 0]):
         out.append(run)
         if two_engines:
             break
     return out
+
+
+def lease_commits(runs: dict) -> str:
+    """Every minisgl commit a lease ran (RUNS of its folder), oldest first, comma-separated."""
+    ours = sorted((r for name, rs in runs.items() if not name.startswith("sglang_") for r in rs), key=lambda r: r[0])
+    return ", ".join(dict.fromkeys(r[1][:7] for r in ours))
 
 
 def ratio(a: float, b: float) -> str:
@@ -318,9 +320,7 @@ def main(folder: str, sglang_from: str | None = None) -> None:
     d = Path(folder)
     sec, env, timelines = load(d)
     runs = dict(RUNS)  # before another folder's load() refills it
-    # every minisgl commit the lease ran, oldest first (the main tables name theirs in the W2/W1 tables below)
-    ours = sorted((r for name, rs in runs.items() if not name.startswith("sglang_") for r in rs), key=lambda r: r[0])
-    commits = ", ".join(dict.fromkeys(r[1][:7] for r in ours))
+    commits = lease_commits(runs)
     title = f"# One H200 lease: minisgl {commits or env.get('git_commit', '?')[:7]} and SGLang 0.5.16"
     note = ""
     if sglang_from:

@@ -132,7 +132,7 @@ class TritonAttentionBackend(AttentionBackend):
         fuse = self._fuse_store(k, v)
         decode_attention(q[:n], k_buf, v_buf, self.req_to_token, meta.req_pool_indices[:n], meta.seq_lens[:n],
                          out[:n], self.scale, max_seq_len=self.max_context_len,
-                         workspace=self._workspace(max(n, as_bs), q.device), num_splits=self._num_splits(as_bs),
+                         workspace=self._workspace(as_bs, q.device), num_splits=self._num_splits(as_bs),
                          new_kv=(k[:n], v[:n], meta.out_cache_loc[:n]) if fuse else None)
 
     # --- CUDA Graph (decode) ---

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from minisgl.kernels.elementwise import _jit  # triton.jit where Triton is installed, with its options
 from minisgl.kernels.pdl import pdl_enter, pdl_launch
 
 try:
@@ -41,12 +42,6 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 256  # below this, another split costs more in the reduction than it saves
 _DEFAULT_NUM_SMS = 132  # H200; used when the tensor is not on a CUDA device (interpreter tests)
-
-
-def _jit(fn=None, **options):
-    if fn is None:  # used as @_jit(do_not_specialize=...)
-        return lambda f: _jit(f, **options)
-    return triton.jit(fn, **options) if triton is not None else fn
 
 
 def _require_triton() -> None:
