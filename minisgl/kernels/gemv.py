@@ -76,8 +76,7 @@ def load_device_table(device_name: str) -> bool:
     return True
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+_jit = ew._jit  # triton.jit where Triton is installed
 
 
 def _use_triton(x: torch.Tensor) -> bool:
