@@ -55,9 +55,17 @@ def linear_shapes(config_dir: str) -> dict[tuple[int, int], int]:
     return dict(Counter(tuple(m.weight.shape) for m in net.modules() if type(m) is nn.Linear))
 
 
-def candidates() -> list[tuple[int, int, int]]:
-    return [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024), (4, 8))
-            if 512 <= bn * bk <= 16384]
+def candidates(k: int | None = None, wide: bool = False) -> list[tuple[int, int, int]]:
+    """(BLOCK_N, BLOCK_K, warps) to try. `wide` adds K tiles of 2048-16384 (no wider than K needs) and 16 warps:
+    a program's loop step is one load then a reduction across its warps, so with K = 4096 or 12288 a 1024-wide
+    tile leaves each program a chain of 4-12 load-and-reduce steps (run10's tune: 2.4-3.0 TB/s on Qwen3-8B's
+    4096-output projections, against 4.2 for its 151,936-output head, whose programs are many more)."""
+    tiles_k = (256, 512, 1024) + ((2048, 4096, 8192, 16384) if wide else ())
+    warps = (4, 8, 16) if wide else (4, 8)
+    limit = 32768 if wide else 16384
+    return [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8, 16), tiles_k, warps)
+            if 512 <= bn * bk <= limit and (k is None or bk <= max(1024, 1 << (k - 1).bit_length()))
+            and (w < 16 or bk >= 2048)]
 
 
 def time_op(op, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
@@ -99,16 +107,19 @@ def repick(out_dir: str | Path) -> dict:
     return picks
 
 
-def main(out_dir: str | Path = ".") -> dict:
+def main(out_dir: str | Path = ".", models: tuple[str, ...] = tuple(MODELS), wide: bool = False) -> dict:
+    """Tune every linear shape of `models`; `wide` tries the wide candidates too (see `candidates`)."""
     from minisgl.kernels import gemv as gv
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "rows": ROWS, "candidates": candidates(), "shapes": []}
+                 "rows": ROWS, "models": list(models), "wide": wide, "candidates": candidates(wide=wide),
+                 "shapes": []}
     shapes: dict[tuple[int, int], list[str]] = {}
-    for model, path in MODELS.items():
+    for model in models:
+        path = MODELS[model]
         for shape, count in linear_shapes(path).items():
             shapes.setdefault(shape, []).append(f"{model} x{count}")
     picks: dict[str, list[int] | None] = {}
@@ -123,7 +134,7 @@ def main(out_dir: str | Path = ".") -> dict:
             row["cublas_us"][r] = round(time_op(F.linear, xs[r], weights), 2)
         # every candidate at one row, the best four also at two and four rows
         one: dict[tuple, float] = {}
-        for cfg in candidates():
+        for cfg in candidates(k, wide):
             gv.GEMV_CONFIGS[(n, k)] = (*cfg, gv.GEMV_MAX_ROWS)
             try:
                 one[cfg] = time_op(gv.gemv, xs[1], weights)
@@ -175,8 +186,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--repick", action="store_true", help="only rewrite gemv_configs.json from the tune's JSON")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--wide", action="store_true", help="also the wide K tiles and 16 warps (see candidates)")
     args = ap.parse_args()
     if args.repick:
         print(json.dumps(repick(args.out)))
         sys.exit(0)
-    sys.exit(0 if main(args.out)["all_ok"] else 1)
+    sys.exit(0 if main(args.out, tuple(args.models.split(",")), args.wide)["all_ok"] else 1)

@@ -23,7 +23,9 @@
 #   mixed    the mixed-step split: the Triton backend checked on the GPU, then one process per arm (W1s, sweep);
 #            with .sglang-whl/a and .sglang-kit carried, a first call before final and final8 (as part early)
 #   final8   (call 3, right after; carry .sglang-kit again: a call without it in carry lost the kit's stubs, and
-#            run12's SGLang import failed on IPython) minisgl and SGLang on Qwen3-8B: W1, W1 top-k/top-p, W2
+#            run12's SGLang import failed on IPython) minisgl and SGLang on Qwen3-8B: W1, W1 top-k/top-p, W2;
+#            first the GEMV's wide-tile tune and W2 A/B for 8B (wide_ab8), whose winning table minisgl's 8B runs
+#            take (as part final takes part mixed's wide_ab06 winner for 0.6B)
 #   verify   after run11's default changes (fused K/V store, PDL): W1 / W1 top-k/top-p with PDL on and off, the
 #            Qwen3-0.6B standard set and the batch-mix sweep, Qwen3-8B W1 / W1 top-k/top-p / W2
 # The device returns at most 8 files a call (run10 lost two JSON files to that): JSON under $OUT, logs under
@@ -52,6 +54,27 @@ for label, r in runs.items():
     if "all_gemv" not in label and "w2" in r:
         tpot[int(label[len("early"):].split("_")[0])].append(r["w2"]["tpot_ms_median"])
 print(min(tpot, key=lambda n: statistics.mean(tpot[n])) if tpot else "")
+PY
+}
+# the GEMV table (wide_gemv_ab in scripts/h200_run.py: default / wide / all_gemv) with the lowest mean W2 TPOT in
+# section $2 of /tmp/lease-logs/$1.json, as a path for MINISGL_GEMV_CONFIGS; nothing when the repo's table won or
+# the section did not run on this machine
+pick_gemv() { python3 - "$1" "$2" <<'PY'
+import collections, json, statistics, sys
+file, section = sys.argv[1:]
+try:
+    result = json.load(open(f"/tmp/lease-logs/{file}.json"))["sections"][section]["result"]
+except (OSError, KeyError):
+    result = {}
+tpot = collections.defaultdict(list)
+for label, r in result.get("runs", {}).items():
+    if "w2" in r:
+        tpot[label.rsplit("_", 1)[0]].append(r["w2"]["tpot_ms_median"])
+rounds = max(map(len, tpot.values()), default=0)
+complete = {label: statistics.mean(t) for label, t in tpot.items() if len(t) == rounds}
+best = min(complete, key=complete.get) if "default" in complete else "default"
+model = {"wide_ab06": "qwen3-0.6b", "wide_ab8": "qwen3-8b"}[section]
+print("" if best == "default" else f"/tmp/lease-logs/gemv_tables/{model}_{best}.json")
 PY
 }
 timeline() { local label=$1; shift; python3 scripts/decode_timeline.py --out "$OUT" --label "$label" "$@" 2>&1 \
@@ -101,9 +124,15 @@ case "${1:-minisgl}" in
   final)
     sglang qwen3-0.6b 06 w1,w1_topkp,w2,w3,sweep
     early=$(pick_early); [ -n "$early" ] && export MINISGL_GEMV_PDL_EARLY_TILES=$early; echo "early tiles: ${early:-default}"
+    table=$(pick_gemv wide06 wide_ab06); [ -n "$table" ] && export MINISGL_GEMV_CONFIGS=$table
+    echo "GEMV table: ${table:-the repo's}"
     run final06 sample06,w3_06,sweep06 ;;
   final8)
     early=$(pick_early); [ -n "$early" ] && export MINISGL_GEMV_PDL_EARLY_TILES=$early; echo "early tiles: ${early:-default}"
+    # the GEMV tuned again with wide K tiles for 8B's shapes, A/B'd on W2; the winning table for the 8B runs
+    run wide8 wide_ab8
+    table=$(pick_gemv wide8 wide_ab8); [ -n "$table" ] && export MINISGL_GEMV_CONFIGS=$table
+    echo "GEMV table: ${table:-the repo's}"
     run final8 sample8
     sglang qwen3-8b 8 w1,w1_topkp,w2 ;;
   mixed)
@@ -114,6 +143,8 @@ case "${1:-minisgl}" in
     run mixed_check kernels_backends
     run mixed_split mixed06
     MINISGL_MIXED_DECODE_SPLIT=0 run mixed_one_launch mixed06_long
+    # the GEMV tuned again with wide K tiles for 0.6B's shapes, A/B'd on W2 (part final takes the winning table)
+    run wide06 wide_ab06
     wait ;;
   verify)
     run pdl_w1 pdl_w1_06

@@ -47,6 +47,9 @@ Sections (comma separated):
   early_ab06 W2 on Qwen3-0.6B with 1, 3 and 2 GEMV weight tiles loaded before the PDL wait, and 3 with every
              projection on the GEMV (cuBLAS's too), interleaved twice
   early_ab8  the same on Qwen3-8B, 1 and 3 tiles, once
+  wide_ab06, wide_ab8  the decode GEMV tuned again for the model's shapes with wide K tiles, then W2 with the
+             repo's table / the tune's picks / every projection on the GEMV, interleaved twice (tables written
+             under /tmp/lease-logs/gemv_tables for a later process's MINISGL_GEMV_CONFIGS)
   pdl_w1_06  W1 and W1 top-k/top-p on Qwen3-0.6B with PDL on and off (PDL must not cost throughput)
   qwen35     W2, W1, W3 on Qwen3.5-0.8B shapes (dummy bf16)
   qwen35_check  Qwen3.5 greedy tokens with CUDA Graph on and off, prefill graphs on and off, and a radix second
@@ -565,6 +568,8 @@ SECTIONS = {
     # how many GEMV weight tiles to load before the PDL wait; cuBLAS's projections on the GEMV too
     "early_ab06": lambda: early_tiles_ab("qwen3-0.6b"),
     "early_ab8": lambda: early_tiles_ab("qwen3-8b", tiles=(1, 3), rounds=1),
+    "wide_ab06": lambda: wide_gemv_ab("qwen3-0.6b"),
+    "wide_ab8": lambda: wide_gemv_ab("qwen3-8b"),
     "pdl_w1_06": lambda: bench("qwen3-0.6b", [("pdl", ["w1", "w1_topkp"], {}),
                                               ("no_pdl", ["w1", "w1_topkp"], {"pdl": False})]),
 }
@@ -715,6 +720,54 @@ def early_tiles_ab(model: str, tiles=(1, 3, 2), rounds: int = 2, all_gemv: bool 
             with module_flag(gemv, "PDL_EARLY_TILES", max(tiles)), gemv_shapes(GEMV_ALL[model]):
                 res.update(bench(model, [(f"early{max(tiles)}_all_gemv_{r}", ["w2"], {})]))
     return res
+
+
+# where wide_gemv_ab writes its GEMV tables (whole tables, for MINISGL_GEMV_CONFIGS in a later process)
+GEMV_TABLES_DIR = "/tmp/lease-logs/gemv_tables"
+
+
+def wide_gemv_ab(model: str, rounds: int = 2) -> dict:
+    """The GEMV tuned again for `model`'s weight shapes with the wide K tiles (scripts/gpu_gemv_tune.py --wide),
+    then W2 (batch-1 decode) with three tables, interleaved `rounds` times: `default` (the card's table in the
+    repo), `wide` (the repo's table with this tune's picks where the GEMV beat cuBLAS standalone) and `all_gemv`
+    (every projection of the model on the GEMV with the tune's best tile, at least at one row: in a step with PDL
+    the GEMV streams weights while its predecessor ends, which a standalone time does not show). Each whole table
+    is written to GEMV_TABLES_DIR/<model>_<label>.json."""
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import gpu_gemv_tune
+
+    from minisgl.kernels import gemv
+
+    saved = dict(gemv.GEMV_CONFIGS)
+    with tempfile.TemporaryDirectory() as tmp:
+        tune = gpu_gemv_tune.main(tmp, models=(model,), wide=True)
+    gemv.GEMV_CONFIGS.clear()
+    gemv.GEMV_CONFIGS.update(saved)
+    if not gemv.GEMV_CONFIGS:
+        gemv.load_device_table(torch.cuda.get_device_name())
+    repo = {f"{n},{k}": (list(v[:4]) if v is not None else None) for (n, k), v in gemv.GEMV_CONFIGS.items()}
+    wide = dict(repo, **{shape: pick for shape, pick in tune["picks"].items() if pick is not None})
+    all_gemv = dict(repo, **{f"{r['n']},{r['k']}": [*r["best"], max(1, (tune["picks"][f"{r['n']},{r['k']}"]
+                                                                        or [0, 0, 0, 1])[3])]
+                             for r in tune["shapes"]})
+    tables = {"default": repo}
+    for label, table in (("wide", wide), ("all_gemv", all_gemv)):
+        if table not in tables.values():  # an arm the same as an earlier one would only repeat it
+            tables[label] = table
+    os.makedirs(GEMV_TABLES_DIR, exist_ok=True)
+    for label, table in tables.items():
+        with open(os.path.join(GEMV_TABLES_DIR, f"{model}_{label}.json"), "w") as f:
+            json.dump(table, f, indent=1)
+    runs = {}
+    for r in range(rounds):
+        for label, table in tables.items():
+            overrides = {tuple(map(int, shape.split(","))): (tuple(v) if v is not None else None)
+                         for shape, v in table.items()}
+            with gemv_shapes(overrides):
+                runs.update(bench(model, [(f"{label}_{r}", ["w2"], {})]))
+    return {"tune": tune, "tables": tables, "runs": runs}
 
 
 def qwen35_check() -> dict:
