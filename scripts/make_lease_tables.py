@@ -165,11 +165,11 @@ def qwen35_table(q: dict, s: dict, w3_qwen3: dict | None) -> list[str]:
     return lines
 
 
-def gemv_tables(tune: dict | None, sec: dict) -> list[str]:
+def gemv_tables(tune: dict | None, sec: dict, title: str = "scripts/gpu_gemv_tune.py, bf16") -> list[str]:
     """The decode GEMV against cuBLAS per weight shape (scripts/gpu_gemv_tune.py), and W2 with it on and off."""
     lines = []
     if tune:
-        lines += ["## Decode GEMV against cuBLAS, per weight shape (scripts/gpu_gemv_tune.py, bf16)", "",
+        lines += [f"## Decode GEMV against cuBLAS, per weight shape ({title})", "",
                   "us per call, streaming distinct weight copies as a decode step streams its layers. The GEMV "
                   "column is the finalist tile with the least summed time; 'engine uses' is gpu_gemv_tune.pick: "
                   "the GEMV up to the row count where it beat cuBLAS by 2% at every count, else cuBLAS.", "",
@@ -206,6 +206,29 @@ def gemv_tables(tune: dict | None, sec: dict) -> list[str]:
     return lines
 
 
+def wide_tables(sec: dict) -> list[str]:
+    """wide_ab06 / wide_ab8 (scripts/h200_run.py wide_gemv_ab): the wide-tile tune per shape, then each table's
+    mean W2 TPOT over its rounds and the shapes where it differs from the repo's table."""
+    lines = []
+    for name, model in (("wide_ab06", "Qwen3-0.6B"), ("wide_ab8", "Qwen3-8B")):
+        r = sec.get(name)
+        if not r:
+            continue
+        lines += gemv_tables(r["tune"], {}, f"{model}, the wide-tile tune of `{name}`: gpu_gemv_tune.py --wide")
+        lines += [f"W2 TPOT with each GEMV table, {model} (`{name}`, rounds interleaved):", "",
+                  "| table | TPOT ms per round | mean | entries that differ from the repo's (N,K: tiles, rows) |",
+                  "|---|---|---|---|"]
+        default = r["tables"]["default"]
+        for label, table in r["tables"].items():
+            tpots = [run["w2"]["tpot_ms_median"] for key, run in r["runs"].items()
+                     if key.rsplit("_", 1)[0] == label and "w2" in run]
+            diff = "; ".join(f"{shape}: {table[shape]}" for shape in table if table[shape] != default.get(shape))
+            mean = f"{sum(tpots) / len(tpots):.3f}" if tpots else "-"
+            lines.append(f"| {label} | {' / '.join(f'{t:.3f}' for t in tpots)} | {mean} | {diff or '-'} |")
+        lines.append("")
+    return lines
+
+
 def settings(env: dict, extra: dict | None = None) -> str:
     """A run's MINISGL_* environment settings and any others, for a table cell ('defaults' when none)."""
     items = {k.removeprefix("MINISGL_"): v for k, v in env.items()} | (extra or {})
@@ -215,10 +238,10 @@ def settings(env: dict, extra: dict | None = None) -> str:
 def w2_runs_table(runs: dict) -> list[str]:
     """Every W2 run of the lease, with its section, settings and commit (runs after a change sit beside the first)."""
     rows = []
-    for name in ("sample06", "gemv_ab06", "w2_06", "merge_ab06", "store_ab06", "pdl_ab06", "early_ab06", "qwen35",
-                 "gemv_ab35", "w2_35", "gemv_ab8", "w2_8b", "pdl_ab8", "early_ab8", "sample8"):
+    for name in ("sample06", "gemv_ab06", "w2_06", "merge_ab06", "store_ab06", "pdl_ab06", "early_ab06", "wide_ab06",
+                 "qwen35", "gemv_ab35", "w2_35", "gemv_ab8", "w2_8b", "pdl_ab8", "early_ab8", "wide_ab8", "sample8"):
         for _, commit, env, _, result in runs.get(name, []):
-            for label, run in result.items():
+            for label, run in result.get("runs", result).items():
                 if isinstance(run, dict) and "w2" in run:
                     rows.append(f"| {name} / {label} | {commit[:7]} | {settings(env)} | "
                                 f"{run['w2']['ttft_ms_median']:.2f} | {run['w2']['tpot_ms_median']:.3f} | "
@@ -233,7 +256,8 @@ def w2_runs_table(runs: dict) -> list[str]:
             "turn programmatic dependent launch (the `pdl` switch; `no_early_weights`: without the GEMV's weight "
             "load before its wait) on and off, interleaved; `early_ab*` load 1, 2 or 3 GEMV weight tiles before the "
             "PDL wait (PDL_EARLY_TILES), and `all_gemv` also puts the projections the tuned table gave to cuBLAS on "
-            "the GEMV.", "",
+            "the GEMV; `wide_ab*` run the repo's GEMV table (`default`), the wide-tile tune's picks (`wide`) and "
+            "every projection on the GEMV with the tune's best tile (`all_gemv`), interleaved.", "",
             "| section / run | commit | settings | TTFT ms | TPOT ms | linears on the GEMV |",
             "|---|---|---|---|---|---|", *rows, ""]
 
@@ -349,6 +373,7 @@ def main(folder: str, sglang_from: str | None = None) -> None:
         lines += sweep_phases_table(sec["sweep_phases06"])
     tune_path = d / "gpu_gemv_tune.json"
     lines += gemv_tables(json.loads(tune_path.read_text()) if tune_path.is_file() else None, sec)
+    lines += wide_tables(sec)
     for dtype, r in sec.get("qwen35_check", {}).items():
         lines.append(f"Qwen3.5 greedy on the GPU, {dtype}: CUDA Graph on equals off: {r['graph_equals_no_graph']}; "
                      f"radix second pass same tokens: {r['graph']['second_pass_same']} "
