@@ -125,16 +125,22 @@ case "${1:-minisgl}" in
     sglang qwen3-0.6b 06 w1,w1_topkp,w2,w3,sweep
     early=$(pick_early); [ -n "$early" ] && export MINISGL_GEMV_PDL_EARLY_TILES=$early; echo "early tiles: ${early:-default}"
     table=$(pick_gemv wide06 wide_ab06); [ -n "$table" ] && export MINISGL_GEMV_CONFIGS=$table
-    echo "GEMV table: ${table:-the repo's}"
+    echo "GEMV table: ${table:-repo default}"
     run final06 sample06,w3_06,sweep06 ;;
   final8)
     early=$(pick_early); [ -n "$early" ] && export MINISGL_GEMV_PDL_EARLY_TILES=$early; echo "early tiles: ${early:-default}"
     # the GEMV tuned again with wide K tiles for 8B's shapes, A/B'd on W2; the winning table for the 8B runs
     run wide8 wide_ab8
     table=$(pick_gemv wide8 wide_ab8); [ -n "$table" ] && export MINISGL_GEMV_CONFIGS=$table
-    echo "GEMV table: ${table:-the repo's}"
+    echo "GEMV table: ${table:-repo default}"
     run final8 sample8
     sglang qwen3-8b 8 w1,w1_topkp,w2 ;;
+  wide8)
+    # (run13) part final8's wide_ab8 and minisgl's 8B runs with the winning table, without SGLang
+    run wide8 wide_ab8
+    table=$(pick_gemv wide8 wide_ab8); [ -n "$table" ] && export MINISGL_GEMV_CONFIGS=$table
+    echo "GEMV table: ${table:-repo default}"
+    run final8_wide sample8 ;;
   mixed)
     # the mixed-step split A/B, one process per arm (run12's in-process split_ab06 at 6caa2fa did not start its
     # arms on equal memory); the backend checked against the torch backend on the GPU first. Carrying
