@@ -261,6 +261,20 @@ def open_items(runs: dict, timelines: list, two_engine: dict) -> list[str]:
                    f"({copy_bw / 1e12:.2f} TB/s) they would still take {weights / copy_bw * 1e3:.2f} ms, and the "
                    "rest of the step (attention, norms, launches) takes "
                    f"{by_label['8b']['unprofiled_ms_per_step'] - matmul_us / 1e3:.2f} ms")
+        if runs.get("wide_ab8"):  # newer than any timeline in the window: the wide tune's standalone times
+            tune = max(runs["wide_ab8"], key=lambda x: x[0])[4]["tune"]
+            matmul_us = bytes_ = 0.0
+            for r in tune["shapes"]:
+                count = int(next(u for u in r["used_by"] if u.startswith("qwen3-8b")).split(" x")[1])
+                best = r["gemv_us"][",".join(map(str, r["best"]))]
+                matmul_us += count * min(best["1"], r["cublas_us"]["1"])
+                bytes_ += count * r["n"] * r["k"] * 2
+            copy_bw = h200_baseline()["card"]["copy_bytes_per_s"]
+            why = (f"its matmuls alone, timed one by one in the GEMV tune of `wide_ab8` (the faster of GEMV and "
+                   f"cuBLAS per shape), take {matmul_us / 1e3:.2f} ms a token for {bytes_ / 1e9:.1f} GB of weights "
+                   f"({bytes_ / matmul_us / 1e6:.2f} TB/s); at the card's measured copy speed "
+                   f"({copy_bw / 1e12:.2f} TB/s) they would take {bytes_ / copy_bw * 1e3:.2f} ms, and the rest of the "
+                   f"step (attention, norms, launches) is about {g8['tpot_ms_median'] - matmul_us / 1e3:.2f} ms")
         if g8["tpot_ms_median"] > 4.1:
             items.append(f"Qwen3-8B at batch 1: {g8['tpot_ms_median']:.2f} ms per token, above the 4.1 ms we aim "
                          f"for; {why}.")
