@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,12 +39,17 @@ EXPORT_MARK = "#| export "
 HEADER = "# generated from notebooks/{nb} by autograder/course.py export — edit the notebook, not this file\n"
 SOLUTION_LINES = ("### BEGIN SOLUTION", "### END SOLUTION")
 STUB = 'raise NotImplementedError("exercise: see the notebook")'  # keep in sync with nbgrader_config.py
+STUB_PREFIX = 'raise NotImplementedError("exercise: see the notebook'  # a stub in the package goes on (stub_for)
 # What a release holds besides the notebooks (paths relative to the repository; directories recursively):
 # the package, the embedded model, the graders, and the measured reports the GPU notebooks show on a CPU.
-RELEASE_PATHS = ["README.md", "pyproject.toml", "environment.yml", "assets", "minisgl", "autograder", "reports"]
+RELEASE_PATHS = ["pyproject.toml", "environment.yml", "assets", "minisgl", "autograder", "reports"]
 RELEASE_SKIP = re.compile(r"(^|/)(__pycache__|\.ipynb_checkpoints)(/|$)|\.pyc$|"
-                          r"^autograder/(release|submitted|autograded|feedback|source)(/|$)|^autograder/gradebook\.db$|"
+                          r"^autograder/(release|submitted|autograded|feedback|source|student)(/|$)|"
+                          r"^autograder/gradebook\.db$|"
                           r"^reports/.*\.log$")  # run logs quote source lines in their tracebacks
+# Files of the release's root written for students (autograder/student/): their README (the repository's speaks
+# to instructors), a pytest.ini that reports progress (autograder/progress.py) and JupyterLab's settings.
+STUDENT_FILES = ["README.md", "pytest.ini", "jupyter_lab_config.py"]
 
 
 # --- export / check / clean -------------------------------------------------------------------------------
@@ -61,7 +67,8 @@ def notebook_paths(nb_dir: Path = NOTEBOOKS, names=None) -> list[Path]:
 
 
 def export_cells(nb_path: Path) -> dict[str, list[tuple[str, str]]]:
-    """module path -> (cell marker, source) of its export cells, in order, export line removed."""
+    """module path -> (cell marker, source) of its export cells, in order, export line removed. An exercise
+    stub in a cell (a release, or an exercise not done yet) names its notebook and exercise (`stub_for`)."""
     nb = nbformat.read(nb_path, as_version=4)
     cells: dict[str, list[tuple[str, str]]] = {}
     for index, cell in enumerate(nb.cells):
@@ -71,8 +78,18 @@ def export_cells(nb_path: Path) -> dict[str, list[tuple[str, str]]]:
         module = first[len(EXPORT_MARK):].strip()
         if not re.fullmatch(r"minisgl/[\w/]+\.py", module):
             raise ValueError(f"{nb_path.name}: bad export target {module!r}")
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id", f"cell {index}")
+        rest = "\n".join(ln[:len(ln) - len(ln.lstrip())] + stub_for(nb_path.name, grade_id) if ln.strip() == STUB
+                         else ln for ln in rest.split("\n"))
         cells.setdefault(module, []).append((cell_marker(nb_path.name, index, cell.get("id")), rest))
     return cells
+
+
+def stub_for(nb_name: str, grade_id: str) -> str:
+    """The stub line as the package holds it: a later notebook that reaches it says where to go. Its message
+    begins as the notebook's own stub's does (gate.STUB_ERROR)."""
+    return (f'raise NotImplementedError("exercise: see the notebook {nb_name}, exercise {grade_id}: solve it '
+            f'there and run that notebook\'s export cell (its last cell)")')
 
 
 def cell_marker(nb_name: str, index: int, cell_id: str | None) -> str:
@@ -170,13 +187,19 @@ def _nbgrader(step: str, course: Path, student: str | None = None, env=None, log
     cfg = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config()
     cfg.CourseDirectory.root = str(course)
     api = NbGraderAPI(config=cfg)
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
+    # nbgrader runs `alembic` from PATH: a virtual environment's python run without activating it has that
+    # environment's bin/ off PATH, so put it first
+    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]), **(env or {})}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        if step == "generate_assignment":
-            res = api.generate_assignment(ASSIGNMENT, force=True)
-        else:
-            res = getattr(api, step)(ASSIGNMENT, student, force=True)
+        with warnings.catch_warnings():
+            # nbgrader's gradebook adds objects SQLAlchemy's autoflush warns about; the grades are unaffected
+            warnings.filterwarnings("ignore", message=".*not in session.*")
+            if step == "generate_assignment":
+                res = api.generate_assignment(ASSIGNMENT, force=True)
+            else:
+                res = getattr(api, step)(ASSIGNMENT, student, force=True)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -218,7 +241,8 @@ def release(out: Path, work: Path, log=None) -> Path:
     out/notebooks/  nbgrader generate_assignment: solutions replaced by stubs, hidden tests removed
     out/minisgl/    the package: plain modules copied, generated modules exported from the *released*
                     notebooks, so every exercise is a stub that raises NotImplementedError
-    out/...         README, pyproject, assets, autograder (the graders; never the source notebooks)
+    out/...         pyproject, assets, autograder (the graders; never the source notebooks), reports
+    out/README.md, pytest.ini, jupyter_lab_config.py   for students (autograder/student/)
     """
     out, work = Path(out), Path(work)
     course = stage_course(work)
@@ -232,6 +256,8 @@ def release(out: Path, work: Path, log=None) -> Path:
         if src.is_file():
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, out / rel)
+    for name in STUDENT_FILES:
+        shutil.copy2(REPO / "autograder" / "student" / name, out / name)
     shutil.copytree(course / "release" / ASSIGNMENT, out / "notebooks")
     ref_modules = set(generate(NOTEBOOKS))
     rel_modules = set(generate(out / "notebooks"))
@@ -458,7 +484,7 @@ def roundtrip(work: Path, log=None, timeout: int = 300) -> RoundTrip:
     secrets = secret_lines()
     leaks = find_leaks(out, secrets)
     import_check(out)
-    stubs = sum(text.count(STUB) for text in generate(out / "notebooks").values())
+    stubs = sum(text.count(STUB_PREFIX) for text in generate(out / "notebooks").values())
     untouched = work / "release-untouched"  # the gate changes `out`; the untouched grade needs it as released
     if untouched.exists():
         shutil.rmtree(untouched)
@@ -509,6 +535,7 @@ def main(argv=None) -> int:
     p.add_argument("submission", help="folder with the NN_*.ipynb to grade (and coursekit.py)")
     p.add_argument("--student", default="student")
     p.add_argument("--work")
+    p.add_argument("--feedback", help="where the feedback pages go (default: feedback-STUDENT in this folder)")
     p = sub.add_parser("grade-staged", help="(internal) autograde in an already released, staged course")
     p.add_argument("course")
     p.add_argument("submission")
@@ -554,8 +581,12 @@ def main(argv=None) -> int:
             out = work / "release"
             course = release(out, work)
             g = autograde(course, args.student, Path(args.submission).resolve(), out, work)
+            feedback = Path(args.feedback or f"feedback-{args.student}").resolve()
+            if feedback.exists():
+                shutil.rmtree(feedback)
+            shutil.copytree(g.feedback, feedback)  # the staged course (unless --work) goes with the temp dir
             print(g.summary())
-            print(f"feedback: {g.feedback}")
+            print(f"feedback (one page per notebook, opens offline): {feedback}")
             return 0
         if args.cmd == "roundtrip":
             with open(work / "roundtrip.log", "w") as log:

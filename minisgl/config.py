@@ -86,6 +86,11 @@ class EngineConfig:
     attention_backend: str = _opt("auto", "--attention-backend", "attention kernels",
                                   choices=("auto", "torch", "triton", "flashinfer"))
     tp_size: int = _opt(1, "--tp-size", "tensor parallelism: ranks (one GPU each; gloo processes on a CPU)")
+    cpu_threads: int = _opt(0, "--cpu-threads", "torch threads of an engine on the CPU; 0 = auto: one fewer than "
+                            "the cores this process may use (at least 1; split between tensor-parallel ranks), or "
+                            "torch's own count when OMP_NUM_THREADS is set. Idle, a tiny model runs as fast on 1 "
+                            "thread as on 2; beside a busy process, all-core threads wait on each other (bench: "
+                            "scripts/cpu_threads_bench.py)")
     progress: bool = False  # a progress bar in LLM.generate (no flag: `bench --quiet` sets it)
 
     @property
@@ -120,6 +125,8 @@ class EngineConfig:
                              f"{self.max_running_requests!r}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be an integer >= 0 (0 = auto), got {self.cpu_threads!r}")
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
         if not 0 <= self.state_snapshot_memory_fraction < 1:

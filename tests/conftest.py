@@ -3,8 +3,11 @@ checks, after every test, that the engine gave every KV page and request row bac
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,3 +92,44 @@ def make_llm():
     yield make
     for llm in made:
         assert_all_pages_back(llm)
+
+
+# --- the course: a student release ---------------------------------------------------------------------------
+COURSE_EXTRA = ("nbformat", "nbclient", "nbgrader", "plotly", "ipywidgets", "ipykernel")
+
+
+def course_extra_missing() -> str:
+    """Why the course tests cannot run here ("" when they can)."""
+    missing = [m for m in COURSE_EXTRA if importlib.util.find_spec(m) is None]
+    return f"the course extra is not installed (missing {', '.join(missing)}): pip install -e '.[course]'" \
+        if missing else ""
+
+
+@pytest.fixture(scope="session")
+def course_release(tmp_path_factory):
+    """A fresh student release (`course.py release`), built once per session (per xdist worker). Read-only:
+    a test that changes a release takes its own copy (`release_copy`)."""
+    if course_extra_missing():
+        pytest.skip(course_extra_missing())
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "autograder"))
+    import course
+
+    tmp = tmp_path_factory.mktemp("course-release")
+    course.release(tmp / "release", tmp / "work")
+    return tmp / "release"
+
+
+@pytest.fixture
+def release_copy(course_release, tmp_path):
+    """A copy of the fresh release to change (fill notebooks, export); the large read-only folders (the model,
+    the reports) are links to the shared one."""
+    out = tmp_path / "release"
+    out.mkdir()
+    for entry in course_release.iterdir():
+        if entry.name in ("assets", "reports"):
+            os.symlink(entry, out / entry.name)
+        elif entry.is_dir():
+            shutil.copytree(entry, out / entry.name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(entry, out / entry.name)
+    return out

@@ -25,13 +25,15 @@ ALL_FLAGS = ["--prefill-graph-max-tokens", "512", "--prefill-graph-max-reqs", "4
              "--max-prefill-tokens", "64", "--disable-radix-cache", "--disable-overlap-schedule",
              "--disable-cuda-graph", "--cuda-graph-max-bs", "16", "--disable-cuda-graph-split", "--disable-gemv",
              "--disable-pdl",
-             "--attention-backend", "torch", "--state-snapshots", "5", "--state-snapshot-memory-fraction", "0.1"]
+             "--attention-backend", "torch", "--state-snapshots", "5", "--state-snapshot-memory-fraction", "0.1",
+             "--cpu-threads", "3"]
 ALL_KWARGS = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, max_model_len=256, page_size=4,
                   num_pages=100, kv_memory_fraction=0.5, kv_cache_tokens=4096, max_running_requests=8,
                   chunked_prefill_size=0, max_prefill_tokens=64, radix_cache=False, overlap=False, cuda_graph=False,
                   cuda_graph_max_bs=16, cuda_graph_split=False, gemv=False, pdl=False,
                   attention_backend="torch", prefill_graph_max_tokens=512,
-                  prefill_graph_max_reqs=4, tp_size=2, state_snapshots=5, state_snapshot_memory_fraction=0.1)
+                  prefill_graph_max_reqs=4, tp_size=2, state_snapshots=5, state_snapshot_memory_fraction=0.1,
+                  cpu_threads=3)
 
 
 def test_every_field_has_one_flag():
@@ -97,3 +99,32 @@ def test_real_entry_points_parse(module):
     bad = subprocess.run([sys.executable, *module, "--model", "m", "--no-overlap"], capture_output=True, text=True,
                          cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "unrecognized arguments: --no-overlap" in bad.stderr
+
+
+def test_cpu_threads_default_leaves_a_core_free(monkeypatch):
+    """--cpu-threads 0 (auto): one fewer than the usable cores, split between TP ranks, at least 1; an explicit
+    OMP_NUM_THREADS is kept (torch applied it at start-up); a positive value is taken as given."""
+    import torch
+
+    from minisgl.engine.model_runner import cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cores, tp, want in ((2, 1, 1), (1, 1, 1), (16, 1, 15), (16, 2, 7), (2, 2, 1)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert cpu_threads(EngineConfig("m", tp_size=tp)) == want, (cores, tp)
+    assert cpu_threads(EngineConfig("m", cpu_threads=3)) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert cpu_threads(EngineConfig("m")) == torch.get_num_threads()
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineConfig("m", cpu_threads=-1).validate()
+
+
+def test_cpu_engine_sets_its_threads(qwen3_path, make_llm):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        make_llm(qwen3_path, device="cpu", cpu_threads=2, kv_cache_tokens=256)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

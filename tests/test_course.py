@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -174,3 +175,107 @@ def test_tour_recording_is_current():
     out = subprocess.run([sys.executable, "scripts/record_tour.py", "--check"], cwd=REPO, capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_run_all_untouched(nb, roundtrip):
+    """Run All on notebook NN as released, with 00..NN-1 done and exported (the release gate's run of it, in a
+    real kernel): it may stop only in an exercise or graded cell of its own, on the stub; 00 runs to its end.
+    The gate runs with errors allowed; Run All (stop at the first error) runs the same cells up to the first
+    error, so that error is where Run All stops."""
+    import gate
+
+    rt, _ = roundtrip
+    run = rt.gate.stubbed[nb.name]
+    bad = gate.run_all_problems(run, rt.gate.owners)
+    assert not bad, "\n".join(bad)
+    if nb.name in gate.RUNS_TO_THE_END:
+        assert not run.errors and not run.timed_out, [str(e) for e in run.errors]
+        assert set(run.graded) <= run.failed_graded(), "its graded cells must still score 0 (stderr), not pass"
+
+
+class Kernel:
+    """A kernel of this interpreter driven as JupyterLab drives it: each cell is sent with its cell id."""
+
+    def __init__(self, cwd: Path, env: dict) -> None:
+        import gate
+        from jupyter_client.kernelspec import KernelSpecManager
+        from jupyter_client.manager import KernelManager
+
+        self.specs = gate.kernel_spec_dir()
+        self.km = KernelManager(kernel_name="minisgl-course", transport="ipc",
+                                ip=str(Path(self.specs) / "kernel"),
+                                kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(self.specs / "kernels")]))
+        self.km.start_kernel(cwd=str(cwd), env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    def run(self, code: str, cell_id: str) -> tuple[str, str | None]:
+        """(stdout + stderr, "ename: evalue" or None) of one cell."""
+        msg = self.kc.session.msg("execute_request", {"code": code, "silent": False, "store_history": True,
+                                                      "user_expressions": {}, "allow_stdin": False,
+                                                      "stop_on_error": True}, metadata={"cellId": cell_id})
+        self.kc.shell_channel.send(msg)
+        text, error = "", None
+        while True:
+            out = self.kc.get_iopub_msg(timeout=300)
+            if out["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+                continue
+            kind, content = out["msg_type"], out["content"]
+            if kind == "stream":
+                text += content["text"]
+            elif kind == "error":
+                error = f"{content['ename']}: {content['evalue']}"
+            elif kind == "status" and content["execution_state"] == "idle":
+                return text, error
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+        shutil.rmtree(self.specs, ignore_errors=True)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_export_reaches_a_kernel_that_imported_the_stubs(release_copy):
+    """In a kernel that imported notebook 02's stub package: an export that would drop an edit the student ran
+    but did not save refuses and names the cell; once saved, it exports, and the next cell (names imported
+    before the export, the package module, a fresh import) runs the new code."""
+    import gate
+
+    nb = release_copy / "notebooks" / "02_kv_pool.ipynb"
+    gate.fill(nb, REPO / "notebooks" / nb.name)  # the student's solution, saved
+    cells = nbformat.read(nb, as_version=4).cells
+    alloc_cell = next(i for i, c in enumerate(cells)
+                      if c.source.startswith("#| export") and "class PageAllocator" in c.source)
+    env = {k: v for k, v in os.environ.items() if k not in ("MINISGL_COURSE_NO_EXPORT", "PYTHONPATH")}
+    env["PYTHONPATH"] = str(release_copy)
+    k = Kernel(release_copy / "notebooks", env)
+    try:
+        assert cells[1].source.startswith("import coursekit")
+        k.run(cells[1].source, cells[1].id)
+        out, err = k.run("import minisgl.kvcache as kv\nfrom minisgl.kvcache.pool import PageAllocator as Pkg\n"
+                         "try:\n    Pkg(8).alloc(2)\nexcept NotImplementedError as e:\n    print('stub:', e)\n",
+                         "probe-1")
+        assert err is None and "stub: exercise: see the notebook 02_kv_pool.ipynb, exercise nb02-alloc" in out, out
+        # the student edits the allocator's cell and runs it, but does not save: the export must not drop it
+        unsaved = cells[alloc_cell].source + "\n# an edit that is not saved"
+        k.run(unsaved, cells[alloc_cell].id)
+        out, err = k.run('coursekit.export_this("02_kv_pool")', cells[-1].id)
+        assert err is not None and "nothing exported" in err and f"cell {alloc_cell}" in err and "Ctrl+S" in err, \
+            (out, err)
+        assert "raise NotImplementedError" in (release_copy / "minisgl" / "kvcache" / "pool.py").read_text()
+        # saved (and run as saved): the export writes the package and reloads what the kernel imported
+        k.run(cells[alloc_cell].source, cells[alloc_cell].id)
+        out, err = k.run('coursekit.export_this("02_kv_pool")', cells[-1].id)
+        assert err is None and "minisgl.kvcache.pool" in out and "Pkg" in out, out
+        print(out)
+        out, err = k.run("from minisgl.kvcache.pool import PageAllocator as Fresh\n"
+                         "print(Pkg(8).alloc(2), kv.PageAllocator(8).alloc(2), Fresh(8).alloc(2), Pkg is Fresh)",
+                         "probe-2")
+        assert err is None, err
+        assert out.split()[-1] == "True" and out.count("[") == 3, out
+    finally:
+        k.close()
