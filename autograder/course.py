@@ -466,12 +466,12 @@ def roundtrip(work: Path, log=None, timeout: int = 300) -> RoundTrip:
     """The release checked as a student walks it, in one release:
 
     - release; no solution or hidden-test text in it; its package imports with every exercise a stub;
-    - the untouched release is autograded (zero on every graded cell; feedback without hidden tests), in a
-      child process on a snapshot, while
+    - the untouched release is autograded (zero on every graded cell; feedback without hidden tests), and
+      the release's notebooks filled with the reference solutions (as a student typed them) too (full marks
+      on every graded cell, no cell raising, feedback without hidden tests), each in a child process on a
+      snapshot, while
     - the release gate walks the release (`gate.walk`): notebook k with 0..k-1 filled and exported fails only
-      with its own exercise's stub; filled, it runs clean and exports;
-    - the walked release's notebooks (the reference solutions, as a student typed them) are autograded: full
-      marks on every graded cell, no cell raising, feedback without hidden tests.
+      with its own exercise's stub (and Run All stops only there); filled, it runs clean and exports.
     """
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gate as release_gate
@@ -495,16 +495,25 @@ def roundtrip(work: Path, log=None, timeout: int = 300) -> RoundTrip:
         if courses[student].exists():
             shutil.rmtree(courses[student])
         shutil.copytree(course, courses[student])
+    # The reference grade needs the notebooks as a student who finished them typed them: the release's,
+    # filled with the reference solutions (what the gate fills them with, in `out`, as it walks). A copy filled
+    # up front lets both autogrades run beside the walk instead of after it.
+    reference = work / "release-reference-notebooks"
+    if reference.exists():
+        shutil.rmtree(reference)
+    shutil.copytree(out / "notebooks", reference)
+    for nb in notebook_paths(reference):
+        release_gate.fill(nb, NOTEBOOKS / nb.name)
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(autograde_in_subprocess, courses["untouched"], "untouched", untouched / "notebooks",
-                              untouched, work)
+    with ThreadPoolExecutor(2) as pool:
+        pending = {"untouched": pool.submit(autograde_in_subprocess, courses["untouched"], "untouched",
+                                            untouched / "notebooks", untouched, work),
+                   "reference": pool.submit(autograde_in_subprocess, courses["reference"], "reference", reference,
+                                            untouched, work)}
         walked = release_gate.walk(out, NOTEBOOKS, notebook_paths(out / "notebooks"), module_owners(), timeout, log)
         t["gate"] = time.perf_counter()
-        grades = {"reference": autograde_in_subprocess(courses["reference"], "reference", out / "notebooks", out,
-                                                       work)}
-        grades["untouched"] = pending.result()
+        grades = {student: job.result() for student, job in pending.items()}
     t["autograde"] = time.perf_counter()
     passing = passing_graded_cells(courses["untouched"] / "autograded" / "untouched" / ASSIGNMENT)
     hidden = secret_lines(kinds=("HIDDEN TESTS",))

@@ -7,7 +7,10 @@ raised by *this* notebook's code (an exercise cell, or a demo cell that calls th
 a NameError for a name that an earlier failing cell of the notebook would have defined. Anything else is a
 problem a student would hit without having done anything wrong: an ImportError, any other exception, or a
 stub raised from the package (a module of an earlier notebook that did not export, or of a later notebook
-that this one must not need yet). Then notebook k is filled with the reference solution and runs again:
+that this one must not need yet). Run All (stop at the first error) on it must stop only in an exercise or
+graded cell of its own, on the stub: the first error of the run above is where Run All stops; the tour
+(RUNS_TO_THE_END) must not stop at all. A graded cell fails when nbgrader scores it 0: an error, or output
+on stderr. Then notebook k is filled with the reference solution and runs again:
 every cell must pass, and its last cell (`coursekit.export_this`) writes the student's modules into the
 release package for notebook k+1. `course.py roundtrip` then autogrades the filled notebooks (full marks).
 

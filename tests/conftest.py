@@ -25,6 +25,26 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import assert_all_pages_back, build_tiny_model, save_word_tokenizer  # noqa: E402
 
+# pytest-xdist (`-n 2 --dist loadgroup`, pyproject.toml): a group runs on one worker, in order. The release round
+# trip (tests/test_course.py, group "roundtrip") is the longest by far: it goes first so that one worker spends
+# the run on it while the other takes everything else. Every other test without a group joins its module's, so
+# a module's costly fixtures (servers, engines) are built once, not once per worker.
+FIRST_GROUPS = ("roundtrip", "browser")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+    def rank(item):
+        group = item.get_closest_marker("xdist_group")
+        name = group.args[0] if group.args else group.kwargs.get("name")
+        return FIRST_GROUPS.index(name) if name in FIRST_GROUPS else len(FIRST_GROUPS)
+
+    items.sort(key=rank)  # stable: the order within each rank is pytest's
+
 
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory):
@@ -119,13 +139,11 @@ def course_release(tmp_path_factory):
     return tmp / "release"
 
 
-@pytest.fixture
-def release_copy(course_release, tmp_path):
-    """A copy of the fresh release to change (fill notebooks, export); the large read-only folders (the model,
-    the reports) are links to the shared one."""
-    out = tmp_path / "release"
-    out.mkdir()
-    for entry in course_release.iterdir():
+def copy_release(release: Path, out: Path) -> Path:
+    """A copy of a release to change (fill notebooks, export); the large read-only folders (the model, the
+    reports) are links to the original."""
+    out.mkdir(parents=True)
+    for entry in release.iterdir():
         if entry.name in ("assets", "reports"):
             os.symlink(entry, out / entry.name)
         elif entry.is_dir():
@@ -133,3 +151,9 @@ def release_copy(course_release, tmp_path):
         else:
             shutil.copy2(entry, out / entry.name)
     return out
+
+
+@pytest.fixture
+def release_copy(course_release, tmp_path):
+    """A copy of the fresh release for this test to change."""
+    return copy_release(course_release, tmp_path / "release")

@@ -13,7 +13,16 @@ every notebook runs top to bottom on a CPU, and the nbgrader release round trip 
   Outputs are never compared (timings, plotly JSON and widget ids change from run to run; correctness lives
   in the notebooks' test cells). This replaced nbval of the reference notebooks, which the walk's filled
   runs and the autograde of the reference repeated.
+  `test_run_all_untouched[NN_x]`: Run All on the gate's run of NN before its exercises stops only in an
+  exercise or graded cell of its own (00: runs to its end). `test_feedback_embeds_plotly`,
+  `test_release_speaks_to_students`: the feedback opens offline; the release's README, JupyterLab settings
+  and `pytest` (a progress report) are the students'.
+- `test_export_reaches_a_kernel_that_imported_the_stubs`: `coursekit.export_this` in a live kernel refuses
+  unsaved edits, and once saved, the next cell runs the exported code.
 - `test_tour_recording_is_current`: assets/tour_trace.json matches the tour and the model.
+
+With `-n 2` (pytest-xdist), the round-trip tests form one group (`xdist_group("roundtrip")`, one worker); the
+rest of the file runs on the other worker.
 
 All of it runs in `python -m pytest` (CI); `-m "not slow"` leaves out the slow parts while you edit.
 """
@@ -102,6 +111,7 @@ def roundtrip(tmp_path_factory):
     return rt, work
 
 
+@pytest.mark.xdist_group("roundtrip")
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -154,6 +164,7 @@ def test_adapters_cover_the_exercises():
             assert callable(adapters.resolve(t)), t
 
 
+@pytest.mark.xdist_group("roundtrip")
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_release_roundtrip(roundtrip):
@@ -170,6 +181,56 @@ def test_release_roundtrip(roundtrip):
     assert out.stdout.strip() == "stub", out.stdout + out.stderr
 
 
+@pytest.mark.xdist_group("roundtrip")
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_feedback_embeds_plotly(roundtrip):
+    """The feedback pages open offline: every plotly figure of a graded notebook is drawn by plotly.js embedded
+    in its page, nothing is loaded from plotly's CDN."""
+    rt, _ = roundtrip
+    pages = 0
+    for grades in (rt.reference, rt.untouched):
+        for html in sorted(grades.feedback.glob("*.html")):
+            text = html.read_text()
+            figures = text.count("Plotly.newPlot(")
+            assert "cdn.plot.ly" not in text, f"{html.name} loads plotly from the CDN"
+            if figures:
+                pages += 1
+                assert text.count("plotly.js v") >= 1 and len(text) > 3_000_000, \
+                    f"{html.name}: {figures} figure(s) but no embedded plotly.js"
+    assert pages >= 5, "the reference feedback has figures in most notebooks"
+
+
+@pytest.mark.xdist_group("roundtrip")
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+def test_release_speaks_to_students(roundtrip):
+    """The release's README, pytest and JupyterLab settings are the students' (autograder/student/): `pytest` in
+    the untouched release reports per notebook what is still a stub, with nothing failing; the walked release
+    (every notebook done and exported) has no stub left."""
+    import progress
+
+    rt, work = roundtrip
+    release = work / "release-untouched"
+    readme = (release / "README.md").read_text()
+    assert readme == (REPO / "autograder" / "student" / "README.md").read_text()
+    assert "tests/" not in readme and "jupyter_lab_config.py" in readme
+    assert (release / "jupyter_lab_config.py").exists() and not (release / "autograder" / "student").exists()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider"], cwd=release, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "failed" not in out.stdout.split("your progress")[0].lower(), out.stdout[-4000:]
+    report = out.stdout.split("your progress, notebook by notebook")[-1]
+    owners = set(course.module_owners().values())
+    for nb in NOTEBOOKS:
+        line = next((ln for ln in report.splitlines() if ln.strip().startswith(nb.stem)), "")
+        want = "still the stub" if nb.name in owners else "no package exercise"
+        assert want in line, f"{nb.stem}: {line!r}\n{report}"
+    assert "0 failed" in report and "waiting for" in report
+    assert progress.package_stubs(work / "release") == {nb.stem: {} for nb in NOTEBOOKS if nb.name in owners}
+
+
 def test_tour_recording_is_current():
     """assets/tour_trace.json was recorded from this tour on this model (else: python scripts/record_tour.py)."""
     out = subprocess.run([sys.executable, "scripts/record_tour.py", "--check"], cwd=REPO, capture_output=True,
@@ -177,6 +238,7 @@ def test_tour_recording_is_current():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.xdist_group("roundtrip")
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -279,3 +341,12 @@ def test_export_reaches_a_kernel_that_imported_the_stubs(release_copy):
         assert out.split()[-1] == "True" and out.count("[") == 3, out
     finally:
         k.close()
+
+
+def test_tour_lists_every_notebook():
+    """The tour's course table has a row for every notebook after it (a new notebook adds its row)."""
+    tour = nbformat.read(REPO / "notebooks" / "00_tour.ipynb", as_version=4)
+    table = next(c.source for c in tour.cells if c.cell_type == "markdown" and "| notebook |" in c.source)
+    rows = {line.split("|")[1].split()[0] for line in table.splitlines() if line.startswith("| ") and "---" not in line}
+    missing = [nb.name for nb in NOTEBOOKS if nb.name[:2] != "00" and nb.name[:2] not in rows]
+    assert not missing, f"00_tour.ipynb's course table has no row for {missing}"
