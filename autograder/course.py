@@ -446,10 +446,12 @@ class RoundTrip:
         return bad
 
 
-def autograde_in_subprocess(course: Path, student: str, submission: Path, base: Path, work: Path) -> Grades:
-    """`autograde` in a child process (so two can run at once: each has its own course copy and PYTHONPATH)."""
+def autograde_in_subprocess(course: Path, student: str, submission: Path, base: Path, work: Path,
+                            env: dict | None = None) -> Grades:
+    """`autograde` in a child process (so two can run at once: each has its own course copy and PYTHONPATH);
+    its stderr goes to work/autograde-STUDENT.log."""
     out = _run([sys.executable, str(Path(__file__).resolve()), "grade-staged", str(course), str(submission),
-                "--student", student, "--base", str(base), "--work", str(work)], cwd=REPO)
+                "--student", student, "--base", str(base), "--work", str(work)], cwd=REPO, env=env)
     data = json.loads(out.stdout.strip().splitlines()[-1])
     with open(Path(work) / f"autograde-{student}.log", "w") as f:
         f.write(out.stderr)
@@ -506,11 +508,14 @@ def roundtrip(work: Path, log=None, timeout: int = 300) -> RoundTrip:
         release_gate.fill(nb, NOTEBOOKS / nb.name)
     from concurrent.futures import ThreadPoolExecutor
 
+    # graded as from a virtual environment's python that is not activated: no `alembic` on PATH (nbgrader runs it)
+    env = dict(os.environ, PATH=os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                                                 if p and not (Path(p) / "alembic").exists()))
     with ThreadPoolExecutor(2) as pool:
         pending = {"untouched": pool.submit(autograde_in_subprocess, courses["untouched"], "untouched",
-                                            untouched / "notebooks", untouched, work),
+                                            untouched / "notebooks", untouched, work, env),
                    "reference": pool.submit(autograde_in_subprocess, courses["reference"], "reference", reference,
-                                            untouched, work)}
+                                            untouched, work, env)}
         walked = release_gate.walk(out, NOTEBOOKS, notebook_paths(out / "notebooks"), module_owners(), timeout, log)
         t["gate"] = time.perf_counter()
         grades = {student: job.result() for student, job in pending.items()}
