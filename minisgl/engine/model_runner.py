@@ -32,7 +32,13 @@ from minisgl.scheduler import Batch
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r}: torch sees no CUDA GPU here (a CPU-only build of torch, or no "
+                           "driver); use device 'cpu' or 'auto'")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise RuntimeError(f"device {name!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    return device
 
 
 @dataclass
@@ -230,7 +236,9 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         seeds = np.asarray([r.seed for r in reqs], dtype=np.int64)
         steps = np.asarray([r.num_outputs_scheduled for r in reqs], dtype=np.int64)
-        top_ks = np.asarray([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], dtype=np.int64)
+        # a top_k past the vocabulary keeps every token, like no top_k (and fits the int64 array)
+        top_ks = np.asarray([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in reqs],
+                            dtype=np.int64)
         loc = np.asarray(batch.out_cache_loc, np.int64)
         if self.is_hybrid:  # the linear-attention layers' state slots (slot = row) and sequence bounds
             state_slots, cu_seqlens = rows, np.append(start, t)

@@ -52,8 +52,7 @@ def run_serve(args: argparse.Namespace) -> int:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        print(f"error: {_MISSING_DEPS}")
-        return 2
+        raise ImportError(_MISSING_DEPS) from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = build_state(args.model, args.served_model_name, **engine_kwargs_from_args(args))
     return serve(state, args.host, args.port, args.shutdown_timeout, args.log_level)
@@ -68,8 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m minisgl.server ...`: the same flags as `python -m minisgl serve ...`."""
-    return run_serve(build_parser().parse_args(argv))
+    """`python -m minisgl.server ...`: the same flags as `python -m minisgl serve ...`, the same errors."""
+    from minisgl.__main__ import add_traceback_flag, run_command
+    parser = build_parser()
+    add_traceback_flag(parser)
+    return run_command("minisgl serve", run_serve, parser.parse_args(argv))
 
 
 # --- building and running --------------------------------------------------------------------------------
