@@ -60,7 +60,7 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, ConfigError):
         flags = next((f.metadata.get("flags") for f in dataclasses.fields(EngineConfig) if f.name == error.field),
                      None)
-        message = f"{flags[0]} {' '.join(error.problem.split())}" if flags else message
+        message = f"{'/'.join(flags)} {' '.join(error.problem.split())}" if flags else message
     elif not isinstance(error, (ValueError, OSError, ImportError, RuntimeError)) or not message:
         message = f"{type(error).__name__}: {message}" if message else type(error).__name__
     return message

@@ -74,7 +74,7 @@ def read_json_file(file: str) -> dict:
 
 
 # --- notebooks/01_model.ipynb, cell 32 (id c01-030b) ---
-REQUIRED_CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+REQUIRED_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
 def read_hf_config(path: str):
