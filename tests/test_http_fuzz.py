@@ -38,7 +38,7 @@ def sometimes_valid(valid, invalid=ANY_JSON):
     return st.one_of(valid, valid, invalid)
 
 
-SMALL_MAX_TOKENS = st.integers(1, 4)
+SMALL_MAX_TOKENS = st.integers(1, 2)
 SAMPLING = {
     "max_tokens": sometimes_valid(SMALL_MAX_TOKENS, st.one_of(st.integers(-5, 0), st.integers(10**6, 2**70),
                                                              ANY_JSON)),
