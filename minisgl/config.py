@@ -86,8 +86,10 @@ class EngineConfig:
                                          "buckets 16, 32, ... up to it; 0 = off")
     prefill_graph_max_reqs: int = _opt(16, "--prefill-graph-max-reqs",
                                        "most requests in a prefill/extend step replayed as a CUDA graph")
-    attention_backend: str = _opt("auto", "--attention-backend", "attention kernels",
-                                  choices=("auto", "torch", "triton", "flashinfer"))
+    attention_backend: str = _opt("auto", "--attention-backend",
+                                  "attention kernels (auto = triton on a GPU, torch on a CPU; torch runs a decode "
+                                  "step as a few padded ops, torch_loop every step one request at a time)",
+                                  choices=("auto", "torch", "torch_loop", "triton", "flashinfer"))
     tp_size: int = _opt(1, "--tp-size", "tensor parallelism: ranks (one GPU each; gloo processes on a CPU)")
     progress: bool = False  # a progress bar in LLM.generate (no flag: `bench --quiet` sets it)
 

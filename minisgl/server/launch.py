@@ -4,6 +4,9 @@ Shutdown: the first SIGINT or SIGTERM stops accepting connections and refuses ne
 in flight get `shutdown_timeout` seconds to finish, then the engine aborts them (their streams end with
 finish_reason "abort"). Then the engine thread aborts what is left, releases it and stops, and the process
 exits with status 0. A second signal skips the grace period.
+
+Clients are held to deadlines and a bound (`limits.py`, flags --header-timeout, --body-timeout,
+--max-connections): a request's head and body must arrive in time, and connections past the bound are refused.
 """
 
 from __future__ import annotations
@@ -61,10 +64,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
     """The --header-timeout, --body-timeout and --max-connections flags; a bad value is a ConfigError."""
     from minisgl.errors import ConfigError
-    for flag, value, low in (("--header-timeout", args.header_timeout, 0), ("--body-timeout", args.body_timeout, 0),
-                             ("--max-connections", args.max_connections, 0)):
-        if not value > low:  # NaN too
-            raise ConfigError(flag, f"must be > {low}, got {value}")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
+                        ("--max-connections", args.max_connections)):
+        if not value > 0:  # NaN too
+            raise ConfigError(flag, f"must be > 0, got {value}")
     return ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
 
 
