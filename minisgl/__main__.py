@@ -5,8 +5,9 @@ The engine flags are SGLang's names (--disable-overlap-schedule, --disable-cuda-
 `minisgl.config.add_engine_args`, so every subcommand takes the same ones.
 
 Errors are one line on stderr, never a traceback (`--traceback` shows it): exit status 2 when the command line
-is wrong (argparse's errors, and an engine setting out of range: `minisgl.errors.ConfigError`), 1 when the
-command is right but cannot run here (no GPU, a broken model folder, a missing package, the engine failed).
+is wrong (argparse's errors, an engine setting out of range: `minisgl.errors.ConfigError`, a request the engine
+refuses: `RequestError`, such as --max-tokens 0 or a prompt longer than the context), 1 when the command is right
+but cannot run here (no GPU, a broken model folder, a missing package, the engine failed).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import traceback
 from collections.abc import Callable
 
 from minisgl.config import EngineConfig, add_engine_args, engine_kwargs_from_args
-from minisgl.errors import ConfigError
+from minisgl.errors import ConfigError, RequestError
 
 USAGE_ERROR, RUNTIME_ERROR = 2, 1
 
@@ -68,7 +69,8 @@ def one_line(error: BaseException) -> str:
 
 def run_command(prog: str, func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """func(args), its errors as one line on stderr (`prog: error: ...`) and an exit status: 2 for a setting
-    out of range (ConfigError), 1 for anything else that went wrong; the traceback too with --traceback."""
+    out of range or a refused request (ConfigError, RequestError), 1 for anything else that went wrong; the
+    traceback too with --traceback."""
     try:
         return func(args)
     except KeyboardInterrupt:
@@ -77,7 +79,7 @@ def run_command(prog: str, func: Callable[[argparse.Namespace], int], args: argp
         if getattr(args, "traceback", False):
             traceback.print_exc()
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
-        return USAGE_ERROR if isinstance(e, ConfigError) else RUNTIME_ERROR
+        return USAGE_ERROR if isinstance(e, (ConfigError, RequestError)) else RUNTIME_ERROR
 
 
 def add_traceback_flag(parser: argparse.ArgumentParser) -> None:

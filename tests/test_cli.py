@@ -119,6 +119,8 @@ BAD_FLAGS = [  # (flags, exit status, words of the message, skip reason or None)
     (["--max-model-len", "-1"], 2, "--context-length/--max-model-len must be an integer >= 2", None),
     (["--device", "bogus"], 2, "--device must be auto, cpu, cuda or cuda:N, got 'bogus'", None),
     (["--kv-memory-fraction", "0"], 2, "--kv-memory-fraction must be in (0, 1]", None),
+    (["--max-tokens", "0"], 2, "max_tokens must be a positive integer", None),
+    (["--temperature", "-1"], 2, "temperature must be", None),
     (["--device", "cuda"], 1, "torch sees no CUDA GPU", "a GPU is visible" if torch.cuda.is_available() else None),
     (["--attention-backend", "triton"], 1, "needs Triton", "Triton is installed" if _has("triton") else None),
     (["--attention-backend", "flashinfer"], 1, "needs FlashInfer",
