@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_http_faults import all_pages_back, start_server, still_serves, stop_server
 
-NUM_CASES = 1000
+NUM_CASES = 750
 
 ENDPOINTS = ["/v1/completions", "/v1/chat/completions"]
 SURROGATES = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
