@@ -166,7 +166,8 @@ def test_traceback_flag_shows_the_traceback(qwen3_tok_path, tmp_path, capsys):
     (["-m", "minisgl", "generate", "--prompt", "w5"], ["--num-pages", "-3"], 2, "--num-pages must be"),
     (["-m", "minisgl.server"], ["--device", "bogus"], 2, "--device must be"),
     (["-m", "minisgl", "generate", "--prompt", "w5"], ["weights_random"], 1, "is not a readable safetensors file"),
-], ids=["generate-usage", "server-usage", "generate-runtime"])
+    (["-m", "minisgl", "serve", "--port", "0"], ["config_truncated"], 1, "is not valid JSON"),
+], ids=["generate-usage", "server-usage", "generate-runtime", "serve-runtime"])
 def test_real_process_errors(module, flags, status, words, qwen3_tok_path, tmp_path):
     """The processes themselves: one line on stderr, no traceback, the exit status."""
     model = qwen3_tok_path
@@ -175,5 +176,5 @@ def test_real_process_errors(module, flags, status, words, qwen3_tok_path, tmp_p
     run = subprocess.run([sys.executable, *module, "--model", model, *flags], capture_output=True, text=True,
                          cwd=REPO, timeout=300)
     assert run.returncode == status, run.stderr
-    prog = "minisgl serve" if module[-1] == "minisgl.server" else "minisgl generate"
+    prog = "minisgl serve" if "serve" in module or module[-1] == "minisgl.server" else "minisgl generate"
     assert words in _one_line_error(run.stderr, prog)
