@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from minisgl.config import EngineConfig
+from minisgl.environment import keep_nvlink_multicast_off
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler import Batch
 
@@ -80,7 +81,7 @@ class TensorParallel:
         self.closed = False
         self._monitor: threading.Thread | None = None
         self._lock = threading.Lock()
-        os.environ["NCCL_NVLS_ENABLE"] = "0"  # keep NVLink multicast off (ranks 1.. inherit this)
+        keep_nvlink_multicast_off()  # ranks 1.. inherit it
         if device.type == "cuda":
             if torch.cuda.device_count() < self.world:
                 raise ValueError(f"tp_size {self.world} needs {self.world} GPUs; {torch.cuda.device_count()} visible")
@@ -321,7 +322,7 @@ def _watch_parent(parent_pid: int) -> None:
 def _rank_main(config: EngineConfig, rank: int, port: int, conn, parent_pid: int) -> None:
     """Entry point of ranks 1..N-1: build this rank's ModelRunner, then run each batch rank 0 sends."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    keep_nvlink_multicast_off()
     runner = None
     try:
         if config.device != "cuda" and not (config.device == "auto" and torch.cuda.is_available()):

@@ -22,7 +22,7 @@ from minisgl.engine.graph_pieces import run_in_pieces
 from minisgl.engine.prefill_graph import pad_extend_step, pad_state_step
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_bytes
-from minisgl.kernels import pdl
+from minisgl.kernels.options import use_options
 from minisgl.kvcache import KVCache, ReqToTokenPool
 from minisgl.kvcache.state_pool import HybridAttentionMetadata, StatePool
 from minisgl.loader import DTYPES, load_model
@@ -55,7 +55,8 @@ class ModelRunner:
         # --- tensor parallelism (minisgl/distributed): rank 0 starts ranks 1..N-1, stopped again on failure ---
         self.tp = None
         try:
-            self._setup(config, rank, tp_link)
+            with use_options(config.kernels):  # the GEMV swap, warm-ups and graph captures run under them
+                self._setup(config, rank, tp_link)
         except BaseException:
             self.close()
             raise
@@ -69,9 +70,6 @@ class ModelRunner:
     def _setup(self, config: EngineConfig, rank: int, tp_link: tuple | None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        # programmatic dependent launch of the Triton kernels: a process-wide flag, set before any kernel is
-        # compiled or graph captured (kernels/pdl.py; the engine started last decides for the whole process)
-        pdl.configure(config.pdl)
         if config.tp_size > 1:  # --- tensor parallelism: join (rank 0: start) the group; a GPU per rank ---
             from minisgl.distributed import TensorParallel
             self.tp = TensorParallel(config, rank, self.device, tp_link)
@@ -99,8 +97,9 @@ class ModelRunner:
         self.gemv_linears = 0
         if config.gemv and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
             from minisgl.kernels.gemv import use_gemv
+            from minisgl.models.layers import MLP
             # few-row matmuls stream the weights (kernels/gemv.py); more rows stay cuBLAS
-            self.gemv_linears = use_gemv(self.model)
+            self.gemv_linears = use_gemv(self.model, fold=(MLP,))
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.page_size = config.page_size
         # max_running_requests 0/None: sized from memory here, and the rest of the engine sees the resolved count
@@ -280,9 +279,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> StepOutput:
-        if self.tp is not None:  # tensor parallelism: rank 0 sends the batch to ranks 1..N-1, all run it
-            return self.tp.forward(self, batch)
-        return self._forward(batch)
+        with use_options(self.config.kernels):  # this engine's kernel options, whatever another engine uses
+            if self.tp is not None:  # tensor parallelism: rank 0 sends the batch to ranks 1..N-1, all run it
+                return self.tp.forward(self, batch)
+            return self._forward(batch)
 
     def _forward(self, batch: Batch) -> StepOutput:
         shape = self.prefill_graph.shape_for(batch) if self.prefill_graph is not None else None
