@@ -209,7 +209,7 @@ def test_gated_delta_rule_dk_ne_dv_and_empty_sequence(force_triton, gdn_launch, 
 @pytest.mark.parametrize("mode", ["chunked", "recurrent"])
 @pytest.mark.parametrize("pad_reqs", [0, 3], ids=["tokens-only", "tokens-and-requests"])
 def test_prefill_graph_padding_touches_only_the_dummy_slot(force_triton, gdn_launch, mode, pad_reqs):
-    """A hybrid prefill graph's padded layout (engine/prefill_graph.pad_state_step): padded requests empty, on the
+    """A hybrid prefill graph's padded layout (engine/hybrid.pad_state_step): padded requests empty, on the
     dummy slot, at the end of the real tokens; padded tokens past cu_seqlens[N] belong to none. The real rows'
     outputs and states equal the unpadded run's, and no slot but the dummy one changes otherwise."""
     gdn_launch(prefill=mode, dot_precision="ieee")
