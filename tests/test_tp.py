@@ -124,7 +124,7 @@ def test_tp_refuses_a_hybrid_model_by_name(tmp_path, no_leftover_processes):
     path = str(tmp_path / "qwen3.5")
     Qwen3_5ForCausalLM(tiny_text_config()).save_pretrained(path)  # architectures: ["Qwen3_5ForCausalLM"]
     assert LLM(path, dtype="float32").generate([[5, 6, 7]], GREEDY)[0].token_ids  # runs at TP 1
-    with pytest.raises(ValueError, match=r"tensor parallelism does not run hybrid models \(Qwen3.5\)"):
+    with pytest.raises(ValueError, match=r"tensor parallelism does not run linear_state models \(such as qwen3_5\)"):
         LLM(path, dtype="float32", tp_size=2)
 
 

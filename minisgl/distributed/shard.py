@@ -52,10 +52,14 @@ def check_tp_size(cfg: ModelConfig, tp: int) -> None:
 
 
 def check_tp_model(hf_config, tp: int) -> None:
-    """Raise ValueError when `tp` ranks cannot run this checkpoint (its transformers config): a hybrid model
-    (Qwen3.5) does not run sharded yet, and the rest must split evenly (check_tp_size)."""
-    if str(getattr(hf_config, "model_type", "")).startswith("qwen3_5"):  # the loader's test for Qwen3.5
-        raise ValueError(f"tensor parallelism does not run hybrid models (Qwen3.5) yet: use tp_size=1, not {tp}")
+    """Raise ValueError when `tp` ranks cannot run this checkpoint (its transformers config): only notebook 01's
+    decoder is sharded (a family of models/registry.py, such as the hybrid Qwen3.5, is not yet), and it must
+    split evenly (check_tp_size)."""
+    from minisgl.models.registry import model_family
+    family = model_family(hf_config)
+    if family is not None:
+        raise ValueError(f"tensor parallelism does not run {family.runtime} models (such as {family.name}) yet: "
+                         f"use tp_size=1, not {tp}")
     check_tp_size(ModelConfig.from_hf(hf_config), tp)
 
 
