@@ -1,14 +1,22 @@
 """Start the server: the `serve` command line, a blocking `serve()`, and `ServerThread` for tests.
 
+Two processes: this one (HTTP, tokenizer, detokenizer) and the engine's (`engine_process`), started by
+`build_state` and stopped with the server; under tensor parallelism the engine's process starts the other ranks.
+
 Shutdown: the first SIGINT or SIGTERM stops accepting connections and refuses new requests (503); requests
 in flight get `shutdown_timeout` seconds to finish, then the engine aborts them (their streams end with
-finish_reason "abort"). Then the engine thread aborts what is left, releases it and stops, and the process
-exits with status 0. A second signal skips the grace period.
+finish_reason "abort"). Then the engine aborts what is left, gives its pages back and exits, and so does the
+server, with status 0. A second signal ends every open request at once with an error (a stream: an error event,
+then [DONE]; a plain request: a 503 JSON error), then the server exits the same way.
+
+When the engine dies or freezes (see `engine_client`), open requests end with an error, /health and new
+requests answer 503 for `exit_after_engine_failure` seconds, then the server exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -18,6 +26,10 @@ import threading
 import time
 
 from minisgl.config import add_engine_args, engine_kwargs_from_args, make_config
+
+DEFAULT_WATCHDOG_TIMEOUT = 10.0  # the same as engine_client's (not imported here: this module imports nothing heavy)
+DEFAULT_EXIT_AFTER_ENGINE_FAILURE = 5.0
+FORCED_EXIT_S = 3.0  # after a second signal, how long open requests get to receive their error
 
 logger = logging.getLogger("minisgl.server")
 
@@ -43,6 +55,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "are aborted (default 5)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    group.add_argument("--watchdog-timeout", type=float, default=DEFAULT_WATCHDOG_TIMEOUT,
+                       help="seconds without a word from the engine process (it sends one at least every 0.5 s, "
+                            "unless one step takes longer) before it is declared frozen and killed "
+                            f"(default {DEFAULT_WATCHDOG_TIMEOUT:g})")
+    group.add_argument("--exit-after-engine-failure", type=float, default=DEFAULT_EXIT_AFTER_ENGINE_FAILURE,
+                       help="seconds the server keeps answering 503 after its engine died or froze, then it exits "
+                            f"with status 1 (default {DEFAULT_EXIT_AFTER_ENGINE_FAILURE:g}; < 0: until signalled)")
     return parser
 
 
@@ -55,8 +74,13 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {_MISSING_DEPS}")
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state = build_state(args.model, args.served_model_name, **engine_kwargs_from_args(args))
-    return serve(state, args.host, args.port, args.shutdown_timeout, args.log_level)
+    try:
+        state = build_state(args.model, args.served_model_name, watchdog_timeout=args.watchdog_timeout,
+                            log_level=args.log_level, **engine_kwargs_from_args(args))
+    except RuntimeError as e:  # the engine failed to start: its traceback is in the message
+        logger.error("%s", e)
+        return 1
+    return serve(state, args.host, args.port, args.shutdown_timeout, args.log_level, args.exit_after_engine_failure)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,26 +97,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # --- building and running --------------------------------------------------------------------------------
-def build_state(model: str, served_model_name: str | None = None, **engine_kwargs):
-    """Load the engine and tokenizer and start the engine thread; returns the app's ServerState."""
-    from minisgl.engine import Engine
+def build_state(model: str, served_model_name: str | None = None, watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT,
+                log_level: str = "warning", **engine_kwargs):
+    """Start the engine process, load the tokenizer meanwhile, wait until the engine is ready; returns the
+    app's ServerState. RuntimeError (with the engine's traceback) when the engine cannot start."""
     from minisgl.llm import load_tokenizer
     from minisgl.server.app import ServerState
-    from minisgl.server.worker import EngineWorker
+    from minisgl.server.engine_client import EngineClient
 
-    engine = Engine(make_config(model, **engine_kwargs))
-    path = engine.runner.model_path
-    tokenizer = load_tokenizer(path)
-    stop_tokenizer = load_tokenizer(path) if tokenizer is not None else None  # one per thread
+    config = make_config(model, **engine_kwargs)
+    config.validate()  # a bad switch is a ValueError here, not a traceback from the engine process
+    engine = EngineClient(config, watchdog_timeout=watchdog_timeout, log_level=log_level)
+    engine.start_process()
+    try:
+        info = engine.wait_ready()
+        tokenizer = load_tokenizer(info.model_path)
+    except BaseException:
+        engine.close()
+        raise
     name = served_model_name or model
-    aliases = {model, os.path.normpath(model), path, os.path.basename(os.path.normpath(model))} - {name}
-    worker = EngineWorker(engine)
-    worker.start()
-    return ServerState(worker=worker, tokenizer=tokenizer, stop_tokenizer=stop_tokenizer, model_name=name,
-                       model_aliases=frozenset(aliases))
+    aliases = {model, os.path.normpath(model), info.model_path, os.path.basename(os.path.normpath(model))} - {name}
+    return ServerState(engine=engine, tokenizer=tokenizer, model_name=name, model_aliases=frozenset(aliases))
 
 
-def _make_server(state, sock_or_host, port, log_level: str, shutdown_timeout: float):
+def _make_server(state, sock_or_host, port, log_level: str, shutdown_timeout: float,
+                 exit_after_engine_failure: float = DEFAULT_EXIT_AFTER_ENGINE_FAILURE):
     import uvicorn
 
     from minisgl.server.app import create_app
@@ -101,6 +130,8 @@ def _make_server(state, sock_or_host, port, log_level: str, shutdown_timeout: fl
         """uvicorn with our own signal handling: a grace period, then abort; exit status 0."""
 
         grace_timer: threading.Timer | None = None
+        force_timer: threading.Timer | None = None
+        forced = False
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -120,16 +151,36 @@ def _make_server(state, sock_or_host, port, log_level: str, shutdown_timeout: fl
 
         def begin_shutdown(self, force: bool = False) -> None:
             state.shutting_down = True
-            if force:
-                self.force_exit = True
-                state.worker.abort_all()
+            if force and not self.forced:
+                # every open request ends now with an error its client can read; the connections then close
+                # by themselves, and uvicorn's graceful wait ends (FORCED_EXIT_S later at the latest)
+                self.forced = True
+                logger.info("second signal: ending every open request now")
+                state.engine.fail_all("the server was stopped (a second signal) before the request finished")
+                self.force_timer = threading.Timer(FORCED_EXIT_S, setattr, (self, "force_exit", True))
+                self.force_timer.daemon = True
+                self.force_timer.start()
             elif not self.should_exit:
                 logger.info("shutting down: %.1fs for in-flight requests, then they are aborted",
                             shutdown_timeout)
-                self.grace_timer = threading.Timer(shutdown_timeout, state.worker.abort_all)
+                self.grace_timer = threading.Timer(shutdown_timeout, state.engine.abort_all)
                 self.grace_timer.daemon = True
                 self.grace_timer.start()
             self.should_exit = True
+
+        def cancel_timers(self) -> None:
+            for t in (self.grace_timer, self.force_timer):
+                if t is not None:
+                    t.cancel()
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            loop = asyncio.get_running_loop()
+
+            def on_engine_failure() -> None:  # on the event loop
+                if exit_after_engine_failure >= 0:
+                    loop.call_later(exit_after_engine_failure, self.begin_shutdown)
+            state.engine.on_failure = on_engine_failure
 
     config = uvicorn.Config(create_app(state), host=sock_or_host if isinstance(sock_or_host, str) else None,
                             port=port or 0, log_level=log_level, access_log=log_level == "debug",
@@ -138,17 +189,20 @@ def _make_server(state, sock_or_host, port, log_level: str, shutdown_timeout: fl
 
 
 def serve(state, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, shutdown_timeout: float = 5.0,
-          log_level: str = "info") -> int:
-    """Run the HTTP server in this (main) thread until a signal; returns 0 after a clean shutdown."""
-    server = _make_server(state, host, port, log_level, shutdown_timeout)
+          log_level: str = "info", exit_after_engine_failure: float = DEFAULT_EXIT_AFTER_ENGINE_FAILURE) -> int:
+    """Run the HTTP server in this (main) thread until a signal; returns 0 after a clean shutdown, 1 when the
+    server could not start or its engine failed."""
+    server = _make_server(state, host, port, log_level, shutdown_timeout, exit_after_engine_failure)
     try:
         server.run()
     finally:
-        if server.grace_timer is not None:
-            server.grace_timer.cancel()
-        state.worker.stop()
+        server.cancel_timers()
+        state.engine.close()
     if not server.started and not server.should_exit:
         return 1  # could not bind, etc.
+    if state.engine.fatal_error is not None:
+        logger.error("exiting: %s", state.engine.fatal_error)
+        return 1
     return 0
 
 
@@ -160,14 +214,14 @@ class ServerThread:
     """
 
     def __init__(self, state, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", exit_after_engine_failure: float = -1.0) -> None:
         self.state = state
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
-        self.server = _make_server(state, self.sock, None, log_level, shutdown_timeout)
+        self.server = _make_server(state, self.sock, None, log_level, shutdown_timeout, exit_after_engine_failure)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="minisgl-http", daemon=True)
 
@@ -183,9 +237,8 @@ class ServerThread:
     def stop(self, timeout: float = 30.0) -> None:
         self.server.begin_shutdown()
         self.thread.join(timeout)
-        if self.server.grace_timer is not None:
-            self.server.grace_timer.cancel()
-        self.state.worker.stop()
+        self.server.cancel_timers()
+        self.state.engine.close()
 
     def __enter__(self) -> ServerThread:
         return self.start()
