@@ -62,6 +62,10 @@ class EngineConfig:
     max_prefill_tokens: int = _opt(16384, "--max-prefill-tokens",
                                    "prefill tokens per step at most, chunked or not (a longer prompt that "
                                    "cannot be cut runs alone)")
+    mixed_prefill_tokens: int = _opt(0, "--mixed-prefill-tokens",
+                                     "chunked prefill: prefill tokens at most in a step that also decodes (0 = "
+                                     "the prefill budget, as in a step that does not); smaller keeps the token "
+                                     "gaps of running streams steady while prompts arrive, at some prompt speed")
     # the switches of the ablation table (chunked prefill is chunked_prefill_size <= 0)
     radix_cache: bool = _opt(True, "--disable-radix-cache", "no prefix reuse (the naive cache)", disable=True)
     overlap: bool = _opt(True, "--disable-overlap-schedule", "resolve each step before scheduling the next",
@@ -127,6 +131,9 @@ class EngineConfig:
                              f"{self.state_snapshot_memory_fraction}")
         if self.state_snapshots is not None and self.state_snapshots < 0:
             raise ValueError(f"state_snapshots must be >= 0, got {self.state_snapshots}")
+        if not isinstance(self.mixed_prefill_tokens, int) or self.mixed_prefill_tokens < 0:
+            raise ValueError(f"mixed_prefill_tokens must be an integer >= 0 (0 = off), got "
+                             f"{self.mixed_prefill_tokens!r}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
 

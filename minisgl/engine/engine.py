@@ -44,7 +44,7 @@ class Engine:
             self.cache = cache_cls(self.allocator, config.page_size)
             self.scheduler = Scheduler(self.allocator, self.runner.req_pool, self.cache, config.page_size,
                                        config.max_running_requests, config.prefill_budget,
-                                       chunked=config.chunked_prefill)
+                                       chunked=config.chunked_prefill, mixed_chunk_size=config.mixed_prefill_tokens)
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._next_rid = 0

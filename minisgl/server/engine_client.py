@@ -152,7 +152,10 @@ class EngineClient:
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(fd,), start_new_session=True)
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.conn.send_bytes(pickle.dumps(("config", self.config, os.getpid(), self.heartbeat_s, self.log_level)))
+        # the engine ran in this process before it had one of its own: it keeps this process's torch threads
+        import torch
+        self.conn.send_bytes(pickle.dumps(("config", self.config, os.getpid(), self.heartbeat_s, self.log_level,
+                                           torch.get_num_threads())))
 
     def wait_ready(self, timeout: float | None = None) -> EngineInfo:
         """Block until the engine is ready (model loaded, graphs captured); RuntimeError if it failed."""
@@ -279,9 +282,15 @@ class EngineClient:
         """Queue a request (on the event loop). Refused at once, with a 503-kind error, when the engine is gone
         or the server has stopped taking requests."""
         handle.client = self
-        refusal = self.fatal_error or self.refusing or (None if self.loop is not None else "the engine is not running")
+        if self.fatal_error is not None or self.loop is None:
+            refusal = Finish("error", self.fatal_error or "the engine is not running", "unavailable",
+                             code="engine_unavailable")
+        elif self.refusing is not None:
+            refusal = Finish("error", self.refusing, "unavailable", code="shutting_down")
+        else:
+            refusal = None
         if refusal is not None:
-            handle.deliver([], Finish("error", refusal, "unavailable", code="engine_unavailable"), None)
+            handle.deliver([], refusal, None)
             return
         handle.rid = next(self._rids)
         self.handles[handle.rid] = handle
@@ -295,13 +304,13 @@ class EngineClient:
         """Abort every request in the engine (the end of a shutdown's grace period); thread-safe."""
         self._in_loop(lambda: self.fatal_error is None and self._send(("abort_all",)))
 
-    def fail_all(self, message: str, kind: str = "unavailable") -> None:
-        """End every open request now with an error and refuse new ones (a second signal); thread-safe."""
+    def fail_all(self, message: str, code: str = "shutting_down") -> None:
+        """End every open request now with a 503-kind error and refuse new ones (a second signal); thread-safe."""
         def run() -> None:
             self.refusing = message
             if self.fatal_error is None and self.handles:
                 self._send(("abort_all",))
-            self._fail_open(message, kind)
+            self._fail_open(message, "unavailable", code)
         self._in_loop(run)
 
     def stats(self, check: bool = False) -> concurrent.futures.Future:
@@ -395,8 +404,8 @@ class EngineClient:
         if self.on_failure is not None:
             self.on_failure()
 
-    def _fail_open(self, message: str, kind: str) -> None:
+    def _fail_open(self, message: str, kind: str, code: str | None = None) -> None:
+        code = code or ("engine_unavailable" if kind == "unavailable" else "internal_error")
         handles, self.handles = self.handles, {}
         for h in handles.values():
-            h.deliver([], Finish("error", message, kind, code="engine_unavailable" if kind == "unavailable"
-                                 else "internal_error"), None)
+            h.deliver([], Finish("error", message, kind, code=code), None)

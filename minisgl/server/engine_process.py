@@ -9,8 +9,8 @@ re-imports the parent's main script, which a script without a `__main__` guard c
 The pipe is one end of a socketpair, inherited as file descriptor FD, carrying pickled frames, 4-byte length
 first (the framing of `multiprocessing.connection.Connection`, which the front's asyncio side writes too):
 
-- front -> engine: first ("config", EngineConfig, front pid, heartbeat_s, log level); then a list of commands
-  per frame, all those the front queued since its last flush:
+- front -> engine: first ("config", EngineConfig, front pid, heartbeat_s, log level, torch threads); then a
+  list of commands per frame, all those the front queued since its last flush:
   ("add", rid, input_ids, params) | ("abort", rid, counted_as) | ("abort_all",) | ("stats", tag) | ("stop",)
 - engine -> front: ("ready", EngineInfo) once; then ("step", StepOutputs) after each step that has news, or
   at least every `heartbeat_s` seconds (an empty one when idle: the front's watchdog counts on it);
@@ -232,9 +232,11 @@ def engine_main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front handles Ctrl-C and stops us in order
     conn = Connection(fd)
     try:
-        _, config, parent_pid, heartbeat_s, log_level = pickle.loads(conn.recv_bytes())
+        _, config, parent_pid, heartbeat_s, log_level, threads = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         os._exit(1)  # the front went away before it said anything
+    import torch
+    torch.set_num_threads(threads)  # as many as the front's process uses (the engine used to run inside it)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="minisgl-parent-watch").start()
     engine = None
