@@ -55,6 +55,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "are aborted (default 5)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    group.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
+                       help="uvicorn's HTTP parser (auto: httptools when installed, else h11)")
+    group.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                       help="the front's event loop (auto: uvloop when installed, else asyncio)")
     group.add_argument("--watchdog-timeout", type=float, default=DEFAULT_WATCHDOG_TIMEOUT,
                        help="seconds without a word from the engine process (it sends one at least every 0.5 s, "
                             "unless one step takes longer) before it is declared frozen and killed "
@@ -80,7 +84,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except RuntimeError as e:  # the engine failed to start: its traceback is in the message
         logger.error("%s", e)
         return 1
-    return serve(state, args.host, args.port, args.shutdown_timeout, args.log_level, args.exit_after_engine_failure)
+    return serve(state, args.host, args.port, args.shutdown_timeout, args.log_level, args.exit_after_engine_failure,
+                 http=args.http, loop=args.loop)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +126,8 @@ def build_state(model: str, served_model_name: str | None = None, watchdog_timeo
 
 
 def _make_server(state, sock_or_host, port, log_level: str, shutdown_timeout: float,
-                 exit_after_engine_failure: float = DEFAULT_EXIT_AFTER_ENGINE_FAILURE):
+                 exit_after_engine_failure: float = DEFAULT_EXIT_AFTER_ENGINE_FAILURE, http: str = "auto",
+                 loop: str = "auto"):
     import uvicorn
 
     from minisgl.server.app import create_app
@@ -184,15 +190,17 @@ def _make_server(state, sock_or_host, port, log_level: str, shutdown_timeout: fl
 
     config = uvicorn.Config(create_app(state), host=sock_or_host if isinstance(sock_or_host, str) else None,
                             port=port or 0, log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=int(shutdown_timeout) + 5, lifespan="on")
+                            timeout_graceful_shutdown=int(shutdown_timeout) + 5, lifespan="on", http=http,
+                            loop=loop)
     return Server(config)
 
 
 def serve(state, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, shutdown_timeout: float = 5.0,
-          log_level: str = "info", exit_after_engine_failure: float = DEFAULT_EXIT_AFTER_ENGINE_FAILURE) -> int:
+          log_level: str = "info", exit_after_engine_failure: float = DEFAULT_EXIT_AFTER_ENGINE_FAILURE,
+          http: str = "auto", loop: str = "auto") -> int:
     """Run the HTTP server in this (main) thread until a signal; returns 0 after a clean shutdown, 1 when the
     server could not start or its engine failed."""
-    server = _make_server(state, host, port, log_level, shutdown_timeout, exit_after_engine_failure)
+    server = _make_server(state, host, port, log_level, shutdown_timeout, exit_after_engine_failure, http, loop)
     try:
         server.run()
     finally:
