@@ -1,3 +1,5 @@
+# generated from notebooks/11_serving.ipynb by autograder/course.py export — edit the notebook, not this file
+# --- notebooks/11_serving.ipynb, cell 3 (id c11-003) ---
 """The engine's one message per step, and its two ends: collected in the engine process, fanned out in the front.
 
 The engine process runs the step loop; the front process (HTTP, tokenizer, detokenizer) holds one handle per
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# --- notebooks/11_serving.ipynb, cell 7 (id c11-007) ---
 @dataclass
 class Finish:
     """How a request ended. `kind` says who is to blame when it failed: "invalid" (the engine refused it: a 400
@@ -26,6 +29,7 @@ class Finish:
     code: str | None = None
 
 
+# --- notebooks/11_serving.ipynb, cell 8 (id c11-008) ---
 @dataclass
 class StepOutputs:
     """Everything one engine step has for the front, as parallel lists: request `rids[i]` has new tokens
@@ -48,6 +52,7 @@ class StepOutputs:
         return len(self.rids)
 
 
+# --- notebooks/11_serving.ipynb, cell 10 (id c11-010) ---
 def collect_outputs(step: int, live: dict, sent: dict[int, int], per_token: tuple[str, ...] = ()) -> StepOutputs:
     """After an engine step: one entry for every request in `live` (rid -> Req) with tokens not sent yet, or
     that has finished. `sent[rid]` counts the tokens already sent and is moved forward; a finished request
@@ -73,6 +78,7 @@ def collect_outputs(step: int, live: dict, sent: dict[int, int], per_token: tupl
     return out
 
 
+# --- notebooks/11_serving.ipynb, cell 13 (id c11-013) ---
 def fan_out(msg: StepOutputs, handles: dict) -> int:
     """In the front: hand each request's news in `msg` to its handle (`handles`: rid -> an object with
     `deliver(tokens, finish, extras)`); a request whose news carries a Finish leaves `handles`. News for a rid
