@@ -12,7 +12,9 @@ The engine is declared gone, every open request failing with an error (a stream 
 - a step raised (the engine sent "fatal" before exiting): kind "internal", a 500;
 - nothing came for `watchdog_timeout` seconds although the engine sends at least every HEARTBEAT_S (a frozen
   process, SIGSTOP, or a step stuck in a collective with a frozen tensor-parallel rank): the engine's whole
-  process group (its ranks too) is killed, kind "unavailable".
+  process group (its ranks too) is killed, kind "unavailable". The engine sends between steps, so the timeout
+  must exceed the longest step: by default 10 s on a GPU (a step takes milliseconds, a kernel compile seconds)
+  and 120 s on a CPU (a prefill chunk of a real model can take that long there).
 Then /health answers 503, new requests get 503 at once, and `on_failure` (set by the server) is called.
 """
 
@@ -42,7 +44,7 @@ from minisgl.server.step_outputs import Finish, StepOutputs, fan_out
 
 logger = logging.getLogger("minisgl.server")
 
-DEFAULT_WATCHDOG_TIMEOUT = 10.0
+WATCHDOG_TIMEOUT = {"cuda": 10.0, "cpu": 120.0}  # by the engine's device, when not given
 
 
 @dataclass
@@ -114,9 +116,9 @@ def _exit_reason(code: int | None) -> str:
 class EngineClient:
     """The engine process, seen from the front."""
 
-    def __init__(self, config: EngineConfig, watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT,
+    def __init__(self, config: EngineConfig, watchdog_timeout: float | None = None,
                  heartbeat_s: float = HEARTBEAT_S, log_level: str = "warning") -> None:
-        if watchdog_timeout <= heartbeat_s:
+        if watchdog_timeout is not None and watchdog_timeout <= heartbeat_s:
             raise ValueError(f"watchdog_timeout must be longer than the heartbeat ({heartbeat_s}s), "
                              f"got {watchdog_timeout}")
         self.config, self.watchdog_timeout, self.heartbeat_s = config, watchdog_timeout, heartbeat_s
@@ -173,6 +175,8 @@ class EngineClient:
                     msg = ("died",)
                 if msg[0] == "ready":
                     self.info, self.healthy, self.last_news = msg[1], True, time.monotonic()
+                    if self.watchdog_timeout is None:
+                        self.watchdog_timeout = WATCHDOG_TIMEOUT.get(self.info.device, WATCHDOG_TIMEOUT["cpu"])
                     return self.info
                 if msg[0] == "error":
                     self.kill()
@@ -235,7 +239,8 @@ class EngineClient:
         if self.loop is None:
             return
         self._stopping = True
-        self._send(("stop",))
+        if self.fatal_error is None:
+            self._send(("stop",))
         deadline = time.monotonic() + (timeout if self.fatal_error is None else 1.0)
         while self.proc.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -370,6 +375,8 @@ class EngineClient:
         return f"the engine process (pid {self.proc.pid}) {_exit_reason(self.proc.returncode)}"
 
     async def _watchdog(self) -> None:
+        if self.watchdog_timeout is None:  # a loop attached without wait_ready (tests)
+            self.watchdog_timeout = WATCHDOG_TIMEOUT["cpu"]
         tick = min(0.5, self.watchdog_timeout / 4)
         last_tick = time.monotonic()
         while self.fatal_error is None:

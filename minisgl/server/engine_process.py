@@ -55,11 +55,13 @@ class EngineInfo:
     vocab_size: int
     pid: int
     config: EngineConfig  # as the engine resolved it (max_running_requests auto -> a number)
+    device: str = "cpu"  # the engine's device type: "cuda" or "cpu"
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
         return cls(engine.runner.model_path, engine.max_model_len, engine.runner.kv_capacity_tokens,
-                   engine.model_config.vocab_size, os.getpid(), engine.config)
+                   engine.model_config.vocab_size, os.getpid(), engine.config,
+                   getattr(getattr(engine.runner, "device", None), "type", "cpu"))
 
     def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
         """`Engine.check_request` against these limits (all it reads), so a bad request is refused in the front

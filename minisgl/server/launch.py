@@ -27,7 +27,6 @@ import time
 
 from minisgl.config import add_engine_args, engine_kwargs_from_args, make_config
 
-DEFAULT_WATCHDOG_TIMEOUT = 10.0  # the same as engine_client's (not imported here: this module imports nothing heavy)
 DEFAULT_EXIT_AFTER_ENGINE_FAILURE = 5.0
 FORCED_EXIT_S = 3.0  # after a second signal, how long open requests get to receive their error
 
@@ -59,10 +58,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="uvicorn's HTTP parser (auto: httptools when installed, else h11)")
     group.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                        help="the front's event loop (auto: uvloop when installed, else asyncio)")
-    group.add_argument("--watchdog-timeout", type=float, default=DEFAULT_WATCHDOG_TIMEOUT,
+    group.add_argument("--watchdog-timeout", type=float, default=None,
                        help="seconds without a word from the engine process (it sends one at least every 0.5 s, "
-                            "unless one step takes longer) before it is declared frozen and killed "
-                            f"(default {DEFAULT_WATCHDOG_TIMEOUT:g})")
+                            "unless one step takes longer) before it is declared frozen and killed (default: 10 "
+                            "with the engine on a GPU, 120 on a CPU, where a real model's prefill step can be long)")
     group.add_argument("--exit-after-engine-failure", type=float, default=DEFAULT_EXIT_AFTER_ENGINE_FAILURE,
                        help="seconds the server keeps answering 503 after its engine died or froze, then it exits "
                             f"with status 1 (default {DEFAULT_EXIT_AFTER_ENGINE_FAILURE:g}; < 0: until signalled)")
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # --- building and running --------------------------------------------------------------------------------
-def build_state(model: str, served_model_name: str | None = None, watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT,
+def build_state(model: str, served_model_name: str | None = None, watchdog_timeout: float | None = None,
                 log_level: str = "warning", **engine_kwargs):
     """Start the engine process, load the tokenizer meanwhile, wait until the engine is ready; returns the
     app's ServerState. RuntimeError (with the engine's traceback) when the engine cannot start."""
