@@ -5,7 +5,8 @@ from /v1/internal/stats). Cases:
 - the engine process is killed (SIGKILL): every open stream gets an error event then [DONE], every open plain
   request a 503 JSON error; /health and new requests, streaming ones too, answer 503; the server exits by itself
   (status 1) with no traceback and nothing left running;
-- the engine is frozen (SIGSTOP): the watchdog notices within its timeout, then the same as above;
+- the engine is frozen (SIGSTOP), or one of its tensor-parallel ranks is (the engine then waits in an all-reduce
+  forever): the watchdog notices within its timeout, kills the engine's process group, then the same as above;
 - two SIGTERMs: the first drains (streams keep getting tokens), the second ends every stream with an error event
   and [DONE] and every plain request with a JSON error; the server exits 0, no traceback, nothing left.
 """
@@ -151,16 +152,19 @@ class Plain(threading.Thread):
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
-        self.url, self.response = url, None
+        self.url, self.response, self.failure = url, None, None
         self.start()
 
     def run(self) -> None:
         body = {"model": "tiny", "prompt": "A server streams tokens", "max_tokens": LONG, "ignore_eos": True}
-        self.response = httpx.post(self.url + "/v1/completions", json=body, timeout=60)
+        try:
+            self.response = httpx.post(self.url + "/v1/completions", json=body, timeout=60)
+        except httpx.HTTPError as e:  # the front itself was killed: no answer at all
+            self.failure = repr(e)
 
     def assert_json_error(self, status: int) -> dict:
         self.join(30)
-        assert self.response is not None and self.response.status_code == status, self.response
+        assert self.response is not None and self.response.status_code == status, (self.response, self.failure)
         err = self.response.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}, err
         return err
@@ -184,20 +188,38 @@ def _open_requests(url: str) -> tuple[list[Stream], list[Plain]]:
     return streams, plains
 
 
-@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def _tp_rank_pids(engine_pid: int) -> list[int]:
+    """The engine's tensor-parallel ranks: its children started by multiprocessing's spawn (not its helpers)."""
+    with open(f"/proc/{engine_pid}/task/{engine_pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    ranks = []
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            ranks.append(pid)
+    return ranks
+
+
+@pytest.mark.parametrize("fault", ["killed", "frozen", "tp_rank_frozen"])
 def test_engine_killed_or_frozen(model_path, fault):
-    srv = Server(model_path, "--watchdog-timeout", "2", "--exit-after-engine-failure", "8")
+    tp = ("--tp-size", "2") if fault == "tp_rank_frozen" else ()
+    srv = Server(model_path, "--watchdog-timeout", "2", "--exit-after-engine-failure", "8", *tp)
     try:
         streams, plains = _open_requests(srv.url)
+        if fault == "tp_rank_frozen":  # rank 0 then waits in an all-reduce that never completes
+            (victim,) = _tp_rank_pids(srv.engine_pid)
+        else:
+            victim = srv.engine_pid
         t0 = time.monotonic()
-        os.kill(srv.engine_pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        os.kill(victim, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         for s in streams:
             err = s.assert_error_then_done()
             assert err["code"] == "engine_unavailable" and str(srv.engine_pid) in err["message"], err
         noticed = time.monotonic() - t0
         for p in plains:
             assert p.assert_json_error(503)["code"] == "engine_unavailable"
-        if fault == "frozen":
+        if fault != "killed":
             assert "frozen" in err["message"], err
             assert 1.5 < noticed < 6, noticed  # the 2 s watchdog, not a hang
         else:
@@ -207,6 +229,9 @@ def test_engine_killed_or_frozen(model_path, fault):
         assert code == 1, srv.output
         assert "Traceback" not in srv.output, srv.output
         srv.assert_nothing_left()
+        if fault == "tp_rank_frozen":
+            with pytest.raises(ProcessLookupError):
+                os.kill(victim, 0)  # the stopped rank too: killed with the engine's process group
     finally:
         srv.cleanup()
 
@@ -230,6 +255,25 @@ def test_two_sigterms_end_every_request_with_an_error(model_path):
         assert code == 0, srv.output
         assert time.monotonic() - t0 < 10
         assert "Traceback" not in srv.output and "CancelledError" not in srv.output, srv.output
+        srv.assert_nothing_left()
+    finally:
+        srv.cleanup()
+
+
+def test_front_killed_the_engine_exits(model_path):
+    """The front process dies without a word (SIGKILL): the engine sees its pipe close and exits by itself."""
+    srv = Server(model_path)
+    try:
+        streams, _ = _open_requests(srv.url)
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.wait_exit(timeout=10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.kill(srv.engine_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
         srv.assert_nothing_left()
     finally:
         srv.cleanup()
