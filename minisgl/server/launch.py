@@ -119,6 +119,7 @@ def build_state(model: str, served_model_name: str | None = None, watchdog_timeo
     except BaseException:
         engine.close()
         raise
+    import minisgl.engine.engine  # noqa: F401  (EngineInfo.check_request uses it: imported now, not at the first request)
     name = served_model_name or model
     aliases = {model, os.path.normpath(model), info.model_path, os.path.basename(os.path.normpath(model))} - {name}
     return ServerState(engine=engine, tokenizer=tokenizer, model_name=name, model_aliases=frozenset(aliases))
