@@ -249,10 +249,13 @@ def vocab_size(model: str) -> int:
 
 def run_offline(model: str, serve_args: list[str], reqs: list[tuple[list[int], int]]) -> dict:
     """The same requests through `minisgl.LLM`, all at once, with the server's engine flags; its token rate."""
-    from minisgl import LLM, SamplingParams
     from minisgl.bench.runner import _sync, warm_up
-    from minisgl.server.launch import build_parser, engine_kwargs_from_args
-    kwargs = engine_kwargs_from_args(build_parser().parse_args(["--model", model, *serve_args]))
+    from minisgl.config import add_engine_args, engine_kwargs_from_args
+    from minisgl.llm import LLM
+    from minisgl.sampling_params import SamplingParams
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)  # the engine's flags among the server's (the server's own are left aside)
+    kwargs = engine_kwargs_from_args(parser.parse_known_args(["--model", model, *serve_args])[0])
     llm = LLM(model, **kwargs)
     try:
         warm_up(llm)
