@@ -27,10 +27,10 @@ EXERCISES: dict[str, list[str]] = {
     "nb05-req": ["minisgl.scheduler.req:Req.ids_between"],
     "nb05-topkp": ["minisgl.engine.sampler:apply_top_k_top_p"],
     "nb05-sample": ["minisgl.engine.sampler:sample"],
-    "nb05-scheduler": ["minisgl.scheduler.scheduler:Scheduler._pages_for",
-                       "minisgl.scheduler.scheduler:Scheduler._prefill_len",
-                       "minisgl.scheduler.scheduler:Scheduler._retract",
-                       "minisgl.scheduler.scheduler:Scheduler.schedule"],
+    "nb05-pages": ["minisgl.scheduler.scheduler:SchedulerPages._pages_for"],
+    "nb05-retract": ["minisgl.scheduler.scheduler:SchedulerQueue._retract"],
+    "nb05-prefill": ["minisgl.scheduler.scheduler:SchedulerAdmission._prefill_len"],
+    "nb05-scheduler": ["minisgl.scheduler.scheduler:Scheduler.schedule"],
     "nb06-sizes": ["minisgl.engine.cuda_graph:default_batch_sizes"],
     "nb06-size-for": ["minisgl.engine.cuda_graph:padded_size"],
     "nb06-padding": ["minisgl.engine.cuda_graph:fill_padding"],
@@ -43,6 +43,8 @@ EXERCISES: dict[str, list[str]] = {
                   "minisgl.kvcache.state_pool:StatePool.alloc_snapshot",
                   "minisgl.kvcache.state_pool:StatePool.free_snapshot",
                   "minisgl.kvcache.state_pool:StatePool.start", "minisgl.kvcache.state_pool:StatePool.save"],
+    "nb11-collect": ["minisgl.server.step_outputs:collect_outputs"],
+    "nb11-fanout": ["minisgl.server.step_outputs:fan_out"],
 }
 
 
@@ -169,6 +171,27 @@ def state_bytes_per_slot(num_layers, conv_channels, conv_kernel, num_heads, key_
     from minisgl.kvcache.state_pool import StatePool
 
     return StatePool.bytes_per_slot(num_layers, conv_channels, conv_kernel, num_heads, key_dim, value_dim, dtype)
+
+
+# --- 11 serving ---------------------------------------------------------------------------------------------
+
+def step_outputs(step: int):
+    """An empty per-step message (StepOutputs) and the Finish class."""
+    from minisgl.server.step_outputs import Finish, StepOutputs
+
+    return StepOutputs(step), Finish
+
+
+def collect_outputs(step: int, live: dict, sent: dict, per_token: tuple = ()):
+    from minisgl.server.step_outputs import collect_outputs as f
+
+    return f(step, live, sent, per_token)
+
+
+def fan_out(msg, handles: dict) -> int:
+    from minisgl.server.step_outputs import fan_out as f
+
+    return f(msg, handles)
 
 
 # --- the whole engine ---------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 """The CPU engine's torch thread count, measured end to end: `python -m minisgl generate` on the embedded
 model, as a user runs it, with `--cpu-threads N` for N = 1 .. all cores and with no flag (the default, auto),
 each on its own and beside one busy process (`yes > /dev/null`, one core's worth of work). Wall seconds per
-run, median of --repeat. Writes OUT_DIR/cpu_threads.json.
+run, median of --repeat, the settings taking turns. Writes OUT_DIR/cpu_threads.json.
 
     python scripts/cpu_threads_bench.py OUT_DIR [--repeat 3] [--max-tokens 40]
 
@@ -50,10 +50,13 @@ def main(argv=None) -> int:
         busy = subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) if beside != "nothing" else None
         try:
             one_run(None, 4)  # warm the file cache (model, python modules) before timing
-            for threads in settings:
-                times = [one_run(threads, args.max_tokens) for _ in range(args.repeat)]
+            times: dict = {threads: [] for threads in settings}
+            for _ in range(args.repeat):  # settings interleaved: a change in the machine's load hits them alike
+                for threads in settings:
+                    times[threads].append(one_run(threads, args.max_tokens))
+            for threads, ts in times.items():
                 rows.append({"beside": beside, "cpu_threads": "auto (default)" if threads is None else threads,
-                             "seconds": [round(t, 2) for t in times], "median_s": round(statistics.median(times), 2)})
+                             "seconds": [round(t, 2) for t in ts], "median_s": round(statistics.median(ts), 2)})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             if busy is not None:

@@ -3,6 +3,7 @@ checks, after every test, that the engine gave every KV page and request row bac
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -23,7 +24,7 @@ torch.set_num_threads(1)
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import assert_all_pages_back, build_tiny_model, save_word_tokenizer  # noqa: E402
+from helpers import assert_all_pages_back, build_tiny_model, kernel_options, save_word_tokenizer  # noqa: E402
 
 # pytest-xdist (`-n 2 --dist loadgroup`, pyproject.toml): a group runs on one worker, in order. The release round
 # trip (tests/test_course.py, group "roundtrip") is the longest by far: it goes first so that one worker spends
@@ -157,3 +158,11 @@ def copy_release(release: Path, out: Path) -> Path:
 def release_copy(course_release, tmp_path):
     """A copy of the fresh release for this test to change."""
     return copy_release(course_release, tmp_path / "release")
+
+
+@pytest.fixture
+def options_for_test():
+    """`options_for_test(**changes)`: for the rest of the test, kernels called directly (outside any engine) run
+    under the kernel options in force with `changes` (KernelOptions fields)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(kernel_options(**changes))

@@ -3,13 +3,16 @@ refusal a valid request on the same LLM completes (matching HF) and every page i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
-from helpers import PROMPTS, assert_all_pages_back, hf_greedy
+from helpers import BROKEN_MODELS, PROMPTS, assert_all_pages_back, hf_greedy, make_broken_model
 
-from minisgl import LLM, EngineConfig, SamplingParams
+from minisgl import LLM, EngineConfig, RequestError, SamplingParams
+from minisgl.errors import ConfigError
+from minisgl.sampling_params import MAX_TEMPERATURE, TOP_K_OFF
 
 CTX = 64  # max_model_len of the context-limited engine
 OK = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -134,31 +137,60 @@ BAD_PARAMS = [
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=math.nan), "temperature"),
     (dict(temperature=math.inf), "temperature"),
+    (dict(temperature=MAX_TEMPERATURE * 1.01), "temperature"),
+    (dict(temperature=True), "temperature"),
+    (dict(temperature="0.5"), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
+    (dict(top_p=5), "top_p"),
     (dict(top_p=math.nan), "top_p"),
+    (dict(top_p=True), "top_p"),
     (dict(min_p=-0.1), "min_p"),
     (dict(min_p=1.5), "min_p"),
     (dict(min_p=math.nan), "min_p"),
+    (dict(min_p=False), "min_p"),
     (dict(top_k=0), "top_k"),
     (dict(top_k=-2), "top_k"),
+    (dict(top_k=2.0), "top_k"),
+    (dict(top_k=True), "top_k"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-3), "max_tokens"),
     (dict(max_tokens=2.5), "max_tokens"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
     (dict(seed=-1), "seed"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=1.0), "seed"),
     (dict(stop=[""]), "stop"),
+    (dict(stop=5), "stop"),
     (dict(stop_token_ids=[-4]), "stop_token_ids"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
 ]
 
 
-@pytest.mark.parametrize("kw,field", BAD_PARAMS, ids=[f"{k}={v}" for (d, _) in BAD_PARAMS for k, v in d.items()])
-def test_invalid_sampling_values(kw, field, ctx_llm, qwen3_path):
-    bad = SamplingParams(**kw)
+@pytest.mark.parametrize("kw,field", BAD_PARAMS, ids=[f"{k}={v!r}" for (d, _) in BAD_PARAMS for k, v in d.items()])
+def test_invalid_sampling_values_are_refused_when_built(kw, field):
+    """One validation, at construction: a bad value never reaches an engine, whichever front end built it."""
+    with pytest.raises(RequestError, match=rf"^{field}\b") as info:
+        SamplingParams(**kw)
+    assert info.value.param == field
     value = next(iter(kw.values()))
-    msg = refused(ctx_llm, [PROMPTS[0], PROMPTS[2]], [OK, bad], rf"request 1: {field}\b")
     if field not in ("stop", "stop_token_ids"):
-        assert repr(value) in msg, msg
-    still_serves(ctx_llm, qwen3_path)
+        assert repr(value) in info.value.message, info.value.message
+
+
+def test_sampling_params_one_encoding_per_field():
+    """Each field has one type once built (1 and 1.0 are one temperature) and top-k off is spelled one way."""
+    p = SamplingParams(temperature=1, top_p=1, min_p=0, top_k=np.int64(5), stop="x", stop_token_ids=[np.int32(3)])
+    assert (type(p.temperature), type(p.top_p), type(p.min_p), type(p.top_k)) == (float, float, float, int)
+    assert p == SamplingParams(temperature=1.0, top_k=5, stop=("x",), stop_token_ids=(3,))
+    assert p.stop == ("x",) and type(p.stop_token_ids[0]) is int
+    assert SamplingParams().top_k == TOP_K_OFF == -1
+    # the k a sampler uses: the whole vocabulary when off, never more than the vocabulary
+    assert [SamplingParams(top_k=k).top_k_within(100) for k in (TOP_K_OFF, 1, 100, 10**6)] == [100, 1, 100, 100]
+    assert not SamplingParams().cuts(100) and not SamplingParams(top_k=100).cuts(100)
+    assert SamplingParams(top_k=99).cuts(100) and SamplingParams(top_p=0.9).cuts(100)
+    assert SamplingParams(min_p=0.1).cuts(100)
 
 
 def test_request_that_cannot_fit_the_kv_pool_even_alone(kv_llm, qwen3_path):
@@ -199,12 +231,49 @@ def test_a_bad_request_in_a_batch_runs_nothing(ctx_llm, qwen3_path):
                                       (dict(load_format="pickle"), "load_format"),
                                       (dict(attention_backend="magic"), "attention_backend"),
                                       (dict(max_running_requests=-1), "max_running_requests"),
-                                      (dict(cuda_graph_max_bs=0), "cuda_graph_max_bs")])
+                                      (dict(cuda_graph_max_bs=0), "cuda_graph_max_bs"),
+                                      (dict(num_pages=-3), "num_pages"), (dict(max_model_len=-1), "max_model_len"),
+                                      (dict(max_model_len=1), "max_model_len"), (dict(device="bogus"), "device"),
+                                      (dict(device="cuda:x"), "device"), (dict(kv_cache_tokens=0), "kv_cache_tokens"),
+                                      (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
+                                      (dict(page_size=2.0), "page_size"), (dict(tp_size=True), "tp_size")])
 def test_bad_engine_config(kw, match, qwen3_path):
-    with pytest.raises(ValueError, match=match):
+    """A setting out of range is a ConfigError (a ValueError) naming the field, before anything loads."""
+    with pytest.raises(ConfigError, match=match) as info:
         EngineConfig(model=qwen3_path, **kw).validate()
-    with pytest.raises(ValueError, match=match):
+    assert info.value.field == match
+    with pytest.raises(ConfigError, match=match):
         LLM(qwen3_path, **kw)
+
+
+def test_cuda_device_without_a_gpu(qwen3_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: device 'cuda' is fine here")
+    with pytest.raises(RuntimeError, match="torch sees no CUDA GPU here"):
+        LLM(qwen3_path, device="cuda")
+
+
+@pytest.mark.parametrize("kind", sorted(BROKEN_MODELS))
+def test_broken_model_folder(kind, qwen3_path, tmp_path):
+    """A broken folder is refused with a message that names the file and what is wrong with it (issue 28:
+    these were tracebacks from transformers and safetensors); a good folder loads and serves right after."""
+    path = make_broken_model(qwen3_path, str(tmp_path / kind), kind)
+    with pytest.raises((ValueError, OSError), match=BROKEN_MODELS[kind]) as info:
+        LLM(path)
+    assert path in str(info.value) and "\n" not in str(info.value)
+    still_serves(LLM(qwen3_path, page_size=4), qwen3_path)
+
+
+def test_top_k_past_the_vocabulary_is_no_cut(ctx_llm, qwen3_path):
+    """top_k of 2**63 (past int64) keeps every token, as top_k -1 does (issue 28: an OverflowError ended the
+    step); the server already answered such a top_k as "off"."""
+    sampled = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=7)
+    huge = ctx_llm.generate([PROMPTS[3]], dataclasses.replace(sampled, top_k=2**63))[0]
+    off = ctx_llm.generate([PROMPTS[3]], sampled)[0]
+    assert huge.token_ids == off.token_ids and len(off.token_ids) == 8
+    still_serves(ctx_llm, qwen3_path)
 
 
 def test_missing_model_folder(tmp_path):

@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from helpers import BROKEN_MODELS, make_broken_model
 
 import minisgl
 import minisgl.server.launch as launch
 from minisgl.__main__ import main
-from minisgl.config import EngineConfig, add_engine_args, engine_kwargs_from_args, make_config
+from minisgl.config import EngineConfig, KernelOptions, add_engine_args, engine_kwargs_from_args, make_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,29 +24,42 @@ ALL_FLAGS = ["--prefill-graph-max-tokens", "512", "--prefill-graph-max-reqs", "4
              "--dtype", "float32", "--device", "cpu", "--load-format", "dummy", "--random-seed", "3",
              "--context-length", "256", "--page-size", "4", "--num-pages", "100", "--kv-memory-fraction", "0.5",
              "--kv-cache-tokens", "4096", "--max-running-requests", "8", "--chunked-prefill-size", "0",
-             "--max-prefill-tokens", "64", "--disable-radix-cache", "--disable-overlap-schedule",
+             "--max-prefill-tokens", "64", "--mixed-prefill-tokens", "32", "--disable-radix-cache",
+             "--disable-overlap-schedule",
              "--disable-cuda-graph", "--cuda-graph-max-bs", "16", "--disable-cuda-graph-split", "--disable-gemv",
-             "--disable-pdl",
+             "--disable-pdl", "--disable-decode-fused-store", "--enable-decode-fused-merge",
+             "--disable-mixed-decode-split", "--gemv-configs", "t.json", "--gemv-pdl-early-tiles", "1",
+             "--disable-sampler-skip-blocks", "--disable-sampler-top-k-bound",
              "--attention-backend", "torch", "--state-snapshots", "5", "--state-snapshot-memory-fraction", "0.1",
              "--cpu-threads", "3"]
 ALL_KWARGS = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, max_model_len=256, page_size=4,
                   num_pages=100, kv_memory_fraction=0.5, kv_cache_tokens=4096, max_running_requests=8,
-                  chunked_prefill_size=0, max_prefill_tokens=64, radix_cache=False, overlap=False, cuda_graph=False,
-                  cuda_graph_max_bs=16, cuda_graph_split=False, gemv=False, pdl=False,
-                  attention_backend="torch", prefill_graph_max_tokens=512,
-                  prefill_graph_max_reqs=4, tp_size=2, state_snapshots=5, state_snapshot_memory_fraction=0.1,
-                  cpu_threads=3)
+                  chunked_prefill_size=0, max_prefill_tokens=64, mixed_prefill_tokens=32, radix_cache=False,
+                  overlap=False, cuda_graph=False,
+                  cuda_graph_max_bs=16, cuda_graph_split=False, gemv=False, pdl=False, decode_fused_store=False,
+                  decode_fused_merge=True, mixed_decode_split=False, gemv_configs="t.json", gemv_pdl_early_tiles=1,
+                  sampler_skip_blocks=False, sampler_top_k_bound=False, attention_backend="torch",
+                  prefill_graph_max_tokens=512, prefill_graph_max_reqs=4, tp_size=2, state_snapshots=5,
+                  state_snapshot_memory_fraction=0.1, cpu_threads=3)
+
+
+# KernelOptions' launch tables are set from Python by the tuning scripts; triton_on_cpu is for tests
+NO_FLAG = {"model", "progress", "kernels", "norm_configs", "sampler_launch", "gdn", "triton_on_cpu"}
 
 
 def test_every_field_has_one_flag():
-    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "progress"}
-    assert set(ALL_KWARGS) == fields, "a new EngineConfig field needs a flag (and a line here)"
+    fields = {f.name for cls in (EngineConfig, KernelOptions) for f in dataclasses.fields(cls)} - NO_FLAG
+    assert set(ALL_KWARGS) == fields, "a new EngineConfig / KernelOptions field needs a flag (and a line here)"
     p = argparse.ArgumentParser()
     add_engine_args(p)
     args = p.parse_args(["--model", "m", *ALL_FLAGS])
     assert engine_kwargs_from_args(args) == ALL_KWARGS
     cfg = make_config(args.model, **engine_kwargs_from_args(args))
     assert not cfg.chunked_prefill and cfg.prefill_budget == 64
+    # the kernel flags land in the engine's KernelOptions
+    assert cfg.kernels == KernelOptions(pdl=False, decode_fused_store=False, decode_fused_merge=True,
+                                        mixed_decode_split=False, gemv_configs="t.json", gemv_pdl_early_tiles=1,
+                                        sampler_skip_blocks=False, sampler_top_k_bound=False)
     # nothing given: no keyword, so EngineConfig's defaults are the only defaults
     assert engine_kwargs_from_args(p.parse_args(["--model", "m"])) == {}
 
@@ -99,6 +114,85 @@ def test_real_entry_points_parse(module):
     bad = subprocess.run([sys.executable, *module, "--model", "m", "--no-overlap"], capture_output=True, text=True,
                          cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "unrecognized arguments: --no-overlap" in bad.stderr
+
+
+# --- errors: one line on stderr, exit status 2 (the command line is wrong) or 1 (it cannot run here) -----------
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def _one_line_error(err: str, prog: str = "minisgl generate") -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err
+    return lines[0]
+
+
+BAD_FLAGS = [  # (flags, exit status, words of the message, skip reason or None)
+    (["--num-pages", "-3"], 2, "--num-pages must be an integer >= 1", None),
+    (["--max-model-len", "-1"], 2, "--context-length/--max-model-len must be an integer >= 2", None),
+    (["--device", "bogus"], 2, "--device must be auto, cpu, cuda or cuda:N, got 'bogus'", None),
+    (["--kv-memory-fraction", "0"], 2, "--kv-memory-fraction must be in (0, 1]", None),
+    (["--max-tokens", "0"], 2, "max_tokens must be a positive integer", None),
+    (["--temperature", "-1"], 2, "temperature must be", None),
+    (["--device", "cuda"], 1, "torch sees no CUDA GPU", "a GPU is visible" if torch.cuda.is_available() else None),
+    (["--attention-backend", "triton"], 1, "needs Triton", "Triton is installed" if _has("triton") else None),
+    (["--attention-backend", "flashinfer"], 1, "needs FlashInfer",
+     "FlashInfer is installed" if _has("flashinfer") and torch.cuda.is_available() else None),
+]
+
+
+@pytest.mark.parametrize("flags, status, words, skip", BAD_FLAGS, ids=[" ".join(c[0]) for c in BAD_FLAGS])
+def test_bad_flag_is_one_line(flags, status, words, skip, qwen3_tok_path, capsys):
+    if skip:
+        pytest.skip(skip)
+    assert main(["generate", "--model", qwen3_tok_path, "--prompt", "w5 w6", "--max-tokens", "2", *flags]) == status
+    out, err = capsys.readouterr()
+    assert words in _one_line_error(err) and out == ""
+
+
+@pytest.mark.parametrize("kind", sorted(BROKEN_MODELS))
+def test_broken_model_folder_is_one_line(kind, qwen3_tok_path, tmp_path, capsys):
+    path = make_broken_model(qwen3_tok_path, str(tmp_path / kind), kind)
+    assert main(["generate", "--model", path, "--prompt", "w5 w6", "--max-tokens", "2"]) == 1
+    line = _one_line_error(capsys.readouterr().err)
+    assert BROKEN_MODELS[kind] in line and path in line
+
+
+def test_top_k_past_int64_generates(qwen3_tok_path, capsys):
+    """--top-k 9223372036854775808 keeps every token, like --top-k -1 (it was an OverflowError traceback)."""
+    common = ["generate", "--model", qwen3_tok_path, "--prompt", "w5 w6", "--max-tokens", "6", "--ignore-eos",
+              "--temperature", "1", "--random-seed", "3"]
+    assert main([*common, "--top-k", str(2**63)]) == 0
+    huge = capsys.readouterr()
+    assert main([*common, "--top-k", "-1"]) == 0
+    assert huge.out == capsys.readouterr().out and huge.out.startswith("w5 w6") and huge.err == ""
+
+
+def test_traceback_flag_shows_the_traceback(qwen3_tok_path, tmp_path, capsys):
+    path = make_broken_model(qwen3_tok_path, str(tmp_path / "m"), "weights_empty")
+    assert main(["generate", "--model", path, "--prompt", "w5", "--traceback"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("minisgl generate: error: ")
+
+
+@pytest.mark.parametrize("module, flags, status, words", [
+    (["-m", "minisgl", "generate", "--prompt", "w5"], ["--num-pages", "-3"], 2, "--num-pages must be"),
+    (["-m", "minisgl.server"], ["--device", "bogus"], 2, "--device must be"),
+    (["-m", "minisgl", "generate", "--prompt", "w5"], ["weights_random"], 1, "is not a readable safetensors file"),
+    (["-m", "minisgl", "serve", "--port", "0"], ["config_truncated"], 1, "is not valid JSON"),
+], ids=["generate-usage", "server-usage", "generate-runtime", "serve-runtime"])
+def test_real_process_errors(module, flags, status, words, qwen3_tok_path, tmp_path):
+    """The processes themselves: one line on stderr, no traceback, the exit status."""
+    model = qwen3_tok_path
+    if flags[0] in BROKEN_MODELS:
+        model, flags = make_broken_model(qwen3_tok_path, str(tmp_path / "m"), flags[0]), []
+    run = subprocess.run([sys.executable, *module, "--model", model, *flags], capture_output=True, text=True,
+                         cwd=REPO, timeout=300)
+    assert run.returncode == status, run.stderr
+    prog = "minisgl serve" if "serve" in module or module[-1] == "minisgl.server" else "minisgl generate"
+    assert words in _one_line_error(run.stderr, prog)
 
 
 def test_cpu_threads_default_leaves_a_core_free(monkeypatch):

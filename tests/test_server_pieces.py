@@ -16,6 +16,7 @@ from minisgl.config import make_config
 from minisgl.engine import Engine
 from minisgl.errors import RequestError
 from minisgl.llm import load_tokenizer
+from minisgl.sampling_params import MAX_TEMPERATURE
 from minisgl.server.app import (
     ServerState,
     check_model,
@@ -26,20 +27,26 @@ from minisgl.server.app import (
     to_api_error,
 )
 from minisgl.server.detokenizer import MAX_HELD_TOKENS, TextStream
+from minisgl.server.engine_process import EngineInfo
 from minisgl.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from minisgl.server.step_outputs import Finish
 from minisgl.server.testing import build_tokenizer, tiny_model_path
-from minisgl.server.worker import Delta
 from minisgl.stop_strings import make_stop_check
 
 KV_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
-def state(tmp_path_factory):
+def engine(tmp_path_factory):
     path = tiny_model_path(tmp_path_factory.getbasetemp() / "server-tests")
-    engine = Engine(make_config(path, kv_cache_tokens=KV_TOKENS))
+    return Engine(make_config(path, kv_cache_tokens=KV_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def state(engine):
+    """The front's state without an engine process: only the engine's limits, as it reports them at start."""
     tok = load_tokenizer(engine.runner.model_path)
-    s = ServerState(worker=SimpleNamespace(engine=engine), tokenizer=tok, stop_tokenizer=tok, model_name="tiny")
+    s = ServerState(engine=SimpleNamespace(info=EngineInfo.of(engine)), tokenizer=tok, model_name="tiny")
     yield s
     s.executor.shutdown()
 
@@ -54,27 +61,28 @@ def chat(**kw) -> ChatCompletionRequest:
 
 
 # --- typed errors ----------------------------------------------------------------------------------------
-def test_check_request_names_the_parameter(state):
-    engine, ctx, vocab = state.engine, state.max_model_len, state.engine.model_config.vocab_size
+def test_check_request_names_the_parameter(state, engine):
+    """The engine's check, and the front's (EngineInfo, from the limits alone), refuse alike."""
+    ctx, vocab = state.max_model_len, engine.model_config.vocab_size
     ok = SamplingParams(max_tokens=4)
     cases = [([], ok, "prompt", None), ([vocab], ok, "prompt", None), ([1] * ctx, ok, "prompt",
              "context_length_exceeded"), ([1] * 10, SamplingParams(max_tokens=ctx), "max_tokens",
              "context_length_exceeded"), ([1] * 10, SamplingParams(max_tokens=KV_TOKENS), "max_tokens",
-             "context_length_exceeded"), ([1], SamplingParams(temperature=-1), "temperature", None),
-             ([1], SamplingParams(top_p=0), "top_p", None), ([1], SamplingParams(top_k=0), "top_k", None),
-             ([1], SamplingParams(seed=-2), "seed", None), ([1], SamplingParams(stop=[""]), "stop", None)]
-    for ids, params, param, code in cases:
-        with pytest.raises(RequestError) as info:
-            engine.check_request(ids, params)
-        assert (info.value.param, info.value.code) == (param, code), (ids[:3], params, info.value)
-        assert isinstance(info.value, ValueError)  # callers that catch ValueError keep working
+             "context_length_exceeded")]
+    for check in (engine.check_request, state.info.check_request):
+        for ids, params, param, code in cases:
+            with pytest.raises(RequestError) as info:
+                check(ids, params)
+            assert (info.value.param, info.value.code) == (param, code), (ids[:3], params, info.value)
+            assert isinstance(info.value, ValueError)  # callers that catch ValueError keep working
+        check([1, 2], SamplingParams(max_tokens=4))  # and a good one passes
 
 
 def test_llm_keeps_the_parameter_and_names_the_request(state):
-    llm = LLM(state.engine.runner.model_path, kv_cache_tokens=KV_TOKENS)
-    with pytest.raises(RequestError, match=r"^request 1: temperature") as info:
-        llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=2), SamplingParams(temperature=-1)])
-    assert info.value.param == "temperature"
+    llm = LLM(state.info.model_path, kv_cache_tokens=KV_TOKENS)
+    with pytest.raises(RequestError, match=r"^request 1: the prompt is empty") as info:
+        llm.generate([[1, 2], []], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2)])
+    assert info.value.param == "prompt"
 
 
 def test_engine_errors_map_to_openai_bodies_without_reading_the_message():
@@ -83,10 +91,12 @@ def test_engine_errors_map_to_openai_bodies_without_reading_the_message():
     err = to_api_error(RequestError("x", "max_tokens"), "messages", "max_completion_tokens")
     assert err.param == "max_completion_tokens"
     assert to_api_error(RequestError("x", "top_p")).param == "top_p"
-    body = engine_error(Delta([], "error", "too long", "invalid", "prompt", "context_length_exceeded")).body()
+    body = engine_error(Finish("error", "too long", "invalid", "prompt", "context_length_exceeded")).body()
     assert body == {"error": {"message": "too long", "type": "invalid_request_error", "param": "prompt",
                               "code": "context_length_exceeded"}}
-    assert engine_error(Delta([], "error", "boom", "internal")).status == 500
+    assert engine_error(Finish("error", "boom", "internal")).status == 500
+    gone = engine_error(Finish("error", "the engine process was killed", "unavailable", code="engine_unavailable"))
+    assert (gone.status, gone.code) == (503, "engine_unavailable")
 
 
 def test_sampling_params_for_names_the_endpoint_parameters(state):
@@ -100,8 +110,17 @@ def test_sampling_params_for_names_the_endpoint_parameters(state):
         sampling_params_for(state, req, [1] * 10, KV_TOKENS, None, "messages", "max_completion_tokens")
     assert (info.value.param, info.value.code) == ("max_completion_tokens", "context_length_exceeded")
     assert "KV pool" in info.value.message
-    params = sampling_params_for(state, completion(temperature=0, top_k=0), [1, 2, 3], None, 16, "prompt")
+    params = sampling_params_for(state, completion(temperature=0), [1, 2, 3], None, 16, "prompt")
     assert (params.temperature, params.top_k, params.max_tokens) == (0.0, -1, 16)
+    # the sampling values are checked by SamplingParams alone (one validation), its RequestError a 400
+    for field, value in [("temperature", MAX_TEMPERATURE * 2), ("temperature", -1.0), ("top_p", 5.0),
+                         ("top_k", 0), ("min_p", 2.0), ("seed", 2**63)]:
+        with pytest.raises(APIError) as info:
+            sampling_params_for(state, completion(**{field: value}), [1, 2, 3], None, 16, "prompt")
+        assert (info.value.status, info.value.param) == (400, field), info.value.message
+    with pytest.raises(APIError) as info:
+        sampling_params_for(state, chat(max_completion_tokens=0), [1, 2], 0, None, "messages", "max_completion_tokens")
+    assert (info.value.status, info.value.param) == (400, "max_completion_tokens")
 
 
 def test_stop_strings_without_a_tokenizer_name_stop():

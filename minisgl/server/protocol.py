@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
-MAX_SEED = 2**63 - 1
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")  # \ud800-\udfff spelled in JSON
 
 
@@ -51,9 +50,18 @@ def parse_json_object(raw: bytes, yield_gil: bool = False) -> dict:
     otherwise holds the GIL, and with it the event loop, for the whole parse)."""
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    # Decoded here, strictly: json.loads(bytes) decodes with "surrogatepass", which turns the UTF-8 spelling of a
+    # surrogate (b"\xed\xa0\x80", not UTF-8 at all) into a lone surrogate that no tokenizer takes (a 500).
+    encoding = json.detect_encoding(raw)  # UTF-8 (with or without a BOM), or UTF-16/32 by their zero bytes
     try:
-        body = json.loads(raw, parse_constant=_reject_constant, parse_int=_parse_int if yield_gil else None)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        text = raw.decode(encoding)
+    except UnicodeDecodeError as e:
+        name = "UTF-8" if encoding.startswith("utf-8") else encoding.upper()
+        raise APIError(400, f"the request body is not valid {name} text: byte {raw[e.start]:#04x} at offset "
+                            f"{e.start} ({e.reason})", code="invalid_json") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int if yield_gil else None)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     # JSON may spell unpaired UTF-16 surrogates (\ud800), which are not text and break tokenizers; and a body
     # nested deeper than json.dumps manages is refused too. Both checks re-encode the body, so they run only
@@ -113,16 +121,17 @@ class _Sampling(_Strict):
     """Fields shared by both endpoints."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    min_p: float | None = Field(None, ge=0, le=1)  # extension, as in SGLang and vLLM
-    top_k: int | None = Field(None, ge=-1)  # extension: -1 or 0 = off
+    # the sampling fields are typed here and range-checked once, by SamplingParams (a RequestError -> 400)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    min_p: float | None = None  # extension, as in SGLang and vLLM
+    top_k: int | None = None  # extension: -1 = off
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Any = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -254,7 +263,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     response_format: dict | None = None
