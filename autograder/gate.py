@@ -262,7 +262,9 @@ class Gate:
 
     def as_json(self) -> dict:
         def dump(r: Run) -> dict:
+            stop = r.run_all_stop()
             return {"seconds": r.seconds, "timed_out": r.timed_out,
+                    "run_all_stops_at": str(stop) if stop else "the end",
                     "errors": [str(e) + (f" [after {e.cause}]" if e.cause else "")
                                + (f" [in {e.raised_in}]" if e.raised_in else "") for e in r.errors]}
         return {"stubbed": {k: dump(v) for k, v in self.stubbed.items()},
