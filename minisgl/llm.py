@@ -21,6 +21,8 @@ class RequestOutput:
     num_cached_prompt_tokens: int
     ttft: float | None  # seconds from submission to the first token
     latency: float  # seconds from submission to the last token
+    # with SamplingParams.logprobs: per output token, (its logprob, [(token id, logprob) of the most likely])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 def load_tokenizer(path: str):
@@ -118,5 +120,6 @@ class LLM:
                 text=self._text(r.output_ids, p), finish_reason=r.finish_reason,
                 num_cached_prompt_tokens=r.num_cached_prompt_tokens,
                 ttft=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
-                latency=(r.finish_time or r.arrival_time) - r.arrival_time))
+                latency=(r.finish_time or r.arrival_time) - r.arrival_time,
+                logprobs=None if p.logprobs is None else list(r.output_logprobs)))
         return outs

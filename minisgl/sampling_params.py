@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from minisgl.errors import RequestError
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_N = 64
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -15,6 +27,18 @@ class SamplingParams:
     min_p == 0 means no min-p cut (else tokens less likely than min_p times the most likely one are dropped).
     A request without a seed gets one drawn from the engine's seeded generator, so a whole run is
     reproducible from the engine seed alone.
+
+    Penalties act on the logits before temperature: `repetition_penalty` r (Hugging Face's semantics) divides
+    a positive logit by r and multiplies a negative one by r for every token seen in the prompt or the output
+    (1 = off); then, with c the number of times a token was generated so far, `frequency_penalty` f and
+    `presence_penalty` p subtract c * f + (c > 0) * p (OpenAI's formula; 0 = off).
+
+    `logprobs` N (None = off) returns, for every output token, its log-probability and the N most likely
+    tokens' (N = 0: the sampled token's only), from the log-softmax of the logits the sampler drew from before
+    temperature and the top-k/top-p/min-p cuts: after the penalties and the grammar mask.
+
+    `n` streams share the prompt's prefill; stream i draws with seed + i (or a seed of its own from the engine
+    when `seed` is None), so each stream is the run of that seed alone.
     """
 
     temperature: float = 1.0
@@ -26,6 +50,11 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Accept a list or a single string for `stop` without making the dataclass mutable.
@@ -39,6 +68,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+    @cached_property
+    def processes_logits(self) -> bool:
+        """Whether a step must process this request's logits before sampling (penalties, logprobs, a grammar):
+        read for every request of every step, so computed once."""
+        return self.has_penalties or self.logprobs is not None
 
     def validate(self, max_tokens_limit: int | None = None) -> None:
         """Raise RequestError (a ValueError) naming the first bad field in its message and `param`."""
@@ -64,3 +103,16 @@ class SamplingParams:
             raise RequestError("stop strings must be non-empty strings", "stop")
         if any(not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
             raise RequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2 <= v <= 2:
+                raise RequestError(f"{name} must be a number in [-2, 2], got {v!r}", name)
+        r = self.repetition_penalty
+        if not _is_number(r) or not 0 < r <= 10:
+            raise RequestError(f"repetition_penalty must be a number in (0, 10], got {r!r}", "repetition_penalty")
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {lp!r}",
+                               "logprobs")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")

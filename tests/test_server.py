@@ -235,7 +235,10 @@ BAD_CASES = [
     ("completions", _with(GOOD_C, seed=2**80), 400),
     ("completions", _with(GOOD_C, echo=True), 400),
     ("completions", _with(GOOD_C, logprobs=3), 400),
-    ("completions", _with(GOOD_C, presence_penalty=0.5), 400),
+    ("completions", _with(GOOD_C, presence_penalty=2.5), 400),
+    ("completions", _with(GOOD_C, frequency_penalty=-3), 400),
+    ("completions", _with(GOOD_C, repetition_penalty=0), 400),
+    ("completions", _with(GOOD_C, repetition_penalty="1.2"), 400),
     ("completions", _with(GOOD_C, logit_bias={"5": 10}), 400),
     ("completions", _with(GOOD_C, max_token=5), 400),  # a typo: unknown field
     ("completions", _with(GOOD_C, stream_options={"include_usage": "yes"}), 400),
@@ -300,7 +303,8 @@ NOT_INT = JSON.filter(lambda v: not isinstance(v, int) or isinstance(v, bool))
 NOT_NUM = JSON.filter(lambda v: not isinstance(v, (int, float)) or isinstance(v, bool))
 NOT_BOOL = JSON.filter(lambda v: not isinstance(v, bool) and v is not None)
 KNOWN = {"model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream",
-         "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
+         "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+         "logit_bias", "user",
          "ignore_eos", "echo", "logprobs", "best_of", "suffix", "max_completion_tokens", "top_logprobs",
          "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 BREAK = st.one_of(

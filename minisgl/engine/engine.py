@@ -67,6 +67,9 @@ class Engine:
         if bad is not None:
             raise RequestError(f"token id {input_ids[bad]!r} is out of the vocabulary [0, {vocab})", "prompt")
         params.validate()
+        if params.processes_logits and self.config.tp_size > 1:  # ranks 1..N-1 see no request's tokens
+            raise RequestError("penalties and logprobs are not supported with tensor parallelism (tp_size > 1) yet",
+                               "logprobs" if params.logprobs is not None else "repetition_penalty")
         n, ctx = len(input_ids), self.max_model_len
         if n >= ctx:
             raise RequestError(f"the prompt has {n} tokens, longer than the context of {ctx} tokens", "prompt",
@@ -136,6 +139,8 @@ class Engine:
             self.stats["decode_steps"] += 1
             self.stats["max_decode_batch"] = max(self.stats["max_decode_batch"], batch.size)
         out = self.runner.forward(batch)
+        if out.unsampled is not None or out.logprobs is not None:  # processed logits (notebook 12)
+            out.on_ready = self._take_logprobs
         graphs = self.runner.graph_runner
         if graphs is not None and graphs.last_run_used_graph:
             self.stats["graph_steps"] += 1
@@ -159,6 +164,21 @@ class Engine:
                 req.status = ReqStatus.FINISHED
                 req.finish_reason = reason
                 req.finish_time = now
+
+    @staticmethod
+    def _take_logprobs(out: StepOutput) -> None:
+        """Hand a step's logprobs to their requests, once its results are on the host (`StepOutput.wait` calls
+        this before `_resolve` reads the tokens). A request takes the entry when `_resolve` will take the token:
+        when it has not finished."""
+        lp = out.logprobs
+        if lp is None:
+            return
+        chosen, top_ids, top_lps = lp.token_logprobs.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        for j, k in enumerate(lp.rows):
+            req = out.batch.reqs[out.batch.sample_rows[k]]
+            if not req.finished:
+                n = req.params.logprobs
+                req.output_logprobs.append((chosen[j], list(zip(top_ids[j][:n], top_lps[j][:n]))))
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
         p = req.params

@@ -11,7 +11,8 @@ has seen it yet (the overlap loop), and the scheduler writes only what the devic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ import torch
 from minisgl.attention import AttentionMetadata, create_backend
 from minisgl.config import EngineConfig
 from minisgl.engine.graph_pieces import run_in_pieces
+from minisgl.engine.logits_processing import LogitsProcessing, PenaltyTable, process_logits, token_logprobs
 from minisgl.engine.prefill_graph import pad_extend_step, pad_state_step
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_bytes
@@ -36,17 +38,40 @@ def resolve_device(name: str) -> torch.device:
 
 
 @dataclass
+class StepLogprobs:
+    """Per sampling row of a step that asked for logprobs (`rows`, indices into the step's sampling rows), on
+    the host once the step's `ready` fires: the sampled token's logprob and the top_n most likely tokens."""
+
+    rows: list[int]
+    token_logprobs: torch.Tensor  # [L] float32
+    top_ids: torch.Tensor  # [L, top_n] int64
+    top_logprobs: torch.Tensor  # [L, top_n] float32
+
+
+@dataclass
 class StepOutput:
-    """What a launched step hands back: next tokens on the device and, once `ready` fires, on the host."""
+    """What a launched step hands back: next tokens on the device and, once `ready` fires, on the host.
+
+    A step whose logits are processed (logits_processing.py) may still have to be sampled when it is launched
+    (`unsampled`: the forward runs, its grammar masks are not built yet): the engine calls
+    `ModelRunner.sample_processed` once they are."""
 
     batch: Batch
-    tokens_device: torch.Tensor  # after a decode graph: its output buffer, which the next replay overwrites
-    tokens_host: torch.Tensor
+    tokens_device: torch.Tensor | None  # after a decode graph: its output buffer, which the next replay overwrites
+    tokens_host: torch.Tensor | None
     ready: torch.cuda.Event | None
+    logprobs: StepLogprobs | None = None
+    unsampled: tuple | None = None  # (logits, sampling, processing, token_dst) until sampled
+    sample: Callable[[], None] | None = None  # the engine's: samples an `unsampled` step
+    on_ready: Callable[[StepOutput], None] | None = None  # the engine's: called once the results are on the host
 
     def wait(self) -> list[int]:
+        if self.unsampled is not None:
+            self.sample()
         if self.ready is not None:
             self.ready.synchronize()
+        if self.on_ready is not None:
+            self.on_ready(self)
         return self.tokens_host.tolist()
 
 
@@ -147,6 +172,8 @@ class ModelRunner:
                                                       config.prefill_graph_max_reqs,
                                                       pool=graph_pool_of(self.graph_runner))
         # --- end prefill graphs ---
+        # the count table of penalised requests (engine/logits_processing.py): no memory until one arrives
+        self.penalties = PenaltyTable(mc.vocab_size, self.device)
         if self.tp is not None:
             self.tp.ready()
 
@@ -289,6 +316,10 @@ class ModelRunner:
         input_ids, positions, meta, logit_idx, sampling, token_dst = self.prepare(batch, pad_to=shape)
         if self.state_pool is not None:  # hybrid: admitted requests start from zeros or a prefix snapshot
             self.state_pool.start(batch.state_inits)
+        processing = self.processing(batch)
+        if processing is not None:  # the logits, then processing and sampling (sample_processed)
+            return self._forward_processed(batch, shape, input_ids, positions, meta, logit_idx, sampling, token_dst,
+                                           processing)
         in_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
         if in_graph:  # one replay: forward, sampler and token-table write (`tokens` is a view, copied below)
             tokens = self.graph_runner.run(input_ids, positions, meta, sampling, token_dst=token_dst)
@@ -304,11 +335,87 @@ class ModelRunner:
             self.state_pool.save(batch.state_saves)
         if not in_graph:
             self.store_tokens(token_dst, tokens)
+        return self._to_host(StepOutput(batch, tokens, None, None), copy=in_graph)
+
+    def _to_host(self, out: StepOutput, copy: bool) -> StepOutput:
+        """The step's tokens (and logprobs) on their way to the host; `copy`: the tokens are a graph's output
+        buffer, which the next replay rewrites."""
+        tokens = out.tokens_device
+        lp = out.logprobs
         if self.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            return StepOutput(batch, tokens, host, ready)
-        host = tokens.clone() if in_graph else tokens  # the next replay rewrites a graph's output buffer
-        return StepOutput(batch, tokens, host, None)
+            def pinned(t: torch.Tensor) -> torch.Tensor:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                return host
+            out.tokens_host = pinned(tokens)
+            if lp is not None:
+                lp.token_logprobs, lp.top_ids, lp.top_logprobs = map(
+                    pinned, (lp.token_logprobs, lp.top_ids, lp.top_logprobs))
+            out.ready = torch.cuda.Event()
+            out.ready.record()
+        else:
+            out.tokens_host = tokens.clone() if copy else tokens
+        return out
+
+    # --- steps whose logits are processed: penalties, grammar masks, logprobs (logits_processing.py) ---------
+    def processing(self, batch: Batch) -> LogitsProcessing | None:
+        """The step's logits processing on the device, or None when no sampling request asks for any."""
+        reqs = [batch.reqs[i] for i in batch.sample_rows]
+        if not any(r.params.processes_logits for r in reqs):
+            return None
+        pen = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+        lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        proc = LogitsProcessing()
+
+        def ints(values) -> torch.Tensor:
+            return self._to_device(np.asarray(values, dtype=np.int64))
+
+        if pen:
+            pen_reqs = [reqs[i] for i in pen]
+            self.penalties.load(pen_reqs)
+            floats = self._to_device(np.asarray([[r.params.frequency_penalty for r in pen_reqs],
+                                                 [r.params.presence_penalty for r in pen_reqs],
+                                                 [r.params.repetition_penalty for r in pen_reqs]], np.float32))
+            proc.penalty_rows, proc.penalty_slots = ints(pen), ints([r.row for r in pen_reqs])
+            proc.frequency, proc.presence, proc.repetition = floats[0], floats[1], floats[2]
+        if lp:
+            proc.logprob_rows = ints(lp)
+            proc.top_n = max(reqs[i].params.logprobs for i in lp)
+            proc.logprob_rows_host = lp
+        return proc
+
+    def _forward_processed(self, batch: Batch, shape, input_ids, positions, meta, logit_idx, sampling, token_dst,
+                           processing: LogitsProcessing) -> StepOutput:
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):  # the forward alone, replayed
+            logits = self.graph_runner.run(input_ids, positions, meta, replace(sampling, processed=True))
+        elif shape is not None:
+            logits = self.prefill_graph.run(shape, input_ids, positions, meta, logit_idx, len(batch.sample_rows))
+        else:
+            if self.graph_runner is not None:
+                self.graph_runner.last_run_used_graph = False
+            self.attn.prepare(meta)
+            logits = self.model(input_ids, positions, self.attn, logit_idx)
+        if self.state_pool is not None:
+            self.state_pool.save(batch.state_saves)
+        out = StepOutput(batch, None, None, None, unsampled=(logits, sampling, processing, token_dst))
+        if processing.mask_rows is None:
+            self.sample_processed(out)
+        return out
+
+    def sample_processed(self, out: StepOutput) -> None:
+        """Process a launched step's logits, sample, write the tokens to the token table and start their copy to
+        the host (with the logprobs asked for). The logits are a graph's shared buffer or the step's own: either
+        way nothing else writes them before this, which the stream orders after the forward."""
+        logits, sampling, proc, token_dst = out.unsampled
+        out.unsampled = None
+        process_logits(logits, proc, self.penalties)
+        tokens = sample(logits, sampling)
+        self.store_tokens(token_dst, tokens)
+        if proc.penalty_rows is not None:
+            self.penalties.count(proc.penalty_slots, tokens[proc.penalty_rows])
+        if proc.logprob_rows is not None:
+            rows = proc.logprob_rows
+            chosen, top_ids, top_lp = token_logprobs(logits[rows], tokens[rows], proc.top_n)
+            out.logprobs = StepLogprobs(proc.logprob_rows_host, chosen, top_ids, top_lp)
+        out.tokens_device = tokens
+        self._to_host(out, copy=False)

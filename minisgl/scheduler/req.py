@@ -53,6 +53,8 @@ class Req:
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     stop_check: object = None  # callable(req) -> bool, for stop strings (needs a tokenizer)
+    # per output token, with params.logprobs: (its logprob, [(token id, logprob) of the most likely ones])
+    output_logprobs: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -190,7 +190,9 @@ def sampling_params_for(state: ServerState, req, ids: list[int], max_tokens: int
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k, max_tokens=max_tokens,
         min_p=0.0 if req.min_p is None else float(req.min_p),
-        ignore_eos=bool(req.ignore_eos), stop=tuple(req.stop or ()), seed=req.seed)
+        ignore_eos=bool(req.ignore_eos), stop=tuple(req.stop or ()), seed=req.seed,
+        frequency_penalty=float(req.frequency_penalty or 0.0), presence_penalty=float(req.presence_penalty or 0.0),
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty))
     try:
         state.engine.check_request(ids, params)
     except RequestError as e:

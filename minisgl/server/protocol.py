@@ -3,7 +3,7 @@
 Parsing is strict: a wrong type is an error (no "5" for 5, no 1 for true), unknown fields are refused (a
 typo such as `max_token` is named instead of silently ignored), and non-finite numbers are refused. Fields
 the OpenAI API has but this server does not implement are accepted only at their neutral value, so a
-client that sends `n: 1` or `presence_penalty: 0` works and one that asks for `n: 2` is told why not.
+client that sends `best_of: 1` or `logit_bias: {}` works and one that asks for `best_of: 2` is told why not.
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ class _Sampling(_Strict):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)  # extension (Hugging Face's), as in SGLang and vLLM
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool | None = False  # extension
@@ -151,13 +152,6 @@ class _Sampling(_Strict):
     def _n(cls, v):
         if v is not None and v != 1:
             raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v):
-        if v:
-            raise ValueError("presence and frequency penalties are not supported (only 0)")
         return v
 
     @field_validator("logit_bias")
