@@ -66,7 +66,7 @@ class Engine:
                     if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {input_ids[bad]!r} is out of the vocabulary [0, {vocab})", "prompt")
-        params.validate()
+        # the params themselves were checked when they were built (SamplingParams.__post_init__)
         if params.processes_logits and self.config.tp_size > 1:  # ranks 1..N-1 see no request's tokens
             raise RequestError("penalties and logprobs are not supported with tensor parallelism (tp_size > 1) yet",
                                "logprobs" if params.logprobs is not None else "repetition_penalty")
