@@ -49,6 +49,7 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._next_rid = 0
         self._inflight: StepOutput | None = None
+        self._forks: list[tuple[Req, list[Req]]] = []  # (first stream, the streams waiting for its prefill)
         # graph_split_steps: decode steps above the largest graph, replayed in graph-sized pieces
         self.stats = {"steps": 0, "decode_steps": 0, "graph_steps": 0, "graph_split_steps": 0, "max_decode_batch": 0}
 
@@ -83,23 +84,57 @@ class Engine:
                                f"holds {cap}; it cannot run even alone", "max_tokens", "context_length_exceeded")
 
     def add_request(self, input_ids: list[int], params: SamplingParams,
-                    stop_check: Callable[[Req], bool] | None = None) -> Req:
+                    stop_check: Callable[[Req], bool] | None = None, seed: int | None = None,
+                    queue: bool = True) -> Req:
+        """One request (one stream: `add_requests` makes the n of `params.n`). `seed` overrides the params'
+        (a stream's); `queue=False` leaves it to the caller to queue."""
         input_ids = list(input_ids)
         self.check_request(input_ids, params)
         input_ids = [int(t) for t in input_ids]  # numpy integers become plain ints once, here
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         req = Req(self._next_rid, input_ids, params, seed, stop_check=stop_check)
         self._next_rid += 1
-        self.scheduler.add(req)
+        if queue:
+            self.scheduler.add(req)
         return req
+
+    def add_requests(self, input_ids: list[int], params: SamplingParams,
+                     stop_check: Callable[[Req], bool] | None = None) -> list[Req]:
+        """The `params.n` streams of one prompt (`add_request` for each), prefilled once: stream 0 is queued now,
+        the others wait (`_forks`) until its prompt has been scheduled, and so put in the prefix cache, then
+        reuse its KV pages and compute only the prompt's last token. Stream i draws with seed + i, so it is
+        the run of that seed alone."""
+        self.check_request(input_ids, params)
+        seeds = [params.seed + i if params.seed is not None else self._rng.getrandbits(31) for i in range(params.n)]
+        reqs = [self.add_request(input_ids, params, stop_check, seed=s, queue=i == 0) for i, s in enumerate(seeds)]
+        if len(reqs) > 1:
+            self._forks.append((reqs[0], reqs[1:]))
+        return reqs
+
+    def _release_forks(self) -> None:
+        """Queue the waiting streams whose first stream has its prompt scheduled (or has ended, or when there is
+        no cache to share through)."""
+        keep = []
+        for first, rest in self._forks:
+            if first.kv_len >= len(first.input_ids) or first.finished or not self.cache.keeps_pages:
+                for r in rest:
+                    if not r.finished:  # aborted while it waited: already released
+                        self.scheduler.add(r)
+            else:
+                keep.append((first, rest))
+        self._forks = keep
 
     def abort(self, req: Req) -> None:
         """Stop a request now; its pages come back as soon as no launched step uses them."""
+        if any(req in rest for _, rest in self._forks):  # a stream not queued yet holds nothing
+            req.status, req.finish_reason, req.finish_time = ReqStatus.RELEASED, "abort", time.perf_counter()
+            return
         self.scheduler.abort(req)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        return self.scheduler.has_work or self._inflight is not None or bool(self._forks)
 
     # --- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[Req]:
@@ -112,9 +147,16 @@ class Engine:
         except Exception:
             self._inflight = None  # its tokens will never be read
             self.scheduler.fail_all()
+            for _, rest in self._forks:  # streams not queued yet: they hold nothing
+                for r in rest:
+                    if not r.finished:
+                        r.status, r.finish_reason, r.finish_time = ReqStatus.RELEASED, "error", time.perf_counter()
+            self._forks = []
             raise
 
     def _step(self) -> list[Req]:
+        if self._forks:
+            self._release_forks()
         batch = self.scheduler.schedule()
         if batch is NEED_SYNC:  # a retraction needs the tokens of the step in flight
             self._resolve(self._inflight)
