@@ -29,6 +29,25 @@ def _integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow (minisgl/grammar.py): any JSON object, a JSON schema (JSON text), a
+    regular expression, or an EBNF grammar (GBNF, the llama.cpp dialect xgrammar reads, rule `root`)."""
+
+    kind: str  # one of GRAMMAR_KINDS
+    spec: str = ""  # the schema, the regex or the grammar; "" for json_object
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise RequestError(f"structured output must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}",
+                               "response_format")
+        if not isinstance(self.spec, str) or (self.kind != "json_object" and not self.spec):
+            raise RequestError(f"a {self.kind} constraint needs its text", "response_format")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its next tokens and when it stops.
@@ -46,6 +65,8 @@ class SamplingParams:
     `logprobs` N (None = off) returns, for every output token, its log-probability and the N most likely
     tokens' (N = 0: the sampled token's only), from the log-softmax of the logits the sampler drew from before
     temperature and the top-k/top-p/min-p cuts: after the penalties and the grammar mask.
+
+    `structured_output` constrains the output to a grammar (JSON, a JSON schema, a regex, EBNF).
 
     `n` streams share the prompt's prefill; stream i draws with seed + i (or a seed of its own from the engine
     when `seed` is None), so each stream is the run of that seed alone.
@@ -65,6 +86,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     n: int = 1
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # `stop` may be a string or a list, `stop_token_ids` a list: stored as tuples (the dataclass is frozen)
@@ -125,6 +147,8 @@ class SamplingParams:
                                "logprobs")
         if not _integer(self.n) or not 1 <= self.n <= MAX_N:
             raise RequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise RequestError("structured_output must be a StructuredOutput", "response_format")
 
     @property
     def greedy(self) -> bool:
@@ -138,7 +162,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether a step must process this request's logits before sampling (penalties, logprobs, a grammar):
         read for every request of every step, so computed once."""
-        return self.has_penalties or self.logprobs is not None
+        return self.has_penalties or self.logprobs is not None or self.structured_output is not None
 
     def top_k_within(self, vocab: int) -> int:
         """The k of the top-k cut over a vocabulary of `vocab` tokens: `vocab` (keep all) when there is none."""

@@ -124,6 +124,7 @@ class LogitsProcessing:
     presence: torch.Tensor | None = None
     repetition: torch.Tensor | None = None
     mask_rows: torch.Tensor | None = None  # [G] int64
+    mask_rows_host: list[int] | None = None
     bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32, filled once the host has built it
     logprob_rows: torch.Tensor | None = None  # [L] int64
     logprob_rows_host: list[int] | None = None  # the same, on the host

@@ -54,7 +54,7 @@ class StepOutput:
 
     A step whose logits are processed (logits_processing.py) may still have to be sampled when it is launched
     (`unsampled`: the forward runs, its grammar masks are not built yet): the engine calls
-    `ModelRunner.sample_processed` once they are."""
+    `ModelRunner.sample_processed` with them once they are (`sample`, which `wait` calls if it has not been)."""
 
     batch: Batch
     tokens_device: torch.Tensor | None  # after a decode graph: its output buffer, which the next replay overwrites
@@ -62,6 +62,7 @@ class StepOutput:
     ready: torch.cuda.Event | None
     logprobs: StepLogprobs | None = None
     unsampled: tuple | None = None  # (logits, sampling, processing, token_dst) until sampled
+    grammar_rows: list[int] | None = None  # sampling rows (indices) of requests with a grammar
     sample: Callable[[], None] | None = None  # the engine's: samples an `unsampled` step
     on_ready: Callable[[StepOutput], None] | None = None  # the engine's: called once the results are on the host
 
@@ -365,6 +366,7 @@ class ModelRunner:
             return None
         pen = [i for i, r in enumerate(reqs) if r.params.has_penalties]
         lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        gram = [i for i, r in enumerate(reqs) if r.grammar is not None]
         proc = LogitsProcessing()
 
         def ints(values) -> torch.Tensor:
@@ -382,6 +384,8 @@ class ModelRunner:
             proc.logprob_rows = ints(lp)
             proc.top_n = max(reqs[i].params.logprobs for i in lp)
             proc.logprob_rows_host = lp
+        if gram:
+            proc.mask_rows, proc.mask_rows_host = ints(gram), gram
         return proc
 
     def _forward_processed(self, batch: Batch, shape, input_ids, positions, meta, logit_idx, sampling, token_dst,
@@ -397,17 +401,21 @@ class ModelRunner:
             logits = self.model(input_ids, positions, self.attn, logit_idx)
         if self.state_pool is not None:
             self.state_pool.save(batch.state_saves)
-        out = StepOutput(batch, None, None, None, unsampled=(logits, sampling, processing, token_dst))
+        out = StepOutput(batch, None, None, None, unsampled=(logits, sampling, processing, token_dst),
+                         grammar_rows=processing.mask_rows_host)
         if processing.mask_rows is None:
             self.sample_processed(out)
         return out
 
-    def sample_processed(self, out: StepOutput) -> None:
+    @torch.inference_mode()
+    def sample_processed(self, out: StepOutput, bitmask: np.ndarray | None = None) -> None:
         """Process a launched step's logits, sample, write the tokens to the token table and start their copy to
         the host (with the logprobs asked for). The logits are a graph's shared buffer or the step's own: either
         way nothing else writes them before this, which the stream orders after the forward."""
         logits, sampling, proc, token_dst = out.unsampled
         out.unsampled = None
+        if bitmask is not None:  # built on the host while the forward ran (Engine._sample_launched)
+            proc.bitmask = self._to_device(bitmask)
         process_logits(logits, proc, self.penalties)
         tokens = sample(logits, sampling)
         self.store_tokens(token_dst, tokens)
