@@ -36,7 +36,6 @@ from minisgl import LLM, StructuredOutput  # noqa: E402
 from minisgl.bench.runner import environment, run_latency, run_throughput, write_json  # noqa: E402
 from minisgl.bench.workloads import WORKLOADS, Workload  # noqa: E402
 
-
 LONG_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 4000}}, "required": ["text"]}
 
 
