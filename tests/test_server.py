@@ -224,7 +224,7 @@ BAD_CASES = [
     ("completions", _with(GOOD_C, min_p=-0.5), 400),
     ("completions", _with(GOOD_C, min_p=1.5), 400),
     ("completions", _with(GOOD_C, min_p="0.1"), 400),
-    ("completions", _with(GOOD_C, n=2), 400),
+    ("completions", _with(GOOD_C, n=65), 400),
     ("completions", _with(GOOD_C, n=0), 400),
     ("completions", _with(GOOD_C, best_of=3), 400),
     ("completions", _with(GOOD_C, stream="yes"), 400),
@@ -235,7 +235,7 @@ BAD_CASES = [
     ("completions", _with(GOOD_C, seed=-1), 400),
     ("completions", _with(GOOD_C, seed=2**80), 400),
     ("completions", _with(GOOD_C, echo=True), 400),
-    ("completions", _with(GOOD_C, logprobs=3), 400),
+    ("completions", _with(GOOD_C, logprobs=30), 400),
     ("completions", _with(GOOD_C, presence_penalty=2.5), 400),
     ("completions", _with(GOOD_C, frequency_penalty=-3), 400),
     ("completions", _with(GOOD_C, repetition_penalty=0), 400),
@@ -256,9 +256,10 @@ BAD_CASES = [
     ("chat/completions", _with(GOOD_CHAT, model="nope"), 404),
     ("chat/completions", _with(GOOD_CHAT, max_completion_tokens=0), 400),
     ("chat/completions", _with(GOOD_CHAT, tools=[{"type": "function"}]), 400),
-    ("chat/completions", _with(GOOD_CHAT, logprobs=True), 400),
-    ("chat/completions", _with(GOOD_CHAT, response_format={"type": "json_object"}), 400),
-    ("chat/completions", _with(GOOD_CHAT, n=4), 400),
+    ("chat/completions", _with(GOOD_CHAT, logprobs="yes"), 400),
+    ("chat/completions", _with(GOOD_CHAT, top_logprobs=2), 400),  # without logprobs: true
+    ("chat/completions", _with(GOOD_CHAT, response_format={"type": "xml"}), 400),
+    ("chat/completions", _with(GOOD_CHAT, n=-4), 400),
 ]
 
 
@@ -318,7 +319,7 @@ BREAK = st.one_of(
     st.tuples(st.just("top_p"), NOT_NUM.filter(lambda v: v is not None) | st.floats(max_value=0, **FINITE)
               | st.floats(min_value=1.0001, **FINITE)),
     st.tuples(st.just("top_k"), NOT_INT.filter(lambda v: v is not None) | st.integers(max_value=-2) | st.just(0)),
-    st.tuples(st.just("n"), st.integers().filter(lambda v: v != 1) | NOT_INT.filter(lambda v: v is not None)),
+    st.tuples(st.just("n"), st.integers().filter(lambda v: not 1 <= v <= 64) | NOT_INT.filter(lambda v: v is not None)),
     st.tuples(st.just("stream"), NOT_BOOL),
     st.tuples(st.just("seed"), st.integers(max_value=-1) | st.integers(min_value=2**63)
               | NOT_INT.filter(lambda v: v is not None)),

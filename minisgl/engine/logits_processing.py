@@ -23,12 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# --- notebooks/12_api_features.ipynb, cell 7 (id c12-007) ---
 PROMPT_BIT = 1 << 30  # count-table flag: the token is in the prompt (repetition penalty)
 COUNT_MASK = PROMPT_BIT - 1  # the low bits: times the token was generated (frequency and presence penalties)
 
 
-# --- notebooks/12_api_features.ipynb, cell 9 (id c12-009) ---
+# --- notebooks/12_api_features.ipynb, cell 8 (id c12-008) ---
 def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor,
                     presence: torch.Tensor, repetition: torch.Tensor) -> None:
     """Penalise `logits[rows]` in place. counts `[P, V]` int32: the count-table rows of those requests;
@@ -47,7 +46,7 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, counts: torch.Tens
     logits[rows] = x.to(logits.dtype)
 
 
-# --- notebooks/12_api_features.ipynb, cell 13 (id c12-013) ---
+# --- notebooks/12_api_features.ipynb, cell 12 (id c12-012) ---
 def penalty_row_entries(prompt: list[int], outputs: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, values) of a request's count-table row: PROMPT_BIT for prompt tokens, plus each generated
     token's count. Every other entry is 0."""
@@ -57,7 +56,7 @@ def penalty_row_entries(prompt: list[int], outputs: list[int]) -> tuple[np.ndarr
     return np.fromiter(values.keys(), np.int64, len(values)), np.fromiter(values.values(), np.int64, len(values))
 
 
-# --- notebooks/12_api_features.ipynb, cell 15 (id c12-015) ---
+# --- notebooks/12_api_features.ipynb, cell 14 (id c12-014) ---
 class PenaltyTable:
     """The count table, one row per request-table row, allocated on first use and grown as rows are needed.
 
@@ -101,7 +100,7 @@ class PenaltyTable:
         self.counts[rows, tokens] += 1
 
 
-# --- notebooks/12_api_features.ipynb, cell 17 (id c12-017) ---
+# --- notebooks/12_api_features.ipynb, cell 16 (id c12-016) ---
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob of each row's token `[L]`, the top_n token ids `[L, top_n]` and their logprobs), from the
@@ -113,7 +112,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int
     return chosen.view(-1), top_ids, top_x - lse
 
 
-# --- notebooks/12_api_features.ipynb, cell 20 (id c12-020) ---
+# --- notebooks/12_api_features.ipynb, cell 19 (id c12-019) ---
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set `logits[rows]` to -inf where the bitmask `[G, ceil(V / 32)]` (int32) has a 0 bit."""
     vocab = logits.shape[-1]
@@ -122,7 +121,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     logits[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
 
 
-# --- notebooks/12_api_features.ipynb, cell 21 (id c12-021) ---
+# --- notebooks/12_api_features.ipynb, cell 20 (id c12-020) ---
 @dataclass
 class LogitsProcessing:
     """A step's processing, on the device; indices are into the step's sampling rows. None: nobody asks."""
@@ -140,7 +139,7 @@ class LogitsProcessing:
     top_n: int = 0  # the most top logprobs a row of the step asks for
 
 
-# --- notebooks/12_api_features.ipynb, cell 22 (id c12-022) ---
+# --- notebooks/12_api_features.ipynb, cell 21 (id c12-021) ---
 def process_logits(logits: torch.Tensor, proc: LogitsProcessing, table: PenaltyTable | None) -> None:
     """Penalties, then the grammar mask, in place on the rows that ask: Triton kernels on a GPU (one launch each,
     kernels/sampling.py), the torch functions above elsewhere."""

@@ -36,6 +36,7 @@ class Delta:
     error_kind: str | None = None  # "invalid" (add_request refused it) | "unavailable" | "internal"
     error_param: str | None = None  # for "invalid": the RequestError's parameter and code
     error_code: str | None = None
+    logprobs: list | None = None  # with SamplingParams.logprobs: one entry per token of token_ids
 
 
 class RequestHandle:
@@ -91,15 +92,19 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, handle: RequestHandle) -> None:
-        """Queue a request; must be called from the running event loop that will read its events."""
-        handle.worker = self
-        loop = handle._loop = asyncio.get_running_loop()
+    def submit(self, handle: RequestHandle | list[RequestHandle]) -> None:
+        """Queue a request (or the n streams of one, `params.n` handles of the same prompt and params: the
+        engine prefills it once); must be called from the running event loop that will read its events."""
+        handles = handle if isinstance(handle, list) else [handle]
+        loop = asyncio.get_running_loop()
+        for h in handles:
+            h.worker, h._loop = self, loop
         if self._stopped.is_set() or not self.healthy:
-            handle.queue.put_nowait(Delta([], "error", self.fatal_error or "the engine is shutting down",
-                                          "unavailable"))
+            for h in handles:
+                h.queue.put_nowait(Delta([], "error", self.fatal_error or "the engine is shutting down",
+                                         "unavailable"))
             return
-        self._cmds.put(("add", handle, loop))
+        self._cmds.put(("add", handles, loop))
 
     def abort(self, handle: RequestHandle) -> None:
         self._cmds.put(("abort", handle, None))
@@ -172,7 +177,8 @@ class EngineWorker:
                 if kind == "stats":
                     self._answer_stats(obj)
                 elif kind == "add":
-                    self._send(obj, Delta([], "error", self.fatal_error, "internal"))
+                    for h in obj:
+                        self._send(h, Delta([], "error", self.fatal_error, "internal"))
                 elif kind == "stop":
                     break
             return
@@ -203,23 +209,27 @@ class EngineWorker:
                     self.engine.step()
                 return False
 
-    def _add(self, handle: RequestHandle, loop) -> None:
-        if handle.cancelled:  # the client left before the engine saw the request
-            self.counters["aborted"] += 1
-            self._send(handle, Delta([], "abort"))
+    def _add(self, handles: list[RequestHandle], loop) -> None:
+        first = handles[0]
+        if all(h.cancelled for h in handles):  # the client left before the engine saw the request
+            for h in handles:
+                self.counters["aborted"] += 1
+                self._send(h, Delta([], "abort"))
             return
         try:
-            req = self.engine.add_request(handle.input_ids, handle.params, handle.stop_check)
-        except RequestError as e:
-            self.counters["rejected"] += 1
-            self._send(handle, Delta([], "error", e.message, "invalid", e.param, e.code))
-            return
+            reqs = self.engine.add_requests(first.input_ids, first.params, first.stop_check)
         except (ValueError, TypeError) as e:
-            self.counters["rejected"] += 1
-            self._send(handle, Delta([], "error", str(e), "invalid"))
+            error = Delta([], "error", e.message, "invalid", e.param, e.code) if isinstance(e, RequestError) \
+                else Delta([], "error", str(e), "invalid")
+            for h in handles:
+                self.counters["rejected"] += 1
+                self._send(h, error)
             return
-        self.counters["submitted"] += 1
-        self._active[handle] = [req, 0]
+        for h, req in zip(handles, reqs):
+            self.counters["submitted"] += 1
+            self._active[h] = [req, 0]
+            if h.cancelled:  # this stream's client left meanwhile
+                self._abort(h)
 
     def _abort(self, handle: RequestHandle) -> None:
         entry = self._active.pop(handle, None)
@@ -237,7 +247,8 @@ class EngineWorker:
             n = len(req.output_ids)
             if n == sent and not req.finished:
                 continue
-            delta = Delta(req.output_ids[sent:n])
+            delta = Delta(req.output_ids[sent:n],
+                          logprobs=None if req.params.logprobs is None else req.output_logprobs[sent:n])
             entry[1] = n
             if req.finished:
                 delta.finish_reason = req.finish_reason or "stop"
