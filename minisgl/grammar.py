@@ -14,6 +14,7 @@ accepted the grammar's end (xgrammar: a stop token after a complete document) en
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -40,9 +41,16 @@ class Grammars:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._compiled: dict[StructuredOutput, object] = {}
+        # the server checks (compiles) a request's grammar on a tokenizer thread while the engine thread makes
+        # matchers: one compile per spec
+        self._lock = threading.Lock()
 
     def compile(self, so: StructuredOutput):
         """The compiled grammar of `so`; a spec xgrammar refuses is a RequestError on `response_format`."""
+        with self._lock:
+            return self._compile(so)
+
+    def _compile(self, so: StructuredOutput):
         hit = self._compiled.get(so)
         if hit is not None:
             return hit

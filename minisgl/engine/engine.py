@@ -248,7 +248,7 @@ class Engine:
 
     def grammars(self):
         """The grammar compiler of this model's tokenizer (minisgl/grammar.py), made when first needed."""
-        if self._grammars is None:
+        if self._grammars is None:  # (two threads may both build one: the last wins, nothing is shared yet)
             from minisgl.grammar import Grammars
             from minisgl.llm import load_tokenizer
             tokenizer = load_tokenizer(self.runner.model_path)

@@ -200,6 +200,14 @@ def sampling_params_for(state: ServerState, req, ids: list[int], max_tokens: int
     return params
 
 
+async def checked_params(state: ServerState, req, *args, **kw) -> SamplingParams:
+    """sampling_params_for, on the tokenizer threads when the request has a grammar: compiling one (checked and
+    cached here, before the request is queued) can take a good part of a second on a large vocabulary."""
+    if req.response_format is None or req.response_format.get("type") == "text":
+        return sampling_params_for(state, req, *args, **kw)
+    return await state.run_blocking(functools.partial(sampling_params_for, state, req, *args, **kw))
+
+
 def engine_error(delta: Delta) -> APIError:
     """The error a Delta carries (the engine refused or failed the request) as an APIError."""
     if delta.error_kind == "invalid":
@@ -474,7 +482,7 @@ async def completions(state: ServerState, request: Request):
         ids = list(req.prompt)
     if not ids:
         raise APIError(400, "the prompt encodes to no tokens", param="prompt")
-    params = sampling_params_for(state, req, ids, req.max_tokens, 16, "prompt", logprobs=req.logprobs)
+    params = await checked_params(state, req, ids, req.max_tokens, 16, "prompt", logprobs=req.logprobs)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     tok = state.tokenizer
     offsets = [0] * params.n  # where each choice's next token starts in its text (logprobs' text_offset)
@@ -507,8 +515,8 @@ async def chat_completions(state: ServerState, request: Request):
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, max_param = req.max_tokens, "max_tokens"
-    params = sampling_params_for(state, req, ids, max_tokens, None, "messages", max_param,
-                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    params = await checked_params(state, req, ids, max_tokens, None, "messages", max_param,
+                                  logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def logprobs(token_ids: list, entries: list) -> dict | None:
