@@ -423,7 +423,10 @@ class ModelRunner:
             self.penalties.count(proc.penalty_slots, tokens[proc.penalty_rows])
         if proc.logprob_rows is not None:
             rows = proc.logprob_rows
-            chosen, top_ids, top_lp = token_logprobs(logits[rows], tokens[rows], proc.top_n)
+            if len(proc.logprob_rows_host) == tokens.numel():  # every row asks: no gathered copy of the logits
+                chosen, top_ids, top_lp = token_logprobs(logits, tokens, proc.top_n)
+            else:
+                chosen, top_ids, top_lp = token_logprobs(logits[rows], tokens[rows], proc.top_n)
             out.logprobs = StepLogprobs(proc.logprob_rows_host, chosen, top_ids, top_lp)
         out.tokens_device = tokens
         self._to_host(out, copy=False)
