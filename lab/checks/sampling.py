@@ -1,6 +1,6 @@
 """Check and time the fused sampler (minisgl/kernels/sampling.py) on a CUDA GPU, against the torch reference.
 
-    python -m lab.checks.sampling --out DIR      (or: from scripts.gpu_sampling_check import main)
+    python -m lab.checks.sampling --out DIR      (or: from lab.checks.sampling import main)
     python -m lab.checks.sampling --smoke --out DIR   (CPU, Triton interpreter: the checks on a
                                                              small vocabulary, to test this script)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The course on a GPU, as a student runs it: every notebook in order, then the GPU graders.
 
-    # on the GPU machine (no network): the notebook stack comes as wheels (scripts/course_wheels.sh)
+    # on the GPU machine (no network): the notebook stack comes as wheels (lab/course/wheels.sh)
     python3 -m pip install --no-index --no-deps --target /tmp/site wheels/*.whl
     PYTHONPATH=/tmp/site python3 -m lab.course.h200 --out reports/h200/course
 
@@ -41,6 +41,7 @@ def _load_gate():
     import importlib.util
     spec = importlib.util.spec_from_file_location("gate", REPO / "autograder" / "gate.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["gate"] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

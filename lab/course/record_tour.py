@@ -95,7 +95,7 @@ def record(timeout: int = 600) -> dict:
                            capture_output=True, text=True).stdout.strip()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (1 torch thread)"
     return {
-        "about": "The tour (notebooks/00_tour.ipynb) run on the reference engine; made by scripts/record_tour.py. "
+        "about": "The tour (notebooks/00_tour.ipynb) run on the reference engine; made by lab/course/record_tour.py. "
                  "Data only: the tour shows it when the student's package still raises NotImplementedError.",
         "recorded_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit + ("+local changes" if dirty else ""),

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The wheels to execute the course notebooks on a GPU machine without network (scripts/h200_course.py):
+# The wheels to execute the course notebooks on a GPU machine without network (lab/course/h200.py):
 # nbclient + nbformat + ipykernel + IPython + plotly + ipywidgets and their dependencies, for CPython 3.12 on
 # manylinux x86_64, each pinned, no dependency resolution (--no-deps), binary wheels only.
 #
-#   scripts/course_wheels.sh DIR        # download into DIR (about 12 MB), then carry DIR to the machine:
+#   lab/course/wheels.sh DIR        # download into DIR (about 12 MB), then carry DIR to the machine:
 #   python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl
-#   PYTHONPATH=/tmp/site python3 scripts/h200_course.py --out reports/h200/course
+#   PYTHONPATH=/tmp/site python3 -m lab.course.h200 --out reports/h200/course
 #
 # Left out because the H200 image already has them (KINDS.md, "Python packages already there"): numpy, torch,
 # transformers, jinja2, markupsafe, pyyaml, packaging, psutil, pygments, tqdm, requests, rich, pytest, attrs,
@@ -13,7 +13,7 @@
 # there), nbconvert (executed notebooks are kept as .ipynb JSON), nbval and nbgrader (h200_course.py runs the
 # notebooks with nbclient and the graders with pytest; autograding is not part of the GPU run).
 set -euo pipefail
-DIR=${1:?usage: scripts/course_wheels.sh DIR}
+DIR=${1:?usage: lab/course/wheels.sh DIR}
 mkdir -p "$DIR"
 
 # name==version; binary ones (pyzmq, tornado, rpds-py, debugpy) get the cp312 manylinux wheel

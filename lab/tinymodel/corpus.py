@@ -3,7 +3,7 @@
 
 Sources, all English and all available offline on a Debian 12 (bookworm) machine:
 
-* the Python text that ``scripts/train_tiny_model.py`` has always used (standard-library docstrings,
+* the Python text that ``lab/tinymodel/train.py`` has always used (standard-library docstrings,
   site-packages doc files and docstrings), with a larger cap;
 * documentation packages from Debian ``main``, fetched with ``apt-get download`` (no root install:
   each ``.deb`` is unpacked with ``dpkg-deb -x`` under ``.train-data/root``), see ``PACKAGES``.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Install a model that ``scripts/train_tiny_model_gpu.py`` wrote (e.g. fetched back from the GPU machine).
+"""Install a model that ``lab/tinymodel/train_gpu.py`` wrote (e.g. fetched back from the GPU machine).
 
 The GPU machine returns files of at most 16 MB, so the weights come back as safetensors shards plus
 ``model.safetensors.index.json``. This joins them into one ``model.safetensors`` (bf16), copies the

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Train the embedded model on one GPU in a fixed wall-clock budget, from a pre-tokenized corpus.
 
-The GPU mode of ``scripts/train_tiny_model.py``: same tokenizer (copied from ``assets/tiny-qwen3``),
+The GPU mode of ``lab/tinymodel/train.py``: same tokenizer (copied from ``assets/tiny-qwen3``),
 same chat template and special tokens, a larger Qwen3 model and far more tokens. The corpus comes from
-``scripts/build_corpus.py`` (``.train-data/pack``: uint16 token streams, xz-compressed).
+``lab/tinymodel/corpus.py`` (``.train-data/pack``: uint16 token streams, xz-compressed).
 
     # on the GPU machine (torch and transformers already there):
     python -m lab.tinymodel.train_gpu --data .train-data/pack --out /tmp/model --time-budget 200
@@ -12,7 +12,7 @@ same chat template and special tokens, a larger Qwen3 model and far more tokens.
         --eval-tokens 4096 --out /tmp/tiny-gpu-check
 
 The device call (carry [".train-data/pack"]; eight files come back: the log, config, generation config,
-three weight shards, the shard index and TRAINING.json), then here ``scripts/install_trained_model.py``:
+three weight shards, the shard index and TRAINING.json), then here ``lab/tinymodel/install.py``:
 
     set -o pipefail; python3 -m lab.tinymodel.train_gpu --data .train-data/pack --out /tmp/m \
       --time-budget 200 2>&1 | tee $OUT/train.log; rc=$?; cd /tmp/m && cp config.json \

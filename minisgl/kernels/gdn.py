@@ -65,7 +65,7 @@ def gdn_gating_ref(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
 # ------------------------------------------------------------ Triton kernels --------------------------------
 
 
-# Launch settings, overridable so scripts can sweep them on the GPU (scripts/gpu_gdn_check.py).
+# Launch settings, overridable so scripts can sweep them on the GPU (lab/checks/gdn.py).
 #   conv_*: channel block / token block / warps of the conv kernels;
 #   decode_block_v (0: by batch size) / decode_warps: the recurrent kernel on a decode step;
 #   prefill: "chunked" or "recurrent"; prepare_warps, chunk_block_v (0: by batch size) / chunk_warps /
@@ -75,7 +75,7 @@ def gdn_gating_ref(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
 #   conv_search_steps: binary-search steps the varlen conv kernel compiles in (its rows find their sequence in
 #   cu_seqlens). A compile-time constant, so each distinct value is a Triton compile. 0 = exactly the steps the
 #   batch needs, ceil(log2 N): a new compile the first time a step holds 17+, 33+, 65+, 129+, 257+ sequences
-#   (about 2 s each for sm_90 on a 2-core CPU, scripts/w1_host_study.py), which W1's timed run hit five times
+#   (about 2 s each for sm_90 on a 2-core CPU, reports/cpu/w1_host_study.json), which W1's timed run hit five times
 #   (its warm-up and the prefill graphs reach N = 16). A fixed count (default 16: N up to 65,536) is one
 #   variant for every batch; the extra steps are no-ops (`lo < hi` is false once the search converged, and
 #   their loads are masked), a few integer ops per row. A batch needing more steps than this takes the exact count.

@@ -49,7 +49,7 @@ __all__ = ["GEMV_CONFIGS", "GEMV_MAX_ROWS", "GemvLinear", "GemvMLP", "gemv", "ge
 GEMV_MAX_ROWS = 4
 # (BLOCK_N, BLOCK_K, num_warps, max_rows) by weight shape (N, K): the tiles, and up to how many rows the GEMV
 # beat cuBLAS; None where it never did (use_gemv then keeps the nn.Linear). Filled from the tuned table of the GPU
-# (load_device_table: {"N,K": [bn, bk, warps, rows] or null}, as scripts/gpu_gemv_tune.py writes it); shapes not
+# (load_device_table: {"N,K": [bn, bk, warps, rows] or null}, as lab/tune/gemv.py writes it); shapes not
 # in it take gemv_config's rule up to GEMV_MAX_ROWS rows.
 GEMV_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int] | None] = {}
 
@@ -63,7 +63,7 @@ def load_configs(path: str) -> None:
         GEMV_CONFIGS[(n, k)] = (*value, GEMV_MAX_ROWS)[:4] if value is not None else None
 
 
-# Tables measured by scripts/gpu_gemv_tune.py, one per GPU model: gemv_tuned/<device name>.json.
+# Tables measured by lab/tune/gemv.py, one per GPU model: gemv_tuned/<device name>.json.
 TUNED_DIR = Path(__file__).parent / "gemv_tuned"
 
 

@@ -324,7 +324,7 @@ def row_flags(temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Te
 
 # Launch shapes. They are the same for every batch size on purpose: a row's top-p weight is summed in an order
 # set by the chunk and block sizes, and a row's token must never depend on the batch it is in.
-# scripts/gpu_sampling_tune.py times the alternatives on a GPU; the defaults are its pick on an H200.
+# lab/tune/sampling.py times the alternatives on a GPU; the defaults are its pick on an H200.
 LAUNCH = {"chunk": 4096, "stats_block": 1024, "search_block": 256, "search_warps": 4, "draw_block": 1024,
           "draw_warps": 4}
 
