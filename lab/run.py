@@ -31,7 +31,8 @@ def run(out: str, sections: list[str], file: str = "results.json") -> dict:
         raise SystemExit(f"unknown sections {unknown}; `python -m lab.run --list` lists them")
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, file)
-    data = {"environment": environment(), "sections": {}}
+    data = {"environment": environment(), "command": "python -m lab.run --sections " + ",".join(sections),
+            "sections": {}}
     for name in sections:
         log("section", name)
         t0 = time.perf_counter()

@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     if set(names) - set(SECTIONS):
         raise SystemExit(f"unknown sections {sorted(set(names) - set(SECTIONS))}")
     m = model(args.model)
-    data = {"environment": environment(), "engine": "sglang", "model": args.model, "sections": {}}
+    data = {"environment": environment(), "engine": "sglang", "model": args.model,
+            "command": f"python -m lab.sglang --model {args.model} --sections {args.sections}", "sections": {}}
     if os.path.exists(args.out):  # a second call adds to the file
         data = json.load(open(args.out))
         data.setdefault("sections", {})

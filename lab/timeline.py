@@ -25,6 +25,7 @@ import argparse
 import ast
 import json
 import os
+import sys
 import time
 
 import torch
@@ -109,7 +110,7 @@ def main() -> None:
         s[1] += h.time_range.end - h.time_range.start
     out = {
         "label": a.label, "model": a.model, "root": package_root(),
-        "environment": environment(),
+        "environment": environment(), "command": "python -m lab.timeline " + " ".join(sys.argv[1:]),
         "switches": switches, "graphs": graph_counts(engine), "startup_s": round(startup_s, 2),
         # how full the card is: one hypothesis for the wider kernel-to-kernel gap is address translation over a
         # nearly full memory (test with --set kv_memory_fraction=0.3)

@@ -1,307 +1,202 @@
-"""Write reports/<gpu>/BLOG.md, the blog post, from the same JSON as the report (no number typed by hand).
+"""BLOG.md: the post in blog.md (prose written by hand) with its numbers filled in from the report's book.
 
-    python scripts/make_blog.py reports/h200
+Every `{name}` of blog.md is a fact below, read from the same JSON as the report (and recorded in figures.json);
+a block between `<!-- if NAME -->` and `<!-- end -->` appears only when that fact is true. The prose also makes
+claims about the numbers ("CUDA Graphs matter most"): CLAIMS checks each one against the data, and a claim the
+data no longer supports fails the generator, naming the sentence to rewrite.
 """
 
 from __future__ import annotations
 
-import os
+import importlib.util
+import re
 import sys
+from pathlib import Path
 
-from make_report import MODELS, get, h200_baseline, load_sections, w1_floor_seconds, w2_tpot_floor_ms, weight_bytes
+from lab import REPO
+from lab.models import text_config
+from lab.report import floors
+from lab.report.report import MODEL_NAMES, Page, diagnose, fmt, kinds_per_step, times
 
-from minisgl.bench.workloads import w1_offline
-
-
-def main(folder: str) -> None:
-    sections, _ = load_sections(folder)
-    sg = h200_baseline()["sglang"]
-    b06, b8 = sections["bench06"][0], sections["bench8"][0]
-    prof = sections["profile"][0]
-    par = sections["parity"][0]
-    bw = sections["ceilings"][0]["copy_bytes_per_s"]
-    rep = get(sections.get("w1_repeat", (None, None))[0], "rows") or []
-    fi = sections.get("flashinfer", (None, None))[0]
-    p8 = get(sections.get("profile8", (None, None))[0], "decode_bs1")
-    w1_06, w2_06, w2_8 = b06["default"]["w1"], b06["default"]["w2"], b8["default"]["w2"]
-    w3, w4 = b06["default"]["w3"], b06["default"]["w4"]
-    sg06, sg8 = sg["qwen3-0.6b"]["default"], sg["qwen3-8b"]["default"]
-    floor_w1 = w1_offline().total_output_tokens / w1_floor_seconds(MODELS["qwen3-0.6b"], bw)
-    floor8 = w2_tpot_floor_ms(MODELS["qwen3-8b"], bw)
-    d, n, g = prof["default"], prof["no_overlap"], prof["no_cuda_graph"]
-    if d["gpu_busy_fraction"] >= 0.8:
-        busy_text = (f"With both, the GPU is busy {100 * d['gpu_busy_fraction']:.0f}% of the time and the rest is in "
-                     "the kernels themselves, mostly attention reading the KV cache.")
-    else:
-        busy_text = (f"With both, the GPU is busy {100 * d['gpu_busy_fraction']:.0f}% of the profiled step: with "
-                     "fewer kernels per layer (below), the host's per-step work, slower still under the profiler, "
-                     "is now the longer pole at 64 requests.")
-    repeats = ", ".join(f"{r['label']} {r['runs'][0]['output_tok_per_s']:,.0f}" for r in rep)
-    text = f"""# Building an inference engine you can read in an afternoon, and timing it against SGLang
-
-*minisgl is the reference engine of a course in which students build an LLM inference engine one notebook at a
-time. This post is what we measured when we took it to an NVIDIA H200. Every number below is read from the
-JSON in this folder by `scripts/make_blog.py`; the tables with all of them are in `REPORT.md`.*
-
-## What is in the engine
-
-Seven small pieces, each a module a student writes: a decoder (Qwen3, Llama-3, Qwen2) that runs over a flat
-batch of tokens; a KV pool cut into pages with a request→token table; attention kernels in Triton that read
-keys through that table; a radix tree that shares prompt prefixes; a scheduler that mixes prefill chunks with
-decode tokens in every step; a CUDA Graph runner for decode; and a loop that prepares step N+1 on the CPU
-while step N runs on the GPU. Every optimisation is a switch, so the ablation table below is four flags.
-
-## The numbers
-
-On the same H200 and the same requests as SGLang 0.5.16 (dummy bf16 weights at the real shapes):
-
-- **Offline throughput (W1, 256 requests at once).** Qwen3-0.6B: **{w1_06['output_tok_per_s']:,.0f}** output
-  tokens/s (SGLang {sg06['w1_output_tok_per_s']:,}; reading the KV cache alone bounds it near {floor_w1:,.0f}).
-  Qwen3-8B: **{b8['default']['w1']['output_tok_per_s']:,.0f}** (SGLang {sg8['w1_output_tok_per_s']:,}).
-- **Latency at concurrency 1 (W2).** Qwen3-0.6B decodes a token every **{w2_06['tpot_ms_median']:.2f} ms**
-  (SGLang {sg06['w2_tpot_ms']} ms); Qwen3-8B every **{w2_8['tpot_ms_median']:.2f} ms** (SGLang {sg8['w2_tpot_ms']}
-  ms; the card cannot go below {floor8:.2f} ms: 15 GB of weights per token over {bw / 1e12:.2f} TB/s).
-- **Shared prompts (W3).** {100 * w3['cached_prompt_share']:.0f}% of prompt tokens come from the radix cache and
-  the run does **{w3['output_tok_per_s']:,.0f} tok/s** (SGLang {sg06['w3_output_tok_per_s']:,}).
-- **A long prompt arrives while others decode (W4).** Eight 32k-token prompts land on 128 decoding requests.
-  Because prefill chunks share each step with the decoders, the worst pause a decoding request sees is
-  **{w4['worst_decode_gap_ms']:.0f} ms**; SGLang's default scheduler runs the whole prefill first and stalls
-  them for {sg06['w4_worst_decode_gap_ms']:,} ms.
-- **Correctness.** In fp32 on the GPU, greedy tokens equal Hugging Face transformers for
-  {par['float32']['default']['exact']}/{par['float32']['default']['of']} prompts x 64 tokens, with overlap and
-  CUDA Graph on or off. In bf16 the engine gives the same tokens with every switch, and, as expected with random
-  weights whose top logits nearly tie, parts from transformers after a few tokens.
-
-## Where the time goes
-
-A torch.profiler trace of 30 decode steps at 64 requests tells the story of the two big switches:
-
-| | step | GPU busy | kernels per step |
-|---|---|---|---|
-| overlap + CUDA Graph | {d['step_ms']:.2f} ms | {100 * d['gpu_busy_fraction']:.0f}% | {d['kernels_per_step']:.0f} |
-| no overlap | {n['step_ms']:.2f} ms | {100 * n['gpu_busy_fraction']:.0f}% | {n['kernels_per_step']:.0f} |
-| no CUDA Graph | {g['step_ms']:.2f} ms | {100 * g['gpu_busy_fraction']:.0f}% | {g['kernels_per_step']:.0f} |
-
-Without CUDA Graph the GPU idles most of the step: {g['kernels_per_step']:.0f} kernels launched one at a time
-from Python cost far more than they take to run. Without overlap, the host's work between two steps (scheduling
-the batch, packing inputs, reading back tokens) sits on the critical path. {busy_text}
-
-![timeline](timeline.png)
-
-## Counting kernels
-
-A decode step of a small model is hundreds of short kernels, and at batch 1 each one costs a few microseconds
-whatever it does. Three changes took the per-layer count down without touching the maths: q, k and v stay views
-into the fused qkv output instead of copies; Qwen3's per-head q/k norms and the rotary embedding run in one
-Triton kernel; and K and V go into the pool in one launch instead of two index-puts. The step inputs are also
-packed on 16-byte boundaries, because Triton compiles a kernel variant per pointer alignment and the
-alignment used to depend on the batch's token count. The benchmark now records how many Triton variants were
-compiled inside each timed region; W1 repeated on fresh engines (at the commit of `{sections['w1_repeat'][1]}`)
-gave {repeats} tok/s.
-"""
-    if p8:
-        gemm = p8["by_kind_per_step"].get("gemm", {"ms": 0.0})["ms"]
-        gemm_bw = weight_bytes(MODELS["qwen3-8b"]) / (gemm * 1e-3) / 1e12
-        text += f"""
-## The gap we did not close
-
-Qwen3-8B at batch 1 is a memory-bandwidth problem: {w2_8['tpot_ms_median']:.2f} ms per token against a
-{floor8:.2f} ms floor. The profile of one step ({p8['step_ms']:.2f} ms) puts {gemm:.2f} ms in the matrix-vector
-products, which already stream the weights at {gemm_bw:.2f} TB/s, {p8['step_ms'] * (1 - p8['gpu_busy_fraction']):.2f}
-ms in the GPU idling between kernels, and the rest in our elementwise and attention kernels. Closing it means
-folding the ~{p8['kernels_per_step'] / 36:.0f} kernels per layer into fewer (elementwise work in the GEMMs'
-prologues and epilogues) or overlapping their tails, not a better scheduler.
-"""
-    if fi and get(fi, "bench", "flashinfer", "w1"):
-        fb = fi["bench"]["flashinfer"]
-        text += f"""
-## FlashInfer behind the same interface
-
-`--attention-backend flashinfer` swaps in FlashInfer's paged kernels (it plans each step on the host and runs
-per layer). It matches the torch reference like our Triton kernels do. On Qwen3-0.6B it ran W1 at
-{fb['w1']['output_tok_per_s']:,.0f} tok/s and W2 at {fb['w2']['tpot_ms_median']:.2f} ms per token, behind our Triton
-kernels; its per-step planning runs on the host, the likely cost at batch 1 (not timed separately).
-"""
-    text += latest_lease_text(folder)
-    with open(os.path.join(folder, "BLOG.md"), "w") as f:
-        f.write(text)
-    print(f"wrote {os.path.join(folder, 'BLOG.md')}")
+TEMPLATE = Path(__file__).with_name("blog.md")
 
 
-def latest_lease_text(folder: str) -> str:
-    """The leases from the two-engine one before the newest on (make_lease_tables.earlier_leases), oldest first:
-    what each found and changed, then what is still open by the newest figures of each kind."""
-    from pathlib import Path
-
-    from make_lease_tables import RUNS, earlier_leases, later_leases, latest_lease, lease_commits, load
-
-    run = latest_lease(folder)
-    if run is None:
-        return ""
-    window = [*reversed(earlier_leases(folder)), run, *later_leases(folder)]
-    out, runs, timelines, two_engine = [], {}, [], {}
-    for lease in window:
-        sec, _, tl = load(Path(lease))
-        lease_runs = dict(RUNS)
-        for name, rs in lease_runs.items():
-            runs.setdefault(name, []).extend(rs)
-        timelines += tl
-        if any(k.startswith("sglang_") for k in sec):
-            two_engine = sec
-        out += lease_story(lease, sec, lease_commits(lease_runs), lease_runs)
-    out += open_items(runs, timelines, two_engine)
-    return "\n\n".join(out).replace("\n\n- ", "\n- ") + "\n"
+def course_bars() -> tuple[float, float]:
+    """The autograder's bars (autograder/report.py: THROUGHPUT_BAR, TPOT_BAR)."""
+    spec = importlib.util.spec_from_file_location("autograder_report", REPO / "autograder" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("autograder_report", module)
+    spec.loader.exec_module(module)
+    return module.THROUGHPUT_BAR, module.TPOT_BAR
 
 
-def lease_story(lease, sec: dict, commits: str, runs: dict) -> list[str]:
-    """Paragraphs for one lease folder, each written only when the sections it cites are there."""
-    out = []
-    if any(k.startswith("sglang_") for k in sec):
-        out.append(f"\n## Both engines in one lease (`{lease.name}/`, minisgl {commits})\n")
-    else:
-        out.append(f"\n## minisgl alone (`{lease.name}/`, minisgl {commits})\n")
-    q06, q35 = get(sec, "sample06", "default"), get(sec, "qwen35", "default")
-    s = {k: sec.get(f"sglang_{k}") for k in ("w1_06", "w1_topkp_06", "w2_06", "w1_35", "w2_35")}
-    if q06 and s["w1_06"] and s["w2_06"]:
-        out.append(
-            f"On Qwen3-0.6B minisgl ran W1 at {q06['w1']['output_tok_per_s']:,.0f} output tok/s against SGLang's "
-            f"{s['w1_06']['output_tok_per_s']:,.0f}, and with top-k 50 / top-p 0.95 at "
-            f"{q06['w1_topkp']['output_tok_per_s']:,.0f} against {s['w1_topkp_06']['output_tok_per_s']:,.0f} (one "
-            "fused sampling kernel, no sort). Its first token came in "
-            f"{q06['w2']['ttft_ms_median']:.1f} ms against {s['w2_06']['ttft_ms_median']:.1f} (prefill steps replayed "
-            f"as CUDA graphs), the next ones every {q06['w2']['tpot_ms_median']:.2f} ms against "
-            f"{s['w2_06']['tpot_ms_median']:.2f}.")
-    if q35 and s["w1_35"] and s["w2_35"]:
-        out.append(
-            f"On the hybrid Qwen3.5-0.8B (Gated DeltaNet layers with a per-request state pool): W1 "
-            f"{q35['w1']['output_tok_per_s']:,.0f} against {s['w1_35']['output_tok_per_s']:,.0f} tok/s, TPOT "
-            f"{q35['w2']['tpot_ms_median']:.2f} against {s['w2_35']['tpot_ms_median']:.2f} ms.")
-    pdl, store = sec.get("pdl_ab06", {}), sec.get("store_ab06", {})
-    if "pdl_0" in pdl and "no_pdl_0" in pdl and "fused_store" in store:
-        out.append(
-            "Two changes went into the batch-1 step: the decode attention kernel stores the new token's K and V "
-            "itself (one launch fewer per layer: "
-            f"{store['store_kv']['w2']['tpot_ms_median']:.3f} -> {store['fused_store']['w2']['tpot_ms_median']:.3f}"
-            " ms per token on Qwen3-0.6B), and every Triton kernel of the step is launched with programmatic "
-            "dependent launch, so it is scheduled while its predecessor still runs and waits on the GPU, not "
-            f"behind it ({pdl['no_pdl_0']['w2']['tpot_ms_median']:.3f} -> "
-            f"{pdl['pdl_0']['w2']['tpot_ms_median']:.3f} ms; the GEMVs also start streaming their weights "
-            "before the wait).")
-    early = sec.get("early_ab06", {})
-    if early:
-        def mean(prefix):
-            xs = [r["w2"]["tpot_ms_median"] for k, r in early.items() if k.startswith(prefix) and "all_gemv" not in k]
-            return sum(xs) / len(xs) if xs else float("nan")
-        default_w2 = [r[4]["default"]["w2"] for r in runs.get("sample06", []) if "w2" in r[4].get("default", {})]
-        out.append(
-            "The batch-1 step again, on Qwen3-0.6B, in interleaved A/B runs: the GEMV loading two of its weight "
-            f"tiles before the PDL wait instead of one ({mean('early1_'):.3f} -> {mean('early2_'):.3f} ms per token; "
-            f"three: {mean('early3_'):.3f}; means of two rounds), and the gate/up projection on the GEMV instead "
-            "of cuBLAS, where the standalone tune had found no 2% win at one row; inside the step a cuBLAS launch "
-            "cannot start streaming its weights before the kernel ahead of it ends (with three early tiles: "
-            + ", ".join(f"{r['w2']['tpot_ms_median']:.3f}" for k, r in early.items() if "all_gemv" in k)
-            + " ms). With both as defaults W2 ran at "
-            + " and ".join(f"{w['tpot_ms_median']:.3f}" for w in default_w2[-1:]) + " ms per token.")
-    arms: dict[bool, list] = {}  # split on / off: each arm's runs (one process each), oldest first
-    for name in ("mixed06", "mixed06_long"):
-        for r in runs.get(name, []):
-            arms.setdefault(bool(r[4].get("mixed_decode_split")), []).append(r)
-    phases = sec.get("sweep_phases06", {}).get("timed_greedy")
-    if True in arms and False in arms:
-        ons = [r[4] for r in sorted(arms[True], key=lambda r: r[0])]
-        off = arms[False][-1][4]
+class Facts(dict):
+    """Formatted numbers by name; a missing one renders as a visible gap and is listed."""
 
-        def both(key, cell=None):
-            pick = (lambda x: x["sweep"][cell]) if cell else (lambda x: x[key])
-            return f"{pick(off)['output_tok_per_s']:,.0f} -> " + " / ".join(
-                f"{pick(x)['output_tok_per_s']:,.0f}" for x in ons if cell is None or cell in x["sweep"])
-        text = "Then the prompts of 1-4k tokens. "
-        if phases:
-            pre = [st[4] for st in phases["steps"] if not st[0]]
-            dec = [st for st in phases["steps"] if st[0]]
-            top = max(dec, key=lambda st: st[1])
-            text += (f"Timing every step of the 256-request mix showed its chunked-prefill steps growing from "
-                     f"{pre[0]:.0f} to {max(pre):.0f} ms as more running requests rode along as decode rows, while a "
-                     f"decode step of {top[1]} rows took {top[4]:.0f} ms: the extend kernel gives each request a "
-                     "128-query tile, so a one-token row paid for 128 over its whole context. ")
-        cells = [c for c in off["sweep"] if all(c in x["sweep"] for x in ons)]
-        text += ("Sending a mixed step's decode rows to the decode kernel (`MIXED_DECODE_SPLIT`), one process per "
-                 f"run, off -> on ({len(ons)} runs): W1 {both('w1')}, W1 top-k/top-p {both('w1_topkp')}, "
-                 + ", ".join(f"{c} {both(None, c)}" for c in cells) + " tok/s.")
-        out.append(text)
-    return out
+    def __init__(self):
+        super().__init__()
+        self.missing: set[str] = set()
+
+    def __missing__(self, key: str) -> str:
+        self.missing.add(key)
+        return f"[{key}: not measured]"
 
 
-def open_items(runs: dict, timelines: list, two_engine: dict) -> list[str]:
-    """What is still open, by the newest figures of each kind in the window."""
-    from make_lease_tables import kernel_kinds
+def facts(page: Page) -> tuple[Facts, list[tuple[str, bool | None]]]:
+    f, book = Facts(), page.book
+    val = {r.figure.id: r for r in page.rows}
 
-    by_label = {t["label"]: t for t in timelines if "bare_replay" in t}
-    items = []
-    w2 = [r["w2"]["tpot_ms_median"] for name in ("sample06", "w2_06", "merge_ab06", "store_ab06", "pdl_ab06",
-                                                   "early_ab06") for rr in runs.get(name, [])
-          for r in rr[4].values() if isinstance(r, dict) and "w2" in r]
-    if w2 and min(w2) > 1.0:
-        items.append(f"Qwen3-0.6B at batch 1: {min(w2):.3f} ms per token at best, above the 1.0 ms we aim for.")
-    w8 = [(rr[0], r["w2"]) for name in ("sample8", "pdl_ab8", "early_ab8", "w2_8b", "gemv_ab8")
-          for rr in runs.get(name, []) for k, r in rr[4].items() if k in ("default", "pdl", "early1_0") and "w2" in r]
-    if w8:
-        g8 = max(w8, key=lambda x: x[0])[1]
-        why = "on its large weights cuBLAS streams as fast as our GEMV"
-        if "8b" in by_label:
-            kinds = kernel_kinds(by_label["8b"])
-            matmul_us = kinds.get("matmul, cuBLAS", 0.0) + kinds.get("matmul, GEMV", 0.0)
-            weights = weight_bytes(MODELS["qwen3-8b"])
-            copy_bw = h200_baseline()["card"]["copy_bytes_per_s"]
-            why = (f"{matmul_us / 1e3:.2f} ms of its {by_label['8b']['unprofiled_ms_per_step']:.2f} ms step "
-                   f"(decode_timeline) are the matmuls streaming {weights / 1e9:.1f} GB of weights, "
-                   f"{weights / matmul_us / 1e6:.2f} TB/s; at the card's measured copy speed "
-                   f"({copy_bw / 1e12:.2f} TB/s) they would still take {weights / copy_bw * 1e3:.2f} ms, and the "
-                   "rest of the step (attention, norms, launches) takes "
-                   f"{by_label['8b']['unprofiled_ms_per_step'] - matmul_us / 1e3:.2f} ms")
-        if runs.get("wide_ab8"):  # newer than any timeline in the window: the wide tune's standalone times
-            tune = max(runs["wide_ab8"], key=lambda x: x[0])[4]["tune"]
-            matmul_us = bytes_ = 0.0
-            for r in tune["shapes"]:
-                count = int(next(u for u in r["used_by"] if u.startswith("qwen3-8b")).split(" x")[1])
-                best = r["gemv_us"][",".join(map(str, r["best"]))]
-                matmul_us += count * min(best["1"], r["cublas_us"]["1"])
-                bytes_ += count * r["n"] * r["k"] * 2
-            copy_bw = h200_baseline()["card"]["copy_bytes_per_s"]
-            why = (f"its matmuls alone, timed one by one in the GEMV tune of `wide_ab8` (the faster of GEMV and "
-                   f"cuBLAS per shape), take {matmul_us / 1e3:.2f} ms a token for {bytes_ / 1e9:.1f} GB of weights "
-                   f"({bytes_ / matmul_us / 1e6:.2f} TB/s); at the card's measured copy speed "
-                   f"({copy_bw / 1e12:.2f} TB/s) they would take {bytes_ / copy_bw * 1e3:.2f} ms, and the rest of the "
-                   f"step (attention, norms, launches) is about {g8['tpot_ms_median'] - matmul_us / 1e3:.2f} ms")
-        if g8["tpot_ms_median"] > 4.1:
-            items.append(f"Qwen3-8B at batch 1: {g8['tpot_ms_median']:.2f} ms per token, above the 4.1 ms we aim "
-                         f"for; {why}.")
-    theirs = two_engine.get("sglang_sweep_06")
-    if theirs:
-        # every cell's runs at the newest commit that measured it, default settings (the sweep and the split arm)
-        cell_runs: dict[str, list] = {}
-        for name in ("sweep06", "mixed06", "mixed06_long"):
-            for t, commit, env, file, res in runs.get(name, []):
-                if env or res.get("mixed_decode_split") is False:
-                    continue  # a non-default setting
-                for cell, r in (res.get("cells") or res.get("sweep") or {}).items():
-                    cell_runs.setdefault(cell, []).append((t, commit, file, r))
-        behind = []
-        for cell, rs in cell_runs.items():
-            last = max(rs, key=lambda x: x[0])[1]
-            at_last = [x for x in rs if x[1] == last]
-            b = theirs.get(cell, {}).get("output_tok_per_s")
-            slow = [x for x in at_last if b and x[3]["output_tok_per_s"] < b]
-            if slow:
-                behind.append(f"{cell} at {last[:7]}: " + "; ".join(
-                    f"{x[3]['output_tok_per_s'] / b:.2f}x in {x[2]}"
-                    + (f" ({sum(x[3].get('triton_compiles_timed', {}).values())} Triton variants compiled inside "
-                       "the timed run)" if x[3].get("triton_compiles_timed") else "") for x in at_last))
-        if behind:
-            items.append("Batch mixes where SGLang is ahead in a run at the newest commit that measured them: "
-                         + "; ".join(behind) + ".")
-    return ["\n## What is still open\n", *[f"- {item}" for item in items]] if items else []
+    def ours(fid):
+        r = val.get(fid)
+        return r.ours.value if r and r.ours else None
+
+    def put(name, x, digits=0, unit=""):
+        if x is not None:
+            f[name] = fmt(x, digits, unit)
+
+    def vs(fid) -> str | None:
+        """'1.19x' for throughput (ours/theirs), 'at 0.52x' for latency, from the row's ratio."""
+        r = val.get(fid)
+        return None if r is None or r.ratio is None else f"{r.ratio:.2f}x"
+
+    env = page.sources.environments
+    f["gpu"] = next((e["gpu"] for e in env.values() if e.get("gpu")), "H200")
+    f["sglang_version"] = next((str(v.get("version")) for v in page.sources.sglang.values() if v.get("version")),
+                               "0.5.16")
+    f["bandwidth"] = f"{page.bandwidth / 1e12:.2f}"
+    for fid, r in val.items():
+        put(fid.replace("w2_", ""), ours(fid), r.figure.digits)
+        if r.sglang is not None:
+            put("sg_" + fid.replace("w2_", ""), r.sglang, r.figure.digits)
+        if r.floor is not None:
+            put("floor_" + fid.replace("w2_", ""), r.floor, r.figure.digits)
+        if vs(fid):
+            f[fid.replace("w2_", "") + "_vs"] = vs(fid)
+    put("w4_06", ours("w4_gap_06"))
+    put("sg_w4_06", val["w4_gap_06"].sglang)
+    if ours("w2_tpot_06") and val["w2_tpot_06"].floor:
+        f["tpot_06_x_floor"] = times(ours("w2_tpot_06") / val["w2_tpot_06"].floor)
+    compared = [r for r in page.rows if r.ahead() is not None]
+    f["ahead"], f["compared"] = str(sum(r.ahead() for r in compared)), str(len(compared))
+    if ours("w1_06") and ours("w1_topkp_06"):
+        f["w1_topkp_drop"] = f"{100 * (1 - ours('w1_topkp_06') / ours('w1_06')):.1f}%"
+
+    # the ablation (bench06 on Qwen3-0.6B)
+    abl = page.sources.result("bench06")
+    arms = abl.result if abl else {}
+
+    def arm(label, *keys):
+        x = book.take(f"bench06.{label}.{'.'.join(keys)}", f"bench06.{label}.{'.'.join(keys)}") if abl else None
+        return x.value if x else None
+
+    d_w1 = arm("default", "w1", "output_tok_per_s")
+    for name, label, keys, digits in (("eager_w1", "no_cuda_graph", ("w1", "output_tok_per_s"), 0),
+                                      ("eager_tpot", "no_cuda_graph", ("w2", "tpot_ms_median"), 1),
+                                      ("no_overlap_w1", "no_overlap", ("w1", "output_tok_per_s"), 0),
+                                      ("no_overlap_tpot", "no_overlap", ("w2", "tpot_ms_median"), 3),
+                                      ("no_radix_w3", "no_radix_cache", ("w3", "output_tok_per_s"), 0),
+                                      ("no_chunk_w4", "no_chunked_prefill", ("w4", "worst_decode_gap_ms"), 0),
+                                      ("no_gemv_tpot", "no_gemv", ("w2", "tpot_ms_median"), 3),
+                                      ("no_pdl_tpot", "no_pdl", ("w2", "tpot_ms_median"), 3),
+                                      ("no_pg_ttft", "no_prefill_graphs", ("w2", "ttft_ms_median"), 1),
+                                      ("no_fused_w1_topkp", "no_fused_sampler", ("w1_topkp", "output_tok_per_s"), 0)):
+        put(name, arm(label, *keys), digits)
+    w1_ratio = {label: arm(label, "w1", "output_tok_per_s") / d_w1 for label in arms
+                if label != "default" and d_w1 and arm(label, "w1", "output_tok_per_s")}
+    for name, label in (("eager_w1_x", "no_cuda_graph"), ("no_overlap_w1_x", "no_overlap"),
+                        ("no_radix_w1_x", "no_radix_cache")):
+        if label in w1_ratio:
+            f[name] = times(w1_ratio[label])
+    w3c = book.take("w3_cached_06", "bench06.default.w3.cached_prompt_share", "w3_06.default.w3.cached_prompt_share")
+    if w3c:
+        f["w3_cached"] = f"{100 * w3c.value:.0f}%"
+
+    # the profiles
+    prof = page.sources.result("profile")
+    if prof:
+        g, d = prof.result.get("no_cuda_graph", {}), prof.result.get("default", {})
+        put("eager_kernels", g.get("kernels_per_step"))
+        if g.get("gpu_busy_fraction") is not None:
+            f["eager_busy"] = f"{100 * g['gpu_busy_fraction']:.0f}%"
+        put("prof_step", d.get("step_ms"), 2)
+        if d.get("gpu_busy_fraction") is not None:
+            f["prof_busy"] = f"{100 * d['gpu_busy_fraction']:.0f}%"
+    t06, t8 = page.sources.result("timeline:qwen3-0.6b"), page.sources.result("timeline:qwen3-8b")
+    if t06:
+        put("kernels_06", t06.result["activities_per_step"])
+    shape06, shape8 = floors.shape("qwen3-0.6b"), floors.shape("qwen3-8b")
+    f["weights_06"], f["weights_8"] = f"{shape06.weight_bytes / 1e9:.2f}", f"{shape8.weight_bytes / 1e9:.1f}"
+    f["vocab_06"] = f"{text_config('qwen3-0.6b')['vocab_size']:,}"
+    kinds35 = text_config("qwen3.5-0.8b")["layer_types"]
+    f["linear_layers_35"], f["layers_35"] = str(kinds35.count("linear_attention")), str(len(kinds35))
+
+    # the sweep
+    ahead = book.entries.get("sweep.ahead")
+    if ahead:
+        cells = [k for k in book.entries if k.startswith("sweep.n")]
+        ratios = [book.entries[c]["value"] / book.entries["sglang_" + c]["value"] for c in cells]
+        f["sweep_ahead"], f["sweep_cells"] = str(ahead["value"]), str(len(cells))
+        f["sweep_min"], f["sweep_max"] = times(min(ratios)), times(max(ratios))
+
+    # where it loses
+    r8 = val["w2_tpot_8"]
+    f["miss_tpot_8"] = bool(r8.met() is False)
+    f["target_tpot_8"] = fmt(r8.figure.target.value, 1)
+    misses = [r for r in page.rows if r.ours and (r.ahead() is False or r.met() is False)]
+    f["misses"] = "\n".join(
+        f"- **{MODEL_NAMES[r.figure.model]}, {r.figure.label}: {fmt(r.ours.value, r.figure.digits)}**"
+        + (f" against SGLang's {fmt(r.sglang, r.figure.digits)}" if r.sglang else "")
+        + (f", target {r.figure.target.text(r.figure.higher_is_better)}" if r.met() is False else "")
+        + f". {diagnose(page, r)[0].upper()}{diagnose(page, r)[1:]}" for r in misses) or (
+        "On these numbers, nowhere: every headline figure is ahead of SGLang and meets its target.")
+    bar_w1, bar_tpot = course_bars()
+    f["bar_throughput"], f["bar_tpot"] = f"{bar_w1:g}x", f"{bar_tpot:g}x"
+
+    # the prose's claims, each against the data (None: cannot tell from these sources)
+    def ratio_order(label):
+        return sorted(w1_ratio, key=w1_ratio.get).index(label) if label in w1_ratio else None
+
+    gemm8 = kinds_per_step(t8.result).get("gemm", 0.0) / (1e3 * t8.result["unprofiled_ms_per_step"]) if t8 else None
+    claims = [
+        ("'CUDA Graphs matter most': the eager arm loses the most W1", None if not w1_ratio else
+         ratio_order("no_cuda_graph") == 0),
+        ("'Overlapping ... is next': no_overlap loses the second most W1", None if not w1_ratio else
+         ratio_order("no_overlap") == 1),
+        ("the radix cache 'costs almost nothing' on W1: within 5%",
+         None if "no_radix_cache" not in w1_ratio else abs(w1_ratio["no_radix_cache"] - 1) < 0.05),
+        ("chunked prefill bounds W4's gap below the unchunked one",
+         None if arm("no_chunked_prefill", "w4", "worst_decode_gap_ms") is None or ours("w4_gap_06") is None else
+         ours("w4_gap_06") < arm("no_chunked_prefill", "w4", "worst_decode_gap_ms")),
+        ("SGLang's decoders wait longer in W4", None if val["w4_gap_06"].ratio is None else
+         val["w4_gap_06"].ratio < 1),
+        ("'took the step under a millisecond': Qwen3-0.6B TPOT < 1 ms",
+         None if ours("w2_tpot_06") is None else ours("w2_tpot_06") < 1.0),
+        ("the 8B step is 'mostly the matmuls' (said only when its TPOT misses the target)",
+         True if not f["miss_tpot_8"] else (None if gemm8 is None else gemm8 > 0.5)),
+        ("the course's bars are below this engine's results",
+         None if val["w1_06"].ratio is None or val["w2_tpot_06"].ratio is None else
+         val["w1_06"].ratio > bar_w1 and val["w2_tpot_06"].ratio < bar_tpot),
+    ]
+    return f, claims
 
 
-if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "reports/h200")
+def render(page: Page) -> tuple[str, list[str]]:
+    """The post, and its problems: facts the sources lack and claims the data does not support."""
+    f, claims = facts(page)
+    text = TEMPLATE.read_text()
+
+    def block(m: re.Match) -> str:
+        return m.group(2) if f.get(m.group(1)) else ""
+
+    text = re.sub(r"<!-- if (\w+) -->\n(.*?)<!-- end -->\n", block, text, flags=re.S)
+    text = text.format_map(f)
+    problems = [f"blog: no figure for {{{k}}}" for k in sorted(f.missing)]
+    problems += [f"blog: claim not supported by the data: {c}" for c, ok in claims if ok is False]
+    problems += [f"blog: claim not checkable from these sources: {c}" for c, ok in claims if ok is None]
+    return text, problems
+
+
+def words(text: str) -> int:
+    """Words of prose: tables, images and code left out."""
+    keep = [ln for ln in text.splitlines() if not ln.startswith(("|", "!", "```", "<!--"))]
+    return len(re.findall(r"[A-Za-z0-9][\w'.,/%-]*", "\n".join(keep)))
