@@ -72,10 +72,14 @@ class Bench:
 
 
 def workload(name: str, vocab: int, requests: int | None = None) -> Workload:
-    """A standard workload (minisgl.bench.workloads), or its first `requests` requests."""
+    """A standard workload (minisgl.bench.workloads), or its first `requests` requests. Ids beyond a small model's
+    vocabulary wrap around (the real models' vocabularies hold every id the workloads draw)."""
     w = WORKLOADS[name](vocab=min(vocab, 10000))
     if requests is not None:
-        w = Workload(w.name, w.prompts[:requests], w.params[:requests])
+        w = Workload(w.name, w.prompts[:requests], w.params[:requests], w.late_prompts, w.late_params)
+    if vocab < 10000:
+        w = Workload(w.name, [[t % vocab for t in p] for p in w.prompts], w.params,
+                     [[t % vocab for t in p] for p in w.late_prompts], w.late_params)
     return w
 
 

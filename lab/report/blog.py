@@ -124,6 +124,8 @@ def facts(page: Page) -> tuple[Facts, list[tuple[str, bool | None]]]:
     t06, t8 = page.sources.result("timeline:qwen3-0.6b"), page.sources.result("timeline:qwen3-8b")
     if t06:
         put("kernels_06", t06.result["activities_per_step"])
+    if t8:
+        put("kernels_8", t8.result["activities_per_step"])
     shape06, shape8 = floors.shape("qwen3-0.6b"), floors.shape("qwen3-8b")
     f["weights_06"], f["weights_8"] = f"{shape06.weight_bytes / 1e9:.2f}", f"{shape8.weight_bytes / 1e9:.1f}"
     f["vocab_06"] = f"{text_config('qwen3-0.6b')['vocab_size']:,}"

@@ -105,7 +105,8 @@ def hardware(page: Page) -> list[str]:
     return ["## Hardware and software", "", "| | |", "|---|---|",
             f"| GPU | one {env.get('gpu', '—')} |",
             f"| software | torch {env.get('torch', '—')}, Triton {env.get('triton', '—')}, "
-            f"CUDA {env.get('cuda', '—')}, transformers {env.get('transformers', '—')}, Python {env.get('python', '—')} |",
+            f"CUDA {env.get('cuda', '—')}, transformers {env.get('transformers', '—')}, "
+            f"Python {env.get('python', '—')} |",
             f"| SGLang | {', '.join(versions) or '—'}: Triton attention, torch sampling, seed 0, all else default "
             "(shared/anchors.md; its FA3 kernels are too large to bring to the machine) |",
             f"| minisgl commits measured | {', '.join(c[:10] for c in page.sources.commits() if c != '?')} |",

@@ -36,8 +36,8 @@ class Value:
     path: str
 
     def provenance(self) -> dict:
-        return {"file": self.run.file, "path": self.path, "commit": self.run.commit, "time_utc": self.run.time_utc,
-                "engine": self.run.engine}
+        return {"file": self.run.file, "section": self.run.section, "path": self.path, "commit": self.run.commit,
+                "time_utc": self.run.time_utc, "engine": self.run.engine}
 
 
 def rel(path: Path) -> str:
@@ -137,3 +137,17 @@ def lease_folders(root: str | Path) -> list[Path]:
         if runs:
             found.append((max(r.time_utc for r in runs), d))
     return [d for _, d in sorted(found)]
+
+
+def resolve(entry: dict, root: Path = REPO):
+    """The value a figures.json entry names, read again from its file (None when the file or path is gone)."""
+    path = root / entry["file"]
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if entry.get("engine") == "anchor":
+        return dig(data, entry["keys"])
+    section = entry["section"]
+    result = data if section.startswith("timeline:") else dig(data, ["sections", section, "result"])
+    keys = entry["path"][len(section) + 1:].split(".") if entry["path"] != section else []
+    return dig(result, keys)
