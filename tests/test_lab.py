@@ -76,6 +76,11 @@ def test_kernel_options_apply_for_the_block_and_restore_after():
     after = (attention.DECODE_FUSED_STORE, attention.DECODE_FUSED_MERGE, gemv.PDL_EARLY_TILES,
              triton_backend.MIXED_DECODE_SPLIT, dict(gemv.GEMV_CONFIGS), dict(sampling.LAUNCH), sampling.triton)
     assert after == before
+    from minisgl.kernels import gdn
+    shortcuts, gdn_config = (sampling.SKIP_BLOCKS, sampling.TOP_K_BOUND), dict(gdn.GDN_CONFIG)
+    with engines.kernel_options(sampler_shortcuts=False, gdn_config={"decode_warps": 2}):
+        assert not sampling.SKIP_BLOCKS and not sampling.TOP_K_BOUND and gdn.GDN_CONFIG["decode_warps"] == 2
+    assert (sampling.SKIP_BLOCKS, sampling.TOP_K_BOUND) == shortcuts and gdn.GDN_CONFIG == gdn_config
     with pytest.raises(ValueError, match="unknown kernel options"), engines.kernel_options(turbo=True):
         pass
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from lab.engines import kernel_options
 from lab.timing import capture, time_replay_us, time_us
 from minisgl.kernels import gdn
 
@@ -80,8 +81,7 @@ def gdr_inputs(lens, gen, dev):
     return q, k, v, g, beta, state, slots, cu
 
 
-def check_conv(name: str, lens: list[int], gen, dev, row: dict, config: dict | None = None) -> None:
-    gdn.GDN_CONFIG.update(config or {})
+def check_conv(name: str, lens: list[int], gen, dev, row: dict) -> None:
     x, weight, state, slots, cu = conv_inputs(lens, gen, dev)
     ref_state = state.clone()
     ref = gdn.causal_conv1d_ref(x, weight, None, ref_state, slots, cu)
@@ -94,8 +94,7 @@ def check_conv(name: str, lens: list[int], gen, dev, row: dict, config: dict | N
     row.update(us=us, gbps=moved / (us * 1e-6) / 1e9)
 
 
-def check_gdr(name: str, lens: list[int], gen, dev, row: dict, config: dict | None = None) -> None:
-    gdn.GDN_CONFIG.update(config or {})
+def check_gdr(name: str, lens: list[int], gen, dev, row: dict) -> None:
     q, k, v, g, beta, state, slots, cu = gdr_inputs(lens, gen, dev)
     ref_state = state.clone()
     ref = gdn.gated_delta_rule_ref(q, k, v, g, beta, ref_state, slots, cu)
@@ -175,17 +174,15 @@ def main() -> int:
         summary.update(ok=all(r.get("ok", False) for r in results), seconds=time.time() - t0)
         out_path.write_text(json.dumps(summary, indent=1))
 
-    def case(fn, name, *a, **kw):
+    def case(fn, name, *a, config: dict | None = None):
         row = dict(case=name, kernel=fn.__name__.removeprefix("check_"))
-        if "config" in kw:
-            row["config"] = kw["config"]
+        if config:
+            row["config"] = config
         try:
-            fn(name, *a, gen, dev, row, **kw)
+            with kernel_options(gdn_config=config or {}):  # the launch settings for this case only
+                fn(name, *a, gen, dev, row)
         except Exception as e:  # record and go on: one bad case should not hide the others
             row.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
-        finally:
-            gdn.GDN_CONFIG.clear()
-            gdn.GDN_CONFIG.update(DEFAULT_CONFIG)
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
         save()

@@ -63,15 +63,11 @@ def reference_sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 def fused(logits: torch.Tensor, st: SamplingTensors, shortcuts: bool = True) -> torch.Tensor:
     """The fused sampler; `shortcuts=False` turns its exact shortcuts (SKIP_BLOCKS, TOP_K_BOUND) off for this
     call (a graph captured through it keeps them off)."""
+    from lab.engines import kernel_options
     from minisgl.kernels import sampling
-    saved = sampling.SKIP_BLOCKS, sampling.TOP_K_BOUND
-    if not shortcuts:
-        sampling.SKIP_BLOCKS = sampling.TOP_K_BOUND = False
-    try:
+    with kernel_options(sampler_shortcuts=shortcuts):
         return sampling.fused_sample(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.steps,
                                      cuts=st.any_top_k_p)
-    finally:
-        sampling.SKIP_BLOCKS, sampling.TOP_K_BOUND = saved
 
 
 def make_logits(b: int, gen: torch.Generator, kind: str) -> torch.Tensor:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from lab.engines import kernel_options
 from lab.timing import time_graph
 
 VOCAB = 151936
@@ -84,12 +85,8 @@ def main(out_dir: str | Path = ".", apply: bool = False) -> dict:
         return row
 
     base = run(original, "default")
-    saved = fused.SKIP_BLOCKS, fused.TOP_K_BOUND
-    fused.SKIP_BLOCKS = fused.TOP_K_BOUND = False
-    try:
+    with kernel_options(sampler_shortcuts=False):
         run(original, "default_no_shortcuts")
-    finally:
-        fused.SKIP_BLOCKS, fused.TOP_K_BOUND = saved
     # the same default on the float32 widening: what reading the LM head's bf16 directly saves
     run(original, "default_fp32_logits", {b: x.float() for b, x in logits.items()})
     for i, cfg in enumerate(candidates()):
