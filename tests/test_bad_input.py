@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from helpers import PROMPTS, assert_all_pages_back, hf_greedy
 
-from minisgl import LLM, EngineConfig, SamplingParams
+from minisgl import LLM, EngineConfig, RequestError, SamplingParams
+from minisgl.sampling_params import MAX_TEMPERATURE, TOP_K_OFF
 
 CTX = 64  # max_model_len of the context-limited engine
 OK = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -134,31 +135,60 @@ BAD_PARAMS = [
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=math.nan), "temperature"),
     (dict(temperature=math.inf), "temperature"),
+    (dict(temperature=MAX_TEMPERATURE * 1.01), "temperature"),
+    (dict(temperature=True), "temperature"),
+    (dict(temperature="0.5"), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
+    (dict(top_p=5), "top_p"),
     (dict(top_p=math.nan), "top_p"),
+    (dict(top_p=True), "top_p"),
     (dict(min_p=-0.1), "min_p"),
     (dict(min_p=1.5), "min_p"),
     (dict(min_p=math.nan), "min_p"),
+    (dict(min_p=False), "min_p"),
     (dict(top_k=0), "top_k"),
     (dict(top_k=-2), "top_k"),
+    (dict(top_k=2.0), "top_k"),
+    (dict(top_k=True), "top_k"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-3), "max_tokens"),
     (dict(max_tokens=2.5), "max_tokens"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
     (dict(seed=-1), "seed"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=1.0), "seed"),
     (dict(stop=[""]), "stop"),
+    (dict(stop=5), "stop"),
     (dict(stop_token_ids=[-4]), "stop_token_ids"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
 ]
 
 
-@pytest.mark.parametrize("kw,field", BAD_PARAMS, ids=[f"{k}={v}" for (d, _) in BAD_PARAMS for k, v in d.items()])
-def test_invalid_sampling_values(kw, field, ctx_llm, qwen3_path):
-    bad = SamplingParams(**kw)
+@pytest.mark.parametrize("kw,field", BAD_PARAMS, ids=[f"{k}={v!r}" for (d, _) in BAD_PARAMS for k, v in d.items()])
+def test_invalid_sampling_values_are_refused_when_built(kw, field):
+    """One validation, at construction: a bad value never reaches an engine, whichever front end built it."""
+    with pytest.raises(RequestError, match=rf"^{field}\b") as info:
+        SamplingParams(**kw)
+    assert info.value.param == field
     value = next(iter(kw.values()))
-    msg = refused(ctx_llm, [PROMPTS[0], PROMPTS[2]], [OK, bad], rf"request 1: {field}\b")
     if field not in ("stop", "stop_token_ids"):
-        assert repr(value) in msg, msg
-    still_serves(ctx_llm, qwen3_path)
+        assert repr(value) in info.value.message, info.value.message
+
+
+def test_sampling_params_one_encoding_per_field():
+    """Each field has one type once built (1 and 1.0 are one temperature) and top-k off is spelled one way."""
+    p = SamplingParams(temperature=1, top_p=1, min_p=0, top_k=np.int64(5), stop="x", stop_token_ids=[np.int32(3)])
+    assert (type(p.temperature), type(p.top_p), type(p.min_p), type(p.top_k)) == (float, float, float, int)
+    assert p == SamplingParams(temperature=1.0, top_k=5, stop=("x",), stop_token_ids=(3,))
+    assert p.stop == ("x",) and type(p.stop_token_ids[0]) is int
+    assert SamplingParams().top_k == TOP_K_OFF == -1
+    # the k a sampler uses: the whole vocabulary when off, never more than the vocabulary
+    assert [SamplingParams(top_k=k).top_k_within(100) for k in (TOP_K_OFF, 1, 100, 10**6)] == [100, 1, 100, 100]
+    assert not SamplingParams().cuts(100) and not SamplingParams(top_k=100).cuts(100)
+    assert SamplingParams(top_k=99).cuts(100) and SamplingParams(top_p=0.9).cuts(100)
+    assert SamplingParams(min_p=0.1).cuts(100)
 
 
 def test_request_that_cannot_fit_the_kv_pool_even_alone(kv_llm, qwen3_path):

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from minisgl.sampling_params import MAX_TEMPERATURE
 from minisgl.server import ServerThread, build_state, engine_kwargs_from_args
 from minisgl.server.testing import tiny_model_path
 
@@ -309,10 +310,10 @@ BREAK = st.one_of(
               | st.integers(min_value=10**6)),
     st.tuples(st.just("temperature"), NOT_NUM.filter(lambda v: v is not None)
               | st.floats(max_value=-1e-9, **FINITE)
-              | st.floats(min_value=2.001, **FINITE)),
+              | st.floats(min_value=MAX_TEMPERATURE * 1.001, **FINITE)),
     st.tuples(st.just("top_p"), NOT_NUM.filter(lambda v: v is not None) | st.floats(max_value=0, **FINITE)
               | st.floats(min_value=1.0001, **FINITE)),
-    st.tuples(st.just("top_k"), NOT_INT.filter(lambda v: v is not None) | st.integers(max_value=-2)),
+    st.tuples(st.just("top_k"), NOT_INT.filter(lambda v: v is not None) | st.integers(max_value=-2) | st.just(0)),
     st.tuples(st.just("n"), st.integers().filter(lambda v: v != 1) | NOT_INT.filter(lambda v: v is not None)),
     st.tuples(st.just("stream"), NOT_BOOL),
     st.tuples(st.just("seed"), st.integers(max_value=-1) | st.integers(min_value=2**63)

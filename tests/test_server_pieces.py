@@ -16,6 +16,7 @@ from minisgl.config import make_config
 from minisgl.engine import Engine
 from minisgl.errors import RequestError
 from minisgl.llm import load_tokenizer
+from minisgl.sampling_params import MAX_TEMPERATURE
 from minisgl.server.app import (
     ServerState,
     check_model,
@@ -60,9 +61,7 @@ def test_check_request_names_the_parameter(state):
     cases = [([], ok, "prompt", None), ([vocab], ok, "prompt", None), ([1] * ctx, ok, "prompt",
              "context_length_exceeded"), ([1] * 10, SamplingParams(max_tokens=ctx), "max_tokens",
              "context_length_exceeded"), ([1] * 10, SamplingParams(max_tokens=KV_TOKENS), "max_tokens",
-             "context_length_exceeded"), ([1], SamplingParams(temperature=-1), "temperature", None),
-             ([1], SamplingParams(top_p=0), "top_p", None), ([1], SamplingParams(top_k=0), "top_k", None),
-             ([1], SamplingParams(seed=-2), "seed", None), ([1], SamplingParams(stop=[""]), "stop", None)]
+             "context_length_exceeded")]
     for ids, params, param, code in cases:
         with pytest.raises(RequestError) as info:
             engine.check_request(ids, params)
@@ -72,9 +71,9 @@ def test_check_request_names_the_parameter(state):
 
 def test_llm_keeps_the_parameter_and_names_the_request(state):
     llm = LLM(state.engine.runner.model_path, kv_cache_tokens=KV_TOKENS)
-    with pytest.raises(RequestError, match=r"^request 1: temperature") as info:
-        llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=2), SamplingParams(temperature=-1)])
-    assert info.value.param == "temperature"
+    with pytest.raises(RequestError, match=r"^request 1: the prompt is empty") as info:
+        llm.generate([[1, 2], []], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2)])
+    assert info.value.param == "prompt"
 
 
 def test_engine_errors_map_to_openai_bodies_without_reading_the_message():
@@ -100,8 +99,17 @@ def test_sampling_params_for_names_the_endpoint_parameters(state):
         sampling_params_for(state, req, [1] * 10, KV_TOKENS, None, "messages", "max_completion_tokens")
     assert (info.value.param, info.value.code) == ("max_completion_tokens", "context_length_exceeded")
     assert "KV pool" in info.value.message
-    params = sampling_params_for(state, completion(temperature=0, top_k=0), [1, 2, 3], None, 16, "prompt")
+    params = sampling_params_for(state, completion(temperature=0), [1, 2, 3], None, 16, "prompt")
     assert (params.temperature, params.top_k, params.max_tokens) == (0.0, -1, 16)
+    # the sampling values are checked by SamplingParams alone (one validation), its RequestError a 400
+    for field, value in [("temperature", MAX_TEMPERATURE * 2), ("temperature", -1.0), ("top_p", 5.0),
+                         ("top_k", 0), ("min_p", 2.0), ("seed", 2**63)]:
+        with pytest.raises(APIError) as info:
+            sampling_params_for(state, completion(**{field: value}), [1, 2, 3], None, 16, "prompt")
+        assert (info.value.status, info.value.param) == (400, field), info.value.message
+    with pytest.raises(APIError) as info:
+        sampling_params_for(state, chat(max_completion_tokens=0), [1, 2], 0, None, "messages", "max_completion_tokens")
+    assert (info.value.status, info.value.param) == (400, "max_completion_tokens")
 
 
 def test_stop_strings_without_a_tokenizer_name_stop():

@@ -66,7 +66,7 @@ class Engine:
                     if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {input_ids[bad]!r} is out of the vocabulary [0, {vocab})", "prompt")
-        params.validate()
+        # the params themselves were checked when they were built (SamplingParams.__post_init__)
         n, ctx = len(input_ids), self.max_model_len
         if n >= ctx:
             raise RequestError(f"the prompt has {n} tokens, longer than the context of {ctx} tokens", "prompt",

@@ -230,7 +230,7 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         seeds = np.asarray([r.seed for r in reqs], dtype=np.int64)
         steps = np.asarray([r.num_outputs_scheduled for r in reqs], dtype=np.int64)
-        top_ks = np.asarray([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], dtype=np.int64)
+        top_ks = np.asarray([r.params.top_k_within(vocab) for r in reqs], dtype=np.int64)
         loc = np.asarray(batch.out_cache_loc, np.int64)
         if self.is_hybrid:  # the linear-attention layers' state slots (slot = row) and sequence bounds
             state_slots, cu_seqlens = rows, np.append(start, t)
@@ -271,7 +271,7 @@ class ModelRunner:
         sampling = SamplingTensors(
             temperatures=dev_floats[0, :s], top_ps=dev_floats[1, :s], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
             all_greedy=all(x == 0 for x in temps), min_ps=dev_floats[2, :s],
-            any_top_k_p=any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in reqs))
+            any_top_k_p=any(r.params.cuts(vocab) for r in reqs))
         return input_ids, pos, meta, logit_d, sampling, dst_d
 
     def store_tokens(self, token_dst: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ class SamplingTensors:
     """Per-row sampling settings on the device, built once per batch."""
 
     temperatures: torch.Tensor  # [B] float; 0 = greedy
-    top_ks: torch.Tensor  # [B] int; vocab size = off
+    top_ks: torch.Tensor  # [B] int: the k of the cut; vocab size for a request without one (top_k_within)
     top_ps: torch.Tensor  # [B] float; 1 = off
     seeds: torch.Tensor  # [B] int64
     steps: torch.Tensor  # [B] int64: index of the token being drawn

@@ -31,31 +31,15 @@ NEED_SYNC = object()
 
 
 # --- notebooks/05_scheduler.ipynb, cell 29 (id c05-029) ---
-class Scheduler:
-    def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, cache: PrefixCache,
-                 page_size: int, max_running: int, chunk_size: int, chunked: bool = True) -> None:
-        self.allocator, self.req_pool, self.cache = allocator, req_pool, cache
-        self.page_size = page_size
-        self.max_running = max_running
-        # Prefill tokens per step. Chunked: prompts are cut to fit. Not chunked: prompts are never cut, and a
-        # prompt larger than the budget runs as the only prefill of its step.
-        self.chunk_size = chunk_size
-        self.chunked = chunked
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.step_id = 0
-        self.num_retractions = 0
+class SchedulerPages:
+    """A request's KV pages: how many to add, where its tokens go, and giving them back. A part of `Scheduler`
+    (below), which sets the attributes listed here."""
 
-    # --- queue ---------------------------------------------------------------------------------------
-    def add(self, req: Req) -> None:
-        req.status = ReqStatus.WAITING
-        self.waiting.append(req)
+    allocator: PageAllocator
+    req_pool: ReqToTokenPool
+    cache: PrefixCache
+    page_size: int
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    # --- pages ---------------------------------------------------------------------------------------
     def _pages_for(self, req: Req, n: int) -> int:
         """Pages to add so that `req` (holding `kv_len` tokens in `pages`) can hold `n` more tokens."""
         p = self.page_size
@@ -109,7 +93,24 @@ class Scheduler:
         req.cache_node, req.cached_len = result.node, aligned
         return hi * p if hi > lo else 0
 
-    # --- retraction ----------------------------------------------------------------------------------
+
+# --- notebooks/05_scheduler.ipynb, cell 31 (id c05-031) ---
+class SchedulerQueue:
+    """The waiting queue and the running list, from a request's arrival to its release. A part of `Scheduler`
+    (below), which sets the attributes listed here; `release` is `SchedulerPages`'."""
+
+    waiting: deque[Req]
+    running: list[Req]
+    num_retractions: int
+
+    def add(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
     def _retract(self, req: Req) -> None:
         """Release a running request's KV and put it back at the front of the waiting queue."""
         self.release(req)
@@ -119,7 +120,6 @@ class Scheduler:
         self.num_retractions += 1
         self.waiting.appendleft(req)
 
-    # --- the end of a request ------------------------------------------------------------------------
     def release_finished(self, in_flight: set[int]) -> list[Req]:
         """Release finished requests that no launched step still uses; returns them."""
         done = [r for r in self.running if r.finished and id(r) not in in_flight]
@@ -157,7 +157,92 @@ class Scheduler:
         self.cache.evict(self.cache.cached_pages)
         return reqs
 
-    # --- the step ------------------------------------------------------------------------------------
+
+# --- notebooks/05_scheduler.ipynb, cell 33 (id c05-033) ---
+class SchedulerAdmission:
+    """How many prompt tokens a step takes, admitting a waiting request, and a step's plan as a `Batch`. A part
+    of `Scheduler` (below), which sets the attributes listed here and those of the other two parts."""
+
+    chunk_size: int
+    chunked: bool
+    step_id: int
+
+    def _prefill_len(self, todo: int, prefill_tokens: int) -> int:
+        """How many of `todo` prompt tokens fit this step (0: none)."""
+        if self.chunked:
+            return min(todo, self.chunk_size - prefill_tokens)
+        if prefill_tokens and prefill_tokens + todo > self.chunk_size:
+            return 0
+        return todo
+
+    def _admit(self, req: Req, prefill_tokens: int) -> int:
+        """Admit `req`, the head of the waiting queue, for a chunk that fits what is left of the budget and the
+        pool. Returns the tokens it computes this step; 0: not admitted (it stays at the head of the queue)."""
+        ids = req.known_ids(req.num_tokens)
+        match = self.cache.match(ids[:-1])  # leave at least one token to compute: it gives the logits
+        matched = len(match.pages) * self.page_size
+        n = self._prefill_len(req.num_tokens - matched, prefill_tokens)
+        if n <= 0:
+            return 0
+        self.cache.lock(match.node)
+        need = -(-(matched + n) // self.page_size) - len(match.pages)
+        # keep a page per running request spare, so admitting does not force the decoders to retract
+        if not self._ensure_free(need + len(self.running)):
+            self.cache.unlock(match.node)
+            return 0
+        self.waiting.popleft()
+        req.row = self.req_pool.alloc()
+        req.pages, req.kv_len = list(match.pages), matched
+        req.cached_len, req.cache_node = matched, match.node
+        if req.num_retractions == 0:
+            req.num_cached_prompt_tokens = min(matched, len(req.input_ids))
+        self.req_pool.write(req.row, 0, self._slots(req, 0, matched))
+        # the ids of every token it will compute: all are known here (nothing of it is in flight)
+        self.req_pool.write_tokens(req.row, matched, req.ids_between(matched, req.num_tokens))
+        req.pages += self.allocator.alloc(need)
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+        return n
+
+    def _build(self, plan: list[tuple[Req, int]]) -> Batch:
+        self.step_id += 1
+        batch = Batch(self.step_id, [], [], [], [], [])
+        for i, (req, n) in enumerate(plan):
+            start = req.kv_len
+            slots = self._slots(req, start, start + n)
+            batch.reqs.append(req)
+            batch.prefix_lens.append(start)
+            batch.extend_lens.append(n)
+            batch.out_cache_loc.extend(slots)
+            req.kv_len = start + n
+            if req.kv_len == req.num_tokens:  # its last token is computed: it samples the next one
+                batch.sample_rows.append(i)
+                req.num_pending += 1
+            # The table points the new positions at their slots, except those that _cache_prefix has just
+            # pointed at another request's pages holding the same tokens: one write per position, since a
+            # scatter that writes a position twice has no defined winner on a GPU.
+            shared_end = self._cache_prefix(req) if n > 1 and self.cache.keeps_pages else 0
+            first = max(start, shared_end)
+            self.req_pool.write(req.row, first, slots[first - start:])
+        return batch
+
+
+# --- notebooks/05_scheduler.ipynb, cell 35 (id c05-035) ---
+class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
+    def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, cache: PrefixCache,
+                 page_size: int, max_running: int, chunk_size: int, chunked: bool = True) -> None:
+        self.allocator, self.req_pool, self.cache = allocator, req_pool, cache
+        self.page_size = page_size
+        self.max_running = max_running
+        # Prefill tokens per step. Chunked: prompts are cut to fit. Not chunked: prompts are never cut, and a
+        # prompt larger than the budget runs as the only prefill of its step.
+        self.chunk_size = chunk_size
+        self.chunked = chunked
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.step_id = 0
+        self.num_retractions = 0
+
     def _wants_step(self, req: Req) -> bool:
         return (not req.finished and req.num_tokens > req.kv_len
                 and req.num_outputs_scheduled < req.params.max_tokens)
@@ -197,62 +282,11 @@ class Scheduler:
             prefill_tokens += n
         while self.waiting and len(self.running) < self.max_running and self.req_pool.num_free:
             req = self.waiting[0]
-            ids = req.known_ids(req.num_tokens)
-            match = self.cache.match(ids[:-1])  # leave at least one token to compute: it gives the logits
-            matched = len(match.pages) * self.page_size
-            n = self._prefill_len(req.num_tokens - matched, prefill_tokens)
-            if n <= 0:
+            n = self._admit(req, prefill_tokens)
+            if n == 0:
                 break
-            self.cache.lock(match.node)
-            need = -(-(matched + n) // self.page_size) - len(match.pages)
-            # keep a page per running request spare, so admitting does not force the decoders to retract
-            if not self._ensure_free(need + len(self.running)):
-                self.cache.unlock(match.node)
-                break
-            self.waiting.popleft()
-            req.row = self.req_pool.alloc()
-            req.pages, req.kv_len = list(match.pages), matched
-            req.cached_len, req.cache_node = matched, match.node
-            if req.num_retractions == 0:
-                req.num_cached_prompt_tokens = min(matched, len(req.input_ids))
-            self.req_pool.write(req.row, 0, self._slots(req, 0, matched))
-            # the ids of every token it will compute: all are known here (nothing of it is in flight)
-            self.req_pool.write_tokens(req.row, matched, req.ids_between(matched, req.num_tokens))
-            req.pages += self.allocator.alloc(need)
-            req.status = ReqStatus.RUNNING
-            self.running.append(req)
             plan.append((req, n))
             prefill_tokens += n
         if not plan:
             return None
         return self._build(plan)
-
-    def _prefill_len(self, todo: int, prefill_tokens: int) -> int:
-        """How many of `todo` prompt tokens fit this step (0: none)."""
-        if self.chunked:
-            return min(todo, self.chunk_size - prefill_tokens)
-        if prefill_tokens and prefill_tokens + todo > self.chunk_size:
-            return 0
-        return todo
-
-    def _build(self, plan: list[tuple[Req, int]]) -> Batch:
-        self.step_id += 1
-        batch = Batch(self.step_id, [], [], [], [], [])
-        for i, (req, n) in enumerate(plan):
-            start = req.kv_len
-            slots = self._slots(req, start, start + n)
-            batch.reqs.append(req)
-            batch.prefix_lens.append(start)
-            batch.extend_lens.append(n)
-            batch.out_cache_loc.extend(slots)
-            req.kv_len = start + n
-            if req.kv_len == req.num_tokens:  # its last token is computed: it samples the next one
-                batch.sample_rows.append(i)
-                req.num_pending += 1
-            # The table points the new positions at their slots, except those that _cache_prefix has just
-            # pointed at another request's pages holding the same tokens: one write per position, since a
-            # scatter that writes a position twice has no defined winner on a GPU.
-            shared_end = self._cache_prefix(req) if n > 1 and self.cache.keeps_pages else 0
-            first = max(start, shared_end)
-            self.req_pool.write(req.row, first, slots[first - start:])
-        return batch

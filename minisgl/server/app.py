@@ -182,16 +182,10 @@ def sampling_params_for(state: ServerState, req, ids: list[int], max_tokens: int
         raise APIError(400, f"max_tokens={max_tokens} is too large: the prompt has {n} tokens and the "
                             f"context holds {ctx}, so at most {ctx - n} new tokens fit",
                        param=max_tokens_param, code="context_length_exceeded")
-    vocab = state.engine.model_config.vocab_size
-    top_k = req.top_k
-    if top_k is None or top_k in (0, -1) or top_k >= vocab:
-        top_k = -1
-    params = SamplingParams(
-        temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k, max_tokens=max_tokens,
-        min_p=0.0 if req.min_p is None else float(req.min_p),
-        ignore_eos=bool(req.ignore_eos), stop=tuple(req.stop or ()), seed=req.seed)
-    try:
+    given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed")}
+    try:  # SamplingParams checks every value (the one validation); a field left out keeps its default
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop=tuple(req.stop or ()),
+                                **{name: v for name, v in given.items() if v is not None})
         state.engine.check_request(ids, params)
     except RequestError as e:
         raise to_api_error(e, prompt_param, max_tokens_param) from None

@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
-MAX_SEED = 2**63 - 1
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")  # \ud800-\udfff spelled in JSON
 
 
@@ -113,16 +112,17 @@ class _Sampling(_Strict):
     """Fields shared by both endpoints."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    min_p: float | None = Field(None, ge=0, le=1)  # extension, as in SGLang and vLLM
-    top_k: int | None = Field(None, ge=-1)  # extension: -1 or 0 = off
+    # the sampling fields are typed here and range-checked once, by SamplingParams (a RequestError -> 400)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    min_p: float | None = None  # extension, as in SGLang and vLLM
+    top_k: int | None = None  # extension: -1 = off
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Any = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -254,7 +254,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     response_format: dict | None = None
