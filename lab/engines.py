@@ -3,10 +3,14 @@
 Settings are the engine's own switches (`overlap=False`, `gemv=False`, ...): keyword arguments of `LLM`.
 Kernel options are the Triton path's switches that are not (yet) per-engine on main: module-level values that an
 engine reads when it compiles its kernels and captures its graphs (the kernel checks and tunes of lab.checks and
-lab.tune set them through here too). Until they are engine options (issue 27),
-`kernel_options` sets them for one engine's life and restores them afterwards; when they become options of the
-engine, `KERNEL_OPTIONS` and `kernel_options` are the only code to change (pass them to `LLM` instead). Every
-result records both, so a JSON says what ran.
+lab.tune set them through here too). Until they are engine options, `kernel_options` sets them for one engine's
+life and restores them afterwards. Every result records both, so a JSON says what ran.
+
+When the engine takes them (issue 27's `KernelOptions`, `EngineConfig.kernels`), this module is the one to change:
+the option names here are that class's fields (`decode_fused_store`, `gemv_pdl_early_tiles`, `sampler_launch`,
+`gdn`, ...); `with_engine` then passes `kernel` to `LLM` with the settings (a `gemv_table` dict written to a JSON
+file for `gemv_configs`), and `kernel_options` becomes `use_options(replace(current_options(), ...))` for the
+checks that call kernels directly. `fused_sampler` has no such field yet: its arm needs one or keeps this patch.
 """
 
 from __future__ import annotations
@@ -79,13 +83,6 @@ def _fused_sampler(on: bool):
     return contextlib.nullcontext() if on else _module_value("minisgl.kernels.sampling", "triton", None)
 
 
-@contextlib.contextmanager
-def _shortcuts(on: bool) -> Iterator[None]:
-    with _module_value("minisgl.kernels.sampling", "SKIP_BLOCKS", on), \
-            _module_value("minisgl.kernels.sampling", "TOP_K_BOUND", on):
-        yield
-
-
 # option name -> (what it does, a function value -> context manager that applies it to engines built inside)
 KERNEL_OPTIONS: dict[str, tuple[str, Callable[[Any], contextlib.AbstractContextManager]]] = {
     "decode_fused_merge": ("decode attention merges its splits inside its first kernel (else a second launch)",
@@ -102,10 +99,12 @@ KERNEL_OPTIONS: dict[str, tuple[str, Callable[[Any], contextlib.AbstractContextM
                        lambda v: dict_entries("minisgl.kernels.sampling", "LAUNCH", v)),
     "fused_sampler": ("sampling with top-k/top-p/temperature in one Triton kernel (else torch, with a sort)",
                       _fused_sampler),
-    "sampler_shortcuts": ("the fused sampler's exact shortcuts: skipping blocks below the cut, the top-k bound",
-                          lambda v: _shortcuts(bool(v))),
-    "gdn_config": ("launch settings of the Gated DeltaNet kernels (entries of minisgl.kernels.gdn.GDN_CONFIG)",
-                   lambda v: dict_entries("minisgl.kernels.gdn", "GDN_CONFIG", v)),
+    "sampler_skip_blocks": ("the fused sampler reads only the blocks of logits that can hold a kept token (exact)",
+                            lambda v: _module_value("minisgl.kernels.sampling", "SKIP_BLOCKS", bool(v))),
+    "sampler_top_k_bound": ("the fused sampler's top-k search starts from the k-th largest block maximum (exact)",
+                            lambda v: _module_value("minisgl.kernels.sampling", "TOP_K_BOUND", bool(v))),
+    "gdn": ("launch settings of the Gated DeltaNet kernels (entries of minisgl.kernels.gdn.GDN_CONFIG)",
+            lambda v: dict_entries("minisgl.kernels.gdn", "GDN_CONFIG", v)),
 }
 
 

@@ -78,7 +78,7 @@ def test_kernel_options_apply_for_the_block_and_restore_after():
     assert after == before
     from minisgl.kernels import gdn
     shortcuts, gdn_config = (sampling.SKIP_BLOCKS, sampling.TOP_K_BOUND), dict(gdn.GDN_CONFIG)
-    with engines.kernel_options(sampler_shortcuts=False, gdn_config={"decode_warps": 2}):
+    with engines.kernel_options(sampler_skip_blocks=False, sampler_top_k_bound=False, gdn={"decode_warps": 2}):
         assert not sampling.SKIP_BLOCKS and not sampling.TOP_K_BOUND and gdn.GDN_CONFIG["decode_warps"] == 2
     assert (sampling.SKIP_BLOCKS, sampling.TOP_K_BOUND) == shortcuts and gdn.GDN_CONFIG == gdn_config
     with pytest.raises(ValueError, match="unknown kernel options"), engines.kernel_options(turbo=True):

@@ -179,7 +179,7 @@ def main() -> int:
         if config:
             row["config"] = config
         try:
-            with kernel_options(gdn_config=config or {}):  # the launch settings for this case only
+            with kernel_options(gdn=config or {}):  # the launch settings for this case only
                 fn(name, *a, gen, dev, row)
         except Exception as e:  # record and go on: one bad case should not hide the others
             row.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])

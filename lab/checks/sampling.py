@@ -65,7 +65,7 @@ def fused(logits: torch.Tensor, st: SamplingTensors, shortcuts: bool = True) -> 
     call (a graph captured through it keeps them off)."""
     from lab.engines import kernel_options
     from minisgl.kernels import sampling
-    with kernel_options(sampler_shortcuts=shortcuts):
+    with kernel_options(sampler_skip_blocks=shortcuts, sampler_top_k_bound=shortcuts):
         return sampling.fused_sample(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.steps,
                                      cuts=st.any_top_k_p)
 

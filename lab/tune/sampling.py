@@ -85,7 +85,7 @@ def main(out_dir: str | Path = ".", apply: bool = False) -> dict:
         return row
 
     base = run(original, "default")
-    with kernel_options(sampler_shortcuts=False):
+    with kernel_options(sampler_skip_blocks=False, sampler_top_k_bound=False):
         run(original, "default_no_shortcuts")
     # the same default on the float32 widening: what reading the LM head's bf16 directly saves
     run(original, "default_fp32_logits", {b: x.float() for b, x in logits.items()})
