@@ -136,8 +136,7 @@ class Serving(Step):
     serving.sh) against `python -m minisgl serve` and against SGLang's server, at each request rate. The servers'
     command lines are SERVERS below: the one place to change when minisgl's server gains flags."""
 
-    rates: tuple[float, ...] = (8.0, 16.0, 24.0, 32.0)
-    num_prompts: int = 300
+    loads: tuple[str, ...] = ("rate8", "rate24", "rate48", "burst")  # names of LOADS below
 
     def ready(self) -> str | None:
         if not (SITE / ".sglang-kit").is_file():
@@ -147,9 +146,7 @@ class Serving(Step):
         return None
 
     def argv(self, out: str) -> list[str]:
-        rates = ",".join(map(str, self.rates))
-        return [sys.executable, "-m", "lab.lease", "serve-bench", "--out", out, "--rates", rates,
-                "--num-prompts", str(self.num_prompts)]
+        return [sys.executable, "-m", "lab.lease", "serve-bench", "--out", out, "--loads", ",".join(self.loads)]
 
 
 # --- calls ---------------------------------------------------------------------------------------------------
@@ -196,7 +193,7 @@ CALLS: dict[str, Call] = {
                Timeline("timeline8", 40, ("decode_timeline_8b.json",), "qwen3-8b", "8b"))),
     "serving": Call(
         "optional, after call3 on the same machine: online serving, minisgl's server and SGLang's, SGLang's "
-        "bench_serving client at 8-32 requests/s (the latency-vs-rate curve of issue 24)",
+        "bench_serving client at 8, 24, 48 requests/s and 512 at once (the latency-vs-rate curve of issue 24)",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("serving", 420, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),)),
 }
@@ -286,52 +283,61 @@ def run_call(name: str, out: str, commit: str | None, only: set[str] | None = No
         print(f"{name}: {time.perf_counter() - t_start:.0f} s", flush=True)
 
 
-# servers for the serving call: (name, command with {model} and {port}); the bench client is the kit's
+# The serving call (issue 24): both servers on one model folder (the kit's serving.sh writes it: Qwen3-0.6B body,
+# the embedded model's 4k tokenizer, dummy weights), SGLang's bench_serving client against each, the same loads.
+# SERVERS is the one place to change when minisgl's server gains flags.
+SERVE_MODEL = "/tmp/serving-model"
 SERVERS = {
-    "minisgl": [sys.executable, "-m", "minisgl", "serve", "--model", "{model}", "--load-format", "dummy",
+    "minisgl": [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODEL, "--load-format", "dummy",
                 "--host", "127.0.0.1", "--port", "{port}"],
-    "sglang": ["bash", f"{KIT}/serving.sh", WHEEL_DIR, "sglang-server", "--", "--model-path", "{model}",
+    "sglang": ["bash", f"{KIT}/serving.sh", WHEEL_DIR, "sglang-server", "--", "--model-path", SERVE_MODEL,
                "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--grammar-backend", "none", "--host", "127.0.0.1", "--port", "{port}"],
 }
+# name: (request rate, requests, output tokens, range ratio); 1,024 input tokens each (random ids, seed 1)
+LOADS = {"rate8": ("8", 300, 256, 0.5), "rate24": ("24", 300, 256, 0.5), "rate48": ("48", 300, 256, 0.5),
+         "burst": ("inf", 512, 512, 0.25)}
 
 
-def serve_bench(out: str, rates: list[float], num_prompts: int) -> None:
-    """Each server in turn: start it, wait for /health, run SGLang's bench_serving at each rate, stop it by its
-    PID. Results: one JSON line per run in $OUT/serving_<server>.jsonl (bench_serving's output), and
-    $OUT/serving.json with the commands and start-up times."""
+def wait_healthy(proc: subprocess.Popen, port: int, limit_s: float = 300) -> float | None:
     import urllib.request
+    t0 = time.perf_counter()
+    while proc.poll() is None and time.perf_counter() - t0 < limit_s:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except OSError:
+            time.sleep(0.5)
+    return None
+
+
+def serve_bench(out: str, loads: list[str]) -> None:
+    """Each server in turn: start it in its own process group, wait for /health, run SGLang's bench_serving at
+    each load (one JSON line each in $OUT/serving_<server>.jsonl), stop the group. $OUT/serving.json: commands,
+    start-up times, return codes."""
     kit = ["bash", f"{KIT}/serving.sh", WHEEL_DIR]
-    model_dir = "/tmp/serve-model"
-    subprocess.run([*kit, "model", model_dir], cwd=REPO, check=True)
-    summary: dict = {"rates": rates, "num_prompts": num_prompts, "servers": {}}
+    if not (Path(SERVE_MODEL) / "config.json").is_file():
+        subprocess.run([*kit, "model", SERVE_MODEL], cwd=REPO, check=True)
+    summary: dict = {"loads": {k: LOADS[k] for k in loads}, "servers": {}}
     for port, (server, command) in enumerate(SERVERS.items(), start=30001):
-        argv = [a.format(model=model_dir, port=port) for a in command]
+        argv = [a.format(port=port) for a in command]
         log = open(LOGS / f"server_{server}.log", "w")
-        t0 = time.perf_counter()
         proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        ready = None
-        while proc.poll() is None and time.perf_counter() - t0 < 240:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        ready = time.perf_counter() - t0
-                        break
-            except OSError:
-                time.sleep(1)
+        ready = wait_healthy(proc, port)
         runs = []
-        if ready is not None:
-            for rate in rates:
-                bench = [*kit, "bench", "--", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
-                         "--model", model_dir, "--tokenizer", model_dir, "--dataset-name", "random-ids",
-                         "--random-input-len", "1024", "--random-output-len", "256", "--random-range-ratio", "0.5",
-                         "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", "1",
-                         "--output-file", os.path.join(out, f"serving_{server}.jsonl")]
-                rc = subprocess.run(bench, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-                runs.append({"rate": rate, "returncode": rc})
+        for name in loads if ready is not None else []:
+            rate, prompts, out_len, ratio = LOADS[name]
+            bench = [*kit, "bench", "--", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+                     "--model", SERVE_MODEL, "--tokenizer", SERVE_MODEL, "--dataset-name", "random-ids",
+                     "--random-input-len", "1024", "--random-output-len", str(out_len), "--random-range-ratio",
+                     str(ratio), "--num-prompts", str(prompts), "--request-rate", rate, "--seed", "1",
+                     "--output-file", os.path.join(out, f"serving_{server}.jsonl")]
+            rc = subprocess.run(bench, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+            runs.append({"load": name, "returncode": rc})
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         summary["servers"][server] = {"command": argv, "ready_s": ready, "runs": runs}
@@ -425,8 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", help="the commit the device's tree is (it has no .git)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where the JSON goes (default $OUT)")
     ap.add_argument("--steps", help="run only these steps of the call (comma-separated)")
-    ap.add_argument("--rates", default="8,16,24,32", help="serve-bench: request rates")
-    ap.add_argument("--num-prompts", type=int, default=300, help="serve-bench: requests per rate")
+    ap.add_argument("--loads", default=",".join(LOADS), help=f"serve-bench: of {', '.join(LOADS)}")
     a = ap.parse_args(argv)
     if a.what == "plan":
         return plan()
@@ -437,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out or $OUT is required")
     if a.what == "serve-bench":
         LOGS.mkdir(parents=True, exist_ok=True)
-        serve_bench(a.out, [float(r) for r in a.rates.split(",")], a.num_prompts)
+        serve_bench(a.out, a.loads.split(","))
         return 0
     run_call(a.what, a.out, a.commit, set(a.steps.split(",")) if a.steps else None)
     return 0

@@ -139,6 +139,8 @@ def test_lease_plan_fits_the_device_limits():
                 assert set(step.sections) <= set(sections.SECTIONS), step
             if isinstance(step, lease.SGLang):
                 assert set(step.sections) <= set(sglang.SECTIONS) and step.model in models.MODELS
+            if isinstance(step, lease.Serving):
+                assert set(step.loads) <= set(lease.LOADS)
             assert len(" ".join(step.argv("/tmp/out"))) < 2000
     assert sum(lease.CALLS[c].seconds for c in ("call1", "call2", "call3")) + 120 <= 25 * 60
     planned = {s for c in ("call1", "call2", "call3") for st in lease.CALLS[c].steps
