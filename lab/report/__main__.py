@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     page = Page(sources, root)
     audit(page)
     report = write(page, a.draft)
-    post, blog_problems = blog.render(page)
+    post, blog_problems = blog.render(page, a.draft)
     page.problems += blog_problems
     if page.problems and not a.draft:
         print("the report is not current:\n" + "\n".join(f"- {p}" for p in page.problems), file=sys.stderr)

@@ -182,8 +182,9 @@ def facts(page: Page) -> tuple[Facts, list[tuple[str, bool | None]]]:
     return f, claims
 
 
-def render(page: Page) -> tuple[str, list[str]]:
-    """The post, and its problems: facts the sources lack and claims the data does not support."""
+def render(page: Page, draft: bool = False) -> tuple[str, list[str]]:
+    """The post, and its problems: facts the sources lack and claims the data does not support. A draft (numbers
+    from several leases) says so above its title."""
     f, claims = facts(page)
     text = TEMPLATE.read_text()
 
@@ -192,6 +193,10 @@ def render(page: Page) -> tuple[str, list[str]]:
 
     text = re.sub(r"<!-- if (\w+) -->\n(.*?)<!-- end -->\n", block, text, flags=re.S)
     text = text.format_map(f)
+    if draft:
+        text = ("> **DRAFT**: the numbers below come from several earlier leases, not from one lease at the current "
+                "commit; REPORT.md lists what is missing. The lease of `python -m lab.lease plan` replaces them.\n\n"
+                + text)
     problems = [f"blog: no figure for {{{k}}}" for k in sorted(f.missing)]
     problems += [f"blog: claim not supported by the data: {c}" for c, ok in claims if ok is False]
     problems += [f"blog: claim not checkable from these sources: {c}" for c, ok in claims if ok is None]
