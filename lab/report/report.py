@@ -351,16 +351,38 @@ def diagnose(page: Page, r: Row) -> str:
         return (f"a profiled W2 request (`{req.run.file}`): TTFT {w['ttft_ms']:.1f} ms, of which the host spends "
                 f"{w['prefill_host_launch_ms']:.1f} ms scheduling and launching the prefill; its kernels keep the "
                 f"GPU busy {w['gpu_busy_ms']:.1f} ms.")
-    if f.id.startswith("w1"):
-        prof = page.sources.result("profile")
-        if prof is None or f.model != "qwen3-0.6b":
-            return "no profile of this model's W1 in these sources."
-        d = prof.result["default"]
-        return (f"in a profiled 64-request slice (`{prof.file}`) a step takes {d['step_ms']:.2f} ms with the GPU "
-                f"busy {100 * d['gpu_busy_fraction']:.0f}% of it: the rest is the host's per-step work.")
-    if f.id.startswith("w3"):
-        return "see the radix cache's hit share under the headline table."
+    if f.unit == "tok/s":
+        return throughput_notes(page, r)
     return "not profiled in these sources."
+
+
+def throughput_notes(page: Page, r: Row) -> str:
+    """What the timed run itself recorded (Triton compiles inside it, retractions, graph hits, prefix hits), and
+    for Qwen3-0.6B the profiled W1 slice."""
+    run = r.ours.run
+    keys = r.ours.path[len(run.section) + 1:].split(".")[:-1]
+    w = dig(run.result, keys) or {}
+    eng = w.get("engine", {})
+    notes = []
+    compiles = sum((w.get("triton_compiles_timed") or {}).values())
+    if compiles:
+        notes.append(f"{compiles} Triton kernel variants were compiled inside the timed run (a compile costs seconds)")
+    if eng.get("retractions"):
+        notes.append(f"the engine retracted {eng['retractions']} requests for lack of KV memory")
+    if eng.get("cuda_graph_hit_rate") is not None and eng["cuda_graph_hit_rate"] < 0.99:
+        notes.append(f"only {100 * eng['cuda_graph_hit_rate']:.0f}% of decode steps replayed a CUDA graph")
+    if r.figure.id.startswith("w3") and "cached_prompt_share" in w:
+        theirs = page.sources.value(f"sglang_w3_{MODELS[r.figure.model].tag}.cached_prompt_share")
+        notes.append(f"{100 * w['cached_prompt_share']:.0f}% of prompt tokens came from the prefix cache"
+                     + (f" (SGLang {100 * theirs.value:.0f}%)" if theirs else ""))
+    prof = page.sources.result("profile")
+    if prof and r.figure.model == "qwen3-0.6b" and r.figure.id.startswith("w1"):
+        d = prof.result["default"]
+        notes.append(f"in a profiled 64-request W1 slice (`{prof.file}`) a step takes {d['step_ms']:.2f} ms with the "
+                     f"GPU busy {100 * d['gpu_busy_fraction']:.0f}% of it")
+    return ("the timed run (`" + run.file + "`): " + "; ".join(notes) + ".") if notes else (
+        f"the timed run (`{run.file}`) recorded no compiles, retractions or graph misses, and no profile of it is "
+        "in these sources.")
 
 
 def diagnosis(page: Page) -> list[str]:
