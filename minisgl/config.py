@@ -3,6 +3,8 @@
 Each field also carries its command-line flag (SGLang's name where SGLang has the setting), so the one flag
 set of `python -m minisgl {generate,bench,serve}` is generated from this class: `add_engine_args` adds the
 flags to a parser, `engine_kwargs_from_args` reads back the ones given (unset flags keep the defaults here).
+`KernelOptions`, how minisgl's own kernels run, is one field of it (`kernels`), its flags generated the same way;
+`make_config` also takes each kernel option by name.
 
 Sizes left to the engine: `num_pages` None and `max_running_requests` 0/None are sized at start-up from the
 device's memory (engine/model_runner.py, engine/sizing.py); an explicit value always wins. The engine's own
@@ -15,12 +17,130 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field, replace
 
+from minisgl.environment import kernel_option_defaults
 
-def _opt(default, flag: str | tuple[str, ...], help: str, *, disable: bool = False, choices=None):
+
+def _opt(default, flag: str | tuple[str, ...], help: str, *, disable: bool = False, enable: bool = False,
+         choices=None):
     """A field with its command-line flag(s). disable=True: a bool switch that is on by default, turned off
-    by `--disable-...` (SGLang's spelling)."""
+    by `--disable-...` (SGLang's spelling); enable=True: one that is off by default, turned on by `--enable-...`."""
     flags = (flag,) if isinstance(flag, str) else flag
-    return field(default=default, metadata={"flags": flags, "help": help, "disable": disable, "choices": choices})
+    return field(default=default, metadata={"flags": flags, "help": help, "disable": disable, "enable": enable,
+                                            "choices": choices})
+
+
+# --- kernel options: how minisgl's own kernels run (kernels/); one set per engine -------------------------
+@dataclass(frozen=True)
+class SamplerLaunch:
+    """Launch shapes of the fused sampler (kernels/sampling.py). The same for every batch size on purpose: a row's
+    top-p weight is summed in an order set by the chunk and block sizes, and a row's token must never depend on
+    the batch it is in. lab/tune/sampling.py times the alternatives; the defaults are its pick on an H200.
+    The stats block divides the chunk; the search and draw blocks divide the stats block."""
+
+    chunk: int = 4096
+    stats_block: int = 1024
+    search_block: int = 256
+    search_warps: int = 4
+    draw_block: int = 1024
+    draw_warps: int = 4
+
+
+@dataclass(frozen=True)
+class GdnLaunch:
+    """Launch settings of the Gated DeltaNet kernels (kernels/gdn.py; lab/checks/gdn.py sweeps them).
+
+    conv_*: channel block / token block / warps of the conv kernels; decode_block_v (0: by batch size) /
+    decode_warps: the recurrent kernel on a decode step; prefill: "chunked" or "recurrent"; prepare_warps,
+    chunk_block_v (0: by batch size) / chunk_warps / chunk_stages: the chunked path's two kernels (one stage:
+    compiled for sm_90, deeper pipelining of the chunk loop took 150-260 KB of shared memory and spilled more);
+    recurrent_block_v / recurrent_warps: the recurrent kernel on a prefill; dot_precision: the chunked kernels'
+    fp32 tl.dot ("tf32", "tf32x3" or "ieee"); conv_search_steps: binary-search steps the varlen conv kernel
+    compiles in (its rows find their sequence in cu_seqlens). A compile-time constant, so each distinct value is
+    a Triton compile. 0 = exactly the steps the batch needs, ceil(log2 N): a new compile the first time a step
+    holds 17+, 33+, 65+, 129+, 257+ sequences (about 2 s each for sm_90 on a 2-core CPU,
+    reports/cpu/w1_host_study.json), which W1's timed run hit five times (its warm-up and the prefill graphs reach
+    N = 16). A fixed count (default 16: N up to 65,536) is one variant for every batch; the extra steps are
+    no-ops (`lo < hi` is false once the search converged, and their loads are masked), a few integer ops per row.
+    A batch needing more steps than this takes the exact count."""
+
+    conv_decode_block_c: int = 256
+    conv_decode_warps: int = 4
+    conv_block_c: int = 128
+    conv_block_t: int = 32
+    conv_warps: int = 4
+    decode_block_v: int = 0
+    decode_warps: int = 4
+    prefill: str = "chunked"
+    prepare_warps: int = 8
+    chunk_block_v: int = 0
+    chunk_warps: int = 4
+    chunk_stages: int = 1
+    recurrent_block_v: int = 32
+    recurrent_warps: int = 4
+    dot_precision: str = "tf32"
+    conv_search_steps: int = 16
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """How minisgl's Triton kernels run: the A/B switches of the GPU path and the launch tables the tuning scripts
+    sweep. Each engine carries its own (`EngineConfig.kernels`) and its model runner applies them to every
+    launch of that engine, its captured CUDA graphs included (kernels/context.py), so two engines with different
+    options can share a process. The defaults below are the measured best; the environment may change a
+    default (minisgl/environment.py), an option given to the engine always wins."""
+
+    pdl: bool = _opt(True, "--disable-pdl", "launch minisgl's Triton kernels in plain stream order, without "
+                     "programmatic dependent launch (kernels/pdl.py; sm_90+ GPUs)", disable=True)
+    decode_fused_store: bool = _opt(True, "--disable-decode-fused-store",
+                                    "a decode step stores its K/V with a launch of its own instead of inside the "
+                                    "decode attention kernel (kernels/attention.py)", disable=True)
+    decode_fused_merge: bool = _opt(False, "--enable-decode-fused-merge",
+                                    "merge the decode attention's splits in its first launch (the last program "
+                                    "of a request merges) instead of a second launch (kernels/attention.py)",
+                                    enable=True)
+    mixed_decode_split: bool = _opt(True, "--disable-mixed-decode-split",
+                                    "a mixed step's decode rows go through the extend kernel with the prefill "
+                                    "chunks instead of the decode kernel (attention/triton_backend.py)",
+                                    disable=True)
+    gemv_configs: str | None = _opt(None, "--gemv-configs",
+                                    "the GEMV's tile table, a JSON file as lab/tune/gemv.py writes it "
+                                    "(default: the GPU's table in kernels/gemv_tuned/, if any)")
+    gemv_pdl_early_tiles: int = _opt(2, "--gemv-pdl-early-tiles",
+                                     "weight tiles the GEMV loads before its PDL wait, 0-3 (kernels/gemv.py)")
+    sampler_skip_blocks: bool = _opt(True, "--disable-sampler-skip-blocks",
+                                     "the fused sampler reads every block of logits in every pass, not only the "
+                                     "blocks that can hold a kept token (kernels/sampling.py; exact either way)",
+                                     disable=True)
+    sampler_top_k_bound: bool = _opt(True, "--disable-sampler-top-k-bound",
+                                     "the fused sampler's top-k search starts from -inf instead of the k-th "
+                                     "largest block maximum (kernels/sampling.py; exact either way)", disable=True)
+    # launch tables (no flags: the tuning scripts set them from Python)
+    norm_configs: tuple[tuple[int, int, int], ...] = ()  # (padded row length, rows per program, warps) overrides
+    sampler_launch: SamplerLaunch = SamplerLaunch()
+    gdn: GdnLaunch = GdnLaunch()
+    # CPU tensors through the Triton kernels too; only works under TRITON_INTERPRET=1 (how the kernels are tested)
+    triton_on_cpu: bool = False
+
+    def validate(self) -> None:
+        if not 0 <= self.gemv_pdl_early_tiles <= 3:
+            raise ValueError(f"gemv_pdl_early_tiles must be in 0..3, got {self.gemv_pdl_early_tiles}")
+        if self.gdn.prefill not in ("chunked", "recurrent"):
+            raise ValueError(f"gdn.prefill must be 'chunked' or 'recurrent', got {self.gdn.prefill!r}")
+        if self.gdn.dot_precision not in ("tf32", "tf32x3", "ieee"):
+            raise ValueError(f"gdn.dot_precision must be 'tf32', 'tf32x3' or 'ieee', got {self.gdn.dot_precision!r}")
+        launch = self.sampler_launch
+        if launch.chunk % launch.stats_block or launch.stats_block % launch.search_block \
+                or launch.stats_block % launch.draw_block:
+            raise ValueError(f"sampler_launch: the stats block must divide the chunk and the search and draw "
+                             f"blocks the stats block, got {launch}")
+
+
+def default_kernel_options() -> KernelOptions:
+    """KernelOptions() with the environment's defaults (minisgl/environment.py) applied."""
+    return KernelOptions(**kernel_option_defaults())
+
+
+KERNEL_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(KernelOptions))
 
 
 @dataclass(frozen=True)
@@ -74,9 +194,6 @@ class EngineConfig:
                                   "pieces (engine/graph_pieces.py)", disable=True)
     gemv: bool = _opt(True, "--disable-gemv", "matmuls of at most 4 rows (batch-1..4 decode) through cuBLAS, not "
                       "minisgl's Triton GEMV (kernels/gemv.py; GPU, bf16/fp16 weights)", disable=True)
-    pdl: bool = _opt(True, "--disable-pdl", "launch minisgl's Triton kernels in plain stream order, without "
-                     "programmatic dependent launch (kernels/pdl.py; sm_90+ GPUs; process-wide, MINISGL_PDL=0 "
-                     "also turns it off)", disable=True)
     # prefill/extend steps as CUDA Graphs too (with cuda_graph on, Triton attention; engine/prefill_graph.py)
     prefill_graph_max_tokens: int = _opt(4096, "--prefill-graph-max-tokens",
                                          "largest prefill/extend step (tokens) replayed as a CUDA graph; token "
@@ -86,6 +203,8 @@ class EngineConfig:
     attention_backend: str = _opt("auto", "--attention-backend", "attention kernels",
                                   choices=("auto", "torch", "triton", "flashinfer"))
     tp_size: int = _opt(1, "--tp-size", "tensor parallelism: ranks (one GPU each; gloo processes on a CPU)")
+    # how minisgl's kernels run (the class above; its flags are generated with these)
+    kernels: KernelOptions = field(default_factory=default_kernel_options)
     progress: bool = False  # a progress bar in LLM.generate (no flag: `bench --quiet` sets it)
 
     @property
@@ -129,6 +248,9 @@ class EngineConfig:
             raise ValueError(f"state_snapshots must be >= 0, got {self.state_snapshots}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if not isinstance(self.kernels, KernelOptions):
+            raise ValueError(f"kernels must be a KernelOptions, got {type(self.kernels).__name__}")
+        self.kernels.validate()
 
 
 RENAMED = {"chunked_prefill": "chunked_prefill was folded into chunked_prefill_size: pass chunked_prefill_size=0 "
@@ -136,29 +258,33 @@ RENAMED = {"chunked_prefill": "chunked_prefill was folded into chunked_prefill_s
 
 
 def make_config(model: str, **switches) -> EngineConfig:
-    """EngineConfig(model, **switches), with a clear error for a switch that was renamed."""
+    """EngineConfig(model, **switches), with a clear error for a switch that was renamed. A KernelOptions field
+    may be given by name too (`pdl=False`): it goes into `kernels`, on top of `kernels=` if that is given."""
     for old, message in RENAMED.items():
         if old in switches:
             raise TypeError(message)
+    kernel = {k: switches.pop(k) for k in list(switches) if k in KERNEL_OPTION_NAMES}
+    if kernel:
+        switches["kernels"] = replace(switches.get("kernels") or default_kernel_options(), **kernel)
     return EngineConfig(model=model, **switches)
 
 
 # --- the command line, generated from the fields above ---------------------------------------------------
 def _flag_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(EngineConfig) if "flags" in f.metadata]
+    return [f for cls in (EngineConfig, KernelOptions) for f in dataclasses.fields(cls) if "flags" in f.metadata]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (SGLang's names: --disable-overlap-schedule, --chunked-prefill-size,
-    ...). Flags left out stay None, so EngineConfig's defaults are the only defaults."""
+    """One flag per EngineConfig and KernelOptions field that has one (SGLang's names: --disable-overlap-schedule,
+    --chunked-prefill-size, ...). Flags left out stay None, so the classes' defaults are the only defaults."""
     group = parser.add_argument_group("engine")
     for f in _flag_fields():
         meta = f.metadata
         if f.name == "model":
             group.add_argument(*meta["flags"], dest="model", required=True, help=meta["help"])
-        elif meta["disable"]:
-            group.add_argument(*meta["flags"], dest=f.name, action="store_const", const=False, default=None,
-                               help=meta["help"])
+        elif meta["disable"] or meta.get("enable"):
+            group.add_argument(*meta["flags"], dest=f.name, action="store_const", const=bool(meta.get("enable")),
+                               default=None, help=meta["help"])
         else:
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
             group.add_argument(*meta["flags"], dest=f.name, type=kind, default=None, choices=meta["choices"],
@@ -166,6 +292,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
-    """The EngineConfig keyword arguments (all but `model`) given on the command line."""
+    """The keyword arguments of `make_config` (all but `model`) given on the command line; kernel options by
+    their field names (make_config puts them in `kernels`)."""
     return {f.name: getattr(args, f.name) for f in _flag_fields()
             if f.name != "model" and getattr(args, f.name, None) is not None}

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from minisgl.checkpoint import checkpoint_files
 from minisgl.models import DecoderLM, ModelConfig
+from minisgl.models.family import ModelFamily
+from minisgl.models.registry import model_family
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,7 +31,7 @@ _FUSED = {
 }
 
 
-# --- notebooks/01_model.ipynb, cell 29 (id c01-029) ---
+# --- notebooks/01_model.ipynb, cell 30 (id c01-029) ---
 @dataclass
 class LoadedModel:
     model: DecoderLM
@@ -37,7 +40,7 @@ class LoadedModel:
     path: str
 
 
-# --- notebooks/01_model.ipynb, cell 30 (id c01-030) ---
+# --- notebooks/01_model.ipynb, cell 31 (id c01-030) ---
 def resolve_model_path(model: str) -> str:
     """A local folder as is; anything else is taken as a hub id and downloaded (needs the network)."""
     if os.path.isdir(model):
@@ -52,7 +55,7 @@ def resolve_model_path(model: str) -> str:
         raise ValueError(f"model {model!r} is not a local folder and could not be fetched from the hub: {e}") from e
 
 
-# --- notebooks/01_model.ipynb, cell 31 (id c01-031) ---
+# --- notebooks/01_model.ipynb, cell 32 (id c01-031) ---
 def read_eos_ids(path: str, hf_config) -> tuple[int, ...]:
     """Every EOS id: generation_config.json's (often a list) wins over config.json's."""
     for source in (os.path.join(path, "generation_config.json"), None):
@@ -67,7 +70,7 @@ def read_eos_ids(path: str, hf_config) -> tuple[int, ...]:
     return ()
 
 
-# --- notebooks/01_model.ipynb, cell 32 (id c01-032) ---
+# --- notebooks/01_model.ipynb, cell 33 (id c01-032) ---
 def _fused_slice(param: torch.Tensor, cfg: ModelConfig, fused: str, part: int) -> torch.Tensor:
     if fused == "qkv_proj":
         q, kv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -78,21 +81,7 @@ def _fused_slice(param: torch.Tensor, cfg: ModelConfig, fused: str, part: int) -
     return param.narrow(0, start, size)
 
 
-# --- notebooks/01_model.ipynb, cell 34 (id c01-034a) ---
-def checkpoint_files(path: str) -> list[str]:
-    """The .safetensors files of a checkpoint folder: the ones its index names, or else every one there."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {path}")
-    return files
-
-
-# --- notebooks/01_model.ipynb, cell 35 (id c01-034) ---
+# --- notebooks/01_model.ipynb, cell 36 (id c01-034) ---
 def load_safetensors(model: DecoderLM, cfg: ModelConfig, path: str) -> None:
     files = checkpoint_files(path)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -132,7 +121,7 @@ def load_safetensors(model: DecoderLM, cfg: ModelConfig, path: str) -> None:
         raise ValueError(f"checkpoint in {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-# --- notebooks/01_model.ipynb, cell 36 (id c01-035) ---
+# --- notebooks/01_model.ipynb, cell 37 (id c01-035) ---
 @torch.no_grad()
 def init_dummy(model: DecoderLM, seed: int) -> None:
     """Seeded random weights at a scale that keeps activations finite in bf16."""
@@ -147,37 +136,34 @@ def init_dummy(model: DecoderLM, seed: int) -> None:
             p.normal_(0.0, std, generator=gen)
 
 
-# --- notebooks/01_model.ipynb, cell 37 (id c01-036) ---
+# --- notebooks/01_model.ipynb, cell 38 (id c01-036) ---
 def load_model(model: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
                seed: int = 0, max_positions: int | None = None) -> LoadedModel:
     from transformers import AutoConfig
 
     path = resolve_model_path(model)
     hf_config = AutoConfig.from_pretrained(path)
-    # the model's config, module, dummy init and checkpoint reader: this file's, or the hybrid Qwen3.5's
-    config_cls, model_cls, init, load = ModelConfig, DecoderLM, init_dummy, load_safetensors
-    if getattr(hf_config, "model_type", "").startswith("qwen3_5"):  # minisgl/models/qwen3_5.py
-        from minisgl.models import qwen3_5 as hybrid
-        config_cls, model_cls, init, load = (hybrid.Qwen35Config, hybrid.Qwen35LM, hybrid.init_dummy,
-                                             hybrid.load_safetensors)
-    cfg = config_cls.from_hf(hf_config, read_eos_ids(path, hf_config))
+    # the model's config class, module, dummy init and checkpoint reader: this file's, unless the registry names
+    # another family for its model type (minisgl/models/registry.py: Qwen3.5's hybrid, notebook 10)
+    family = model_family(hf_config) or ModelFamily("decoder", ModelConfig, DecoderLM, init_dummy, load_safetensors)
+    cfg = family.config_cls.from_hf(hf_config, read_eos_ids(path, hf_config))
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            net = model_cls(cfg, max_positions)
+            net = family.model_cls(cfg, max_positions)
     finally:
         torch.set_default_dtype(old)
     if load_format == "dummy":
-        init(net, seed)
+        family.init_dummy(net, seed)
     else:
-        load(net, cfg, path)
+        family.load_weights(net, cfg, path)
     net.rotary.cos_sin = net.rotary.cos_sin.float()  # the rotary table stays fp32 whatever the dtype
     net.eval().requires_grad_(False)
     return LoadedModel(net, cfg, hf_config, path)
 
 
-# --- notebooks/01_model.ipynb, cell 38 (id c01-037) ---
+# --- notebooks/01_model.ipynb, cell 39 (id c01-037) ---
 def to_hf_state_dict(model: DecoderLM, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our weights under Hugging Face names (fused tensors split), e.g. to load a transformers peer."""
     out = {}

@@ -3,6 +3,7 @@ checks, after every test, that the engine gave every KV page and request row bac
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -20,7 +21,7 @@ torch.set_num_threads(1)
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import assert_all_pages_back, build_tiny_model, save_word_tokenizer  # noqa: E402
+from helpers import assert_all_pages_back, build_tiny_model, kernel_options, save_word_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -89,3 +90,11 @@ def make_llm():
     yield make
     for llm in made:
         assert_all_pages_back(llm)
+
+
+@pytest.fixture
+def options_for_test():
+    """`options_for_test(**changes)`: for the rest of the test, kernels called directly (outside any engine) run
+    under the kernel options in force with `changes` (KernelOptions fields)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(kernel_options(**changes))

@@ -211,3 +211,13 @@ def use_triton_interpreter(*kernel_modules: str) -> None:
     for name in kernel_modules:
         if name in sys.modules:
             importlib.reload(sys.modules[name])
+
+
+def kernel_options(**changes):
+    """A `with` block whose kernel launches run under the options in force with `changes` (KernelOptions fields);
+    e.g. `kernel_options(triton_on_cpu=True)` sends CPU tensors through the Triton kernels (the interpreter)."""
+    from dataclasses import replace
+
+    from minisgl.kernels.options import current_options, use_options
+
+    return use_options(replace(current_options(), **changes))

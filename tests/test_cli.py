@@ -14,7 +14,7 @@ import pytest
 import minisgl
 import minisgl.server.launch as launch
 from minisgl.__main__ import main
-from minisgl.config import EngineConfig, add_engine_args, engine_kwargs_from_args, make_config
+from minisgl.config import EngineConfig, KernelOptions, add_engine_args, engine_kwargs_from_args, make_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,25 +24,37 @@ ALL_FLAGS = ["--prefill-graph-max-tokens", "512", "--prefill-graph-max-reqs", "4
              "--kv-cache-tokens", "4096", "--max-running-requests", "8", "--chunked-prefill-size", "0",
              "--max-prefill-tokens", "64", "--disable-radix-cache", "--disable-overlap-schedule",
              "--disable-cuda-graph", "--cuda-graph-max-bs", "16", "--disable-cuda-graph-split", "--disable-gemv",
-             "--disable-pdl",
+             "--disable-pdl", "--disable-decode-fused-store", "--enable-decode-fused-merge",
+             "--disable-mixed-decode-split", "--gemv-configs", "t.json", "--gemv-pdl-early-tiles", "1",
+             "--disable-sampler-skip-blocks", "--disable-sampler-top-k-bound",
              "--attention-backend", "torch", "--state-snapshots", "5", "--state-snapshot-memory-fraction", "0.1"]
 ALL_KWARGS = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, max_model_len=256, page_size=4,
                   num_pages=100, kv_memory_fraction=0.5, kv_cache_tokens=4096, max_running_requests=8,
                   chunked_prefill_size=0, max_prefill_tokens=64, radix_cache=False, overlap=False, cuda_graph=False,
-                  cuda_graph_max_bs=16, cuda_graph_split=False, gemv=False, pdl=False,
-                  attention_backend="torch", prefill_graph_max_tokens=512,
-                  prefill_graph_max_reqs=4, tp_size=2, state_snapshots=5, state_snapshot_memory_fraction=0.1)
+                  cuda_graph_max_bs=16, cuda_graph_split=False, gemv=False, pdl=False, decode_fused_store=False,
+                  decode_fused_merge=True, mixed_decode_split=False, gemv_configs="t.json", gemv_pdl_early_tiles=1,
+                  sampler_skip_blocks=False, sampler_top_k_bound=False, attention_backend="torch",
+                  prefill_graph_max_tokens=512, prefill_graph_max_reqs=4, tp_size=2, state_snapshots=5,
+                  state_snapshot_memory_fraction=0.1)
+
+
+# KernelOptions' launch tables are set from Python by the tuning scripts; triton_on_cpu is for tests
+NO_FLAG = {"model", "progress", "kernels", "norm_configs", "sampler_launch", "gdn", "triton_on_cpu"}
 
 
 def test_every_field_has_one_flag():
-    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "progress"}
-    assert set(ALL_KWARGS) == fields, "a new EngineConfig field needs a flag (and a line here)"
+    fields = {f.name for cls in (EngineConfig, KernelOptions) for f in dataclasses.fields(cls)} - NO_FLAG
+    assert set(ALL_KWARGS) == fields, "a new EngineConfig / KernelOptions field needs a flag (and a line here)"
     p = argparse.ArgumentParser()
     add_engine_args(p)
     args = p.parse_args(["--model", "m", *ALL_FLAGS])
     assert engine_kwargs_from_args(args) == ALL_KWARGS
     cfg = make_config(args.model, **engine_kwargs_from_args(args))
     assert not cfg.chunked_prefill and cfg.prefill_budget == 64
+    # the kernel flags land in the engine's KernelOptions
+    assert cfg.kernels == KernelOptions(pdl=False, decode_fused_store=False, decode_fused_merge=True,
+                                        mixed_decode_split=False, gemv_configs="t.json", gemv_pdl_early_tiles=1,
+                                        sampler_skip_blocks=False, sampler_top_k_bound=False)
     # nothing given: no keyword, so EngineConfig's defaults are the only defaults
     assert engine_kwargs_from_args(p.parse_args(["--model", "m"])) == {}
 

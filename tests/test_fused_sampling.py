@@ -9,7 +9,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed (the GPU extra); the torch sampler is used")
 
 import torch  # noqa: E402
+from helpers import kernel_options  # noqa: E402
 
+from minisgl.config import SamplerLaunch  # noqa: E402
 from minisgl.engine.sampler import SamplingTensors, sample  # noqa: E402
 
 
@@ -124,8 +126,7 @@ def test_bf16_logits_draw_what_their_fp32_widening_draws():
 # Small launch blocks for the shortcut tests: a 600-token row spans 3 chunks (the last one partial), 19 search
 # blocks (the last one partial) and 12 stats blocks (the last two past the vocabulary: their max is -inf), so
 # top-k up to 12 starts from the block-max bound, above that from -inf.
-SMALL_LAUNCH = {"chunk": 256, "stats_block": 64, "search_block": 32, "search_warps": 4, "draw_block": 64,
-                "draw_warps": 4}
+SMALL_LAUNCH = SamplerLaunch(chunk=256, stats_block=64, search_block=32, search_warps=4, draw_block=64, draw_warps=4)
 
 
 def _edge_rows(vocab: int, gen: torch.Generator):
@@ -170,13 +171,12 @@ def _threshold(lo: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16"])
-def test_block_skip_and_top_k_bound_are_exact(kind, monkeypatch):
+def test_block_skip_and_top_k_bound_are_exact(kind):
     """Each shortcut on or off, the search ends on the same keys and weights bit for bit and draws the same
     tokens, which are the torch reference's; the kept sets are the reference's. A skipped block that held a
     token at or above a row's bracket (or a top-k start above the k-th largest logit) changes a threshold here:
     the survivors of these rows sit in one or a few blocks each."""
     fused = _interpreted()
-    monkeypatch.setattr(fused, "LAUNCH", dict(SMALL_LAUNCH))
     gen = torch.Generator().manual_seed(10)
     vocab = 600
     logits, t, k, p, mp, seeds, steps = _edge_rows(vocab, gen)
@@ -187,11 +187,10 @@ def test_block_skip_and_top_k_bound_are_exact(kind, monkeypatch):
     flags = fused.row_flags(t, k, p, mp, vocab)
     searched, tokens = {}, {}
     for skip, bound in ((False, False), (True, False), (False, True), (True, True)):
-        monkeypatch.setattr(fused, "SKIP_BLOCKS", skip)
-        monkeypatch.setattr(fused, "TOP_K_BOUND", bound)
-        searched[skip, bound] = fused.search_cuts(given, flags, inv_t, k, p, 256)
-        if skip == bound:  # the draw reads only the threshold (compared below) and the skip switch
-            tokens[skip] = fused.fused_sample(given, t, k, p, mp, seeds, steps)
+        with kernel_options(sampler_launch=SMALL_LAUNCH, sampler_skip_blocks=skip, sampler_top_k_bound=bound):
+            searched[skip, bound] = fused.search_cuts(given, flags, inv_t, k, p, 256)
+            if skip == bound:  # the draw reads only the threshold (compared below) and the skip switch
+                tokens[skip] = fused.fused_sample(given, t, k, p, mp, seeds, steps)
     lo, row_max, zk, _ = searched[False, False]
     # zk is written by the first top-p pass; a row whose top-k already cut down to its max skips top-p
     top_p_ran = ((flags & fused.TOP_P) != 0) & (_threshold(lo) < row_max)

@@ -26,8 +26,17 @@ LENS = [1, 2, 3, 7, 17]  # mixed extend batch: two shorter than K - 1 = 3
 
 
 @pytest.fixture
-def force_triton(monkeypatch):
-    monkeypatch.setenv("MINISGL_FORCE_TRITON", "1")
+def force_triton(options_for_test):
+    options_for_test(triton_on_cpu=True)
+
+
+@pytest.fixture
+def gdn_launch(options_for_test):
+    """`gdn_launch(**changes)`: GdnLaunch fields for the rest of the test (over the options in force)."""
+    from dataclasses import replace
+
+    from minisgl.kernels.options import current_options
+    return lambda **changes: options_for_test(gdn=replace(current_options().gdn, **changes))
 
 
 def _tol(dtype: torch.dtype) -> float:
@@ -83,12 +92,12 @@ def test_causal_conv1d_no_bias_fp32_state_bf16_input(force_triton):
 
 
 @pytest.mark.parametrize("search_steps", [0, 16, 2], ids=["exact", "fixed", "below-need"])
-def test_causal_conv1d_search_steps(force_triton, monkeypatch, search_steps):
-    """The varlen conv's binary search compiled with more steps than the batch needs (GDN_CONFIG's fixed count,
+def test_causal_conv1d_search_steps(force_triton, gdn_launch, search_steps):
+    """The varlen conv's binary search compiled with more steps than the batch needs (gdn.conv_search_steps,
     one Triton variant for every batch) gives the reference's outputs and states; a count below the need
     falls back to the exact one. 37 sequences (6 steps needed), empty ones among them (the search must land
     on the last of several sequences sharing a bound)."""
-    monkeypatch.setitem(gdn.GDN_CONFIG, "conv_search_steps", search_steps)
+    gdn_launch(conv_search_steps=search_steps)
     gen = torch.Generator().manual_seed(2)
     c, kw, num_slots = 16, 4, 41
     lens = [int(n) for n in torch.randint(0, 4, (37,), generator=gen)]
@@ -108,7 +117,8 @@ def test_causal_conv1d_search_steps(force_triton, monkeypatch, search_steps):
 def test_conv_search_steps_one_variant_for_engine_batches():
     """With the default fixed count every batch an engine builds (up to 1,024 running requests plus a chunk's
     prefills) compiles the same variant; 0 restores one per power of two (the W1 compiles in a timed run)."""
-    assert {gdn.conv_search_steps(n) for n in range(1, 2048)} == {gdn.GDN_CONFIG["conv_search_steps"]}
+    from minisgl.config import GdnLaunch
+    assert {gdn.conv_search_steps(n) for n in range(1, 2048)} == {GdnLaunch().conv_search_steps}
     exact = {max(1, (n - 1).bit_length()) for n in range(1, 300)}
     assert exact == set(range(1, 10))
 
@@ -137,9 +147,8 @@ def _both(q, k, v, g, beta, state, slots, cu):
     return gdn.gated_delta_rule(q, k, v, g, beta, state, slots, cu), ref, ref_state
 
 
-def _check_gdr(lens, hk, hv, d, dtype, mode, monkeypatch, seed=0):
-    monkeypatch.setitem(gdn.GDN_CONFIG, "prefill", mode)
-    monkeypatch.setitem(gdn.GDN_CONFIG, "dot_precision", "ieee")
+def _check_gdr(lens, hk, hv, d, dtype, mode, gdn_launch, seed=0):
+    gdn_launch(prefill=mode, dot_precision="ieee")
     gen = torch.Generator().manual_seed(seed)
     q, k, v, g, beta, state, slots, cu = _gdr_inputs(lens, hk, hv, d, dtype, 8, gen)
     out, ref, ref_state = _both(q, k, v, g, beta, state, slots, cu)
@@ -154,24 +163,24 @@ def _check_gdr(lens, hk, hv, d, dtype, mode, monkeypatch, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["chunked", "recurrent"])
-def test_gated_delta_rule_varlen(force_triton, monkeypatch, dtype, mode):
-    _check_gdr(LENS, 2, 4, 16, dtype, mode, monkeypatch)
+def test_gated_delta_rule_varlen(force_triton, gdn_launch, dtype, mode):
+    _check_gdr(LENS, 2, 4, 16, dtype, mode, gdn_launch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_delta_rule_decode(force_triton, monkeypatch, dtype):
-    _check_gdr([1] * 5, 2, 4, 16, dtype, "chunked", monkeypatch)
+def test_gated_delta_rule_decode(force_triton, gdn_launch, dtype):
+    _check_gdr([1] * 5, 2, 4, 16, dtype, "chunked", gdn_launch)
 
 
-def test_gated_delta_rule_chunks_cross(force_triton, monkeypatch):
+def test_gated_delta_rule_chunks_cross(force_triton, gdn_launch):
     """Sequences over one chunk of 64 (and one ending on its boundary), no head sharing, Dk = Dv = 32."""
-    _check_gdr([70, 64, 3], 2, 2, 32, torch.float32, "chunked", monkeypatch, seed=3)
+    _check_gdr([70, 64, 3], 2, 2, 32, torch.float32, "chunked", gdn_launch, seed=3)
 
 
-def test_gated_delta_rule_chunked_similar_keys(force_triton, monkeypatch):
+def test_gated_delta_rule_chunked_similar_keys(force_triton, gdn_launch):
     """Near-identical keys, beta = 1, no decay: the chunk's triangular solve must stay stable (a Neumann-series
     inverse loses everything here)."""
-    monkeypatch.setitem(gdn.GDN_CONFIG, "dot_precision", "ieee")
+    gdn_launch(dot_precision="ieee")
     gen = torch.Generator().manual_seed(5)
     q, k, v, g, beta, state, slots, cu = _gdr_inputs([66, 5], 1, 2, 16, torch.float32, 4, gen)
     k = (k + 5 * k[:1]).contiguous()
@@ -182,9 +191,8 @@ def test_gated_delta_rule_chunked_similar_keys(force_triton, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["chunked", "recurrent"])
-def test_gated_delta_rule_dk_ne_dv_and_empty_sequence(force_triton, monkeypatch, mode):
-    monkeypatch.setitem(gdn.GDN_CONFIG, "prefill", mode)
-    monkeypatch.setitem(gdn.GDN_CONFIG, "dot_precision", "ieee")
+def test_gated_delta_rule_dk_ne_dv_and_empty_sequence(force_triton, gdn_launch, mode):
+    gdn_launch(prefill=mode, dot_precision="ieee")
     gen = torch.Generator().manual_seed(6)
     t, hk, hv, dk, dv = 12, 1, 2, 16, 32
     q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
@@ -200,12 +208,11 @@ def test_gated_delta_rule_dk_ne_dv_and_empty_sequence(force_triton, monkeypatch,
 
 @pytest.mark.parametrize("mode", ["chunked", "recurrent"])
 @pytest.mark.parametrize("pad_reqs", [0, 3], ids=["tokens-only", "tokens-and-requests"])
-def test_prefill_graph_padding_touches_only_the_dummy_slot(force_triton, monkeypatch, mode, pad_reqs):
-    """A hybrid prefill graph's padded layout (engine/prefill_graph.pad_state_step): padded requests empty, on the
+def test_prefill_graph_padding_touches_only_the_dummy_slot(force_triton, gdn_launch, mode, pad_reqs):
+    """A hybrid prefill graph's padded layout (engine/hybrid.pad_state_step): padded requests empty, on the
     dummy slot, at the end of the real tokens; padded tokens past cu_seqlens[N] belong to none. The real rows'
     outputs and states equal the unpadded run's, and no slot but the dummy one changes otherwise."""
-    monkeypatch.setitem(gdn.GDN_CONFIG, "prefill", mode)
-    monkeypatch.setitem(gdn.GDN_CONFIG, "dot_precision", "ieee")
+    gdn_launch(prefill=mode, dot_precision="ieee")
     gen = torch.Generator().manual_seed(7)
     lens, pad_tokens, num_slots, dummy = [5, 1, 9], 11, 8, 7
     t = sum(lens)
@@ -236,8 +243,9 @@ def test_prefill_graph_padding_touches_only_the_dummy_slot(force_triton, monkeyp
 
 
 def test_gdn_cpu_path_without_force():
-    """Without the flag, CPU tensors take the torch reference."""
-    assert os.environ.get("MINISGL_FORCE_TRITON", "0") != "1"
+    """Without the option, CPU tensors take the torch reference."""
+    from minisgl.kernels.options import current_options
+    assert not current_options().triton_on_cpu
     gen = torch.Generator().manual_seed(4)
     q, k, v, g, beta, state, slots, cu = _gdr_inputs([3, 1], 1, 2, 16, torch.float32, 4, gen)
     ref_state = state.clone()

@@ -12,7 +12,7 @@ from torch import nn
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (the GPU kernels are optional)")
 
-from helpers import use_triton_interpreter  # noqa: E402
+from helpers import kernel_options, use_triton_interpreter  # noqa: E402
 
 use_triton_interpreter("minisgl.kernels.gemv")
 
@@ -20,8 +20,13 @@ from minisgl.kernels import gemv as gv  # noqa: E402
 
 
 @pytest.fixture
-def force_triton(monkeypatch):
-    monkeypatch.setenv("MINISGL_FORCE_TRITON", "1")
+def force_triton():
+    with kernel_options(triton_on_cpu=True):
+        yield
+
+
+def table(entries: dict) -> gv.GemvTable:
+    return {shape: (*cfg, gv.GEMV_MAX_ROWS)[:4] if cfg is not None else None for shape, cfg in entries.items()}
 
 
 # shapes that leave partial tiles in both directions, and one that takes several K steps
@@ -60,25 +65,30 @@ def test_gemv_refuses_too_many_rows(force_triton):
         gv.gemv(x, torch.randn(4, 8))
 
 
-def test_config_override_is_used(force_triton, monkeypatch):
-    monkeypatch.setitem(gv.GEMV_CONFIGS, (40, 48), (2, 16, 1, gv.GEMV_MAX_ROWS))
-    assert gv.gemv_config(40, 48) == (2, 16, 1)
+def test_config_override_is_used(force_triton, tmp_path):
+    assert gv.gemv_config(40, 48, table({(40, 48): (2, 16, 1)})) == (2, 16, 1)
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(1, 48, generator=gen), torch.randn(40, 48, generator=gen)
-    torch.testing.assert_close(gv.gemv(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gv.gemv(x, w, tiles=(2, 16, 1)), x @ w.T, rtol=1e-4, atol=1e-4)
+    # the kernel option gemv_configs names the table a plain gemv() call uses
+    path = tmp_path / "gemv.json"
+    path.write_text('{"40,48": [2, 16, 1]}')
+    with kernel_options(gemv_configs=str(path)):
+        assert gv.table_for(x.device) == {(40, 48): (2, 16, 1, gv.GEMV_MAX_ROWS)}
+        torch.testing.assert_close(gv.gemv(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+    assert gv.table_for(x.device) == {}  # outside the block: the defaults (no table on a CPU)
 
 
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_one_k_tile_wider_than_k(force_triton, monkeypatch, silu_mul):
+def test_one_k_tile_wider_than_k(force_triton, silu_mul):
     # the wide tiles of lab/tune/gemv.py --wide: one masked K step covers the whole row (3000 of 4096)
-    monkeypatch.setitem(gv.GEMV_CONFIGS, (24, 3000), (1, 4096, 4, gv.GEMV_MAX_ROWS))
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, 2 * 3000 if silu_mul else 3000, generator=gen)
     w = torch.randn(24, 3000, generator=gen)
     from minisgl.kernels import elementwise as ew
 
     want = (ew.silu_and_mul(x) if silu_mul else x) @ w.T
-    torch.testing.assert_close(gv.gemv(x, w, silu_mul=silu_mul), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gv.gemv(x, w, silu_mul=silu_mul, tiles=(1, 4096, 4)), want, rtol=1e-4, atol=1e-4)
 
 
 class _Tiny(nn.Module):
@@ -109,38 +119,36 @@ def test_gemv_linear_routes_by_row_count(force_triton, monkeypatch):
     lin = gv.GemvLinear(nn.Linear(8, 4), max_rows=2)
     calls = []
     real = torch.nn.functional.linear
-    monkeypatch.setattr(gv, "gemv", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
+    monkeypatch.setattr(gv, "gemv", lambda x, w, b=None, tiles=None: calls.append(x.shape[0]) or real(x, w, b))
     lin(torch.randn(2, 8))
     lin(torch.randn(3, 8))
     lin(torch.randn(1, 2, 8))  # not 2-D: the plain path
     assert calls == [2]
 
 
-def test_cpu_tensors_take_torch_without_the_force(monkeypatch):
-    monkeypatch.delenv("MINISGL_FORCE_TRITON", raising=False)
+def test_cpu_tensors_take_torch_without_the_force():
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     assert torch.equal(gv.gemv(x, w), torch.nn.functional.linear(x, w))
 
 
-def test_shapes_measured_slower_stay_cublas(force_triton, monkeypatch, tmp_path):
-    table = tmp_path / "gemv.json"
-    table.write_text('{"48,32": null, "16,48": [2, 16, 1], "8,16": [1, 16, 1, 1]}')
-    monkeypatch.setattr(gv, "GEMV_CONFIGS", {})
-    gv.load_configs(str(table))
-    assert gv.GEMV_CONFIGS == {(48, 32): None, (16, 48): (2, 16, 1, gv.GEMV_MAX_ROWS), (8, 16): (1, 16, 1, 1)}
+def test_shapes_measured_slower_stay_cublas(force_triton, tmp_path):
+    path = tmp_path / "gemv.json"
+    path.write_text('{"48,32": null, "16,48": [2, 16, 1], "8,16": [1, 16, 1, 1]}')
+    loaded = gv.load_table(str(path))
+    assert loaded == {(48, 32): None, (16, 48): (2, 16, 1, gv.GEMV_MAX_ROWS), (8, 16): (1, 16, 1, 1)}
     model = _Tiny()
-    assert gv.use_gemv(model) == 2  # proj (48 x 32) keeps its nn.Linear
+    with kernel_options(gemv_configs=str(path)):  # the table of the options in force when the modules are swapped
+        assert gv.use_gemv(model) == 2  # proj (48 x 32) keeps its nn.Linear
     assert type(model.proj) is nn.Linear and isinstance(model.block[0], gv.GemvLinear)
     assert model.block[0].max_rows == gv.GEMV_MAX_ROWS and model.head.max_rows == 1  # the measured row limit
-    assert gv.gemv_config(16, 48) == (2, 16, 1)
+    assert model.block[0].tiles == (2, 16, 1) == gv.gemv_config(16, 48, loaded)  # kept by the module
 
 
 def test_gemv_linear_keeps_the_measured_row_limit(force_triton, monkeypatch):
-    monkeypatch.setitem(gv.GEMV_CONFIGS, (4, 8), (1, 16, 1, 2))
-    lin = gv.GemvLinear(nn.Linear(8, 4))
+    lin = gv.GemvLinear(nn.Linear(8, 4), table={(4, 8): (1, 16, 1, 2)})
     calls = []
     real = torch.nn.functional.linear
-    monkeypatch.setattr(gv, "gemv", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
+    monkeypatch.setattr(gv, "gemv", lambda x, w, b=None, tiles=None: calls.append(x.shape[0]) or real(x, w, b))
     for rows in (1, 2, 3, 4):
         lin(torch.randn(rows, 8))
     assert calls == [1, 2]
@@ -158,6 +166,7 @@ def test_silu_mul_folded_into_the_gemv(force_triton, dtype):
 
 
 def test_use_gemv_folds_the_decoder_mlp(force_triton):
+    """The MLPs of the classes the caller names (the engine names the decoder's) fold; others are left alone."""
     from minisgl.models.layers import MLP
 
     torch.manual_seed(4)
@@ -166,21 +175,25 @@ def test_use_gemv_folds_the_decoder_mlp(force_triton):
     x_small, x_big = torch.randn(2, 32), torch.randn(7, 32)
     want_small, want_big = wrapper.mlp(x_small), wrapper.mlp(x_big)
     keys = set(wrapper.state_dict())
-    assert gv.use_gemv(wrapper, max_rows=4) == 2
+    assert gv.use_gemv(wrapper, fold=(MLP,), max_rows=4) == 2
     assert isinstance(wrapper.mlp, gv.GemvMLP) and set(wrapper.state_dict()) == keys
     torch.testing.assert_close(wrapper.mlp(x_small), want_small, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(wrapper.mlp(x_big), want_big)
+    plain = nn.Module()
+    plain.mlp = MLP(32, 48)
+    assert gv.use_gemv(plain, max_rows=4) == 2  # no class to fold: its two linears, each on its own
+    assert type(plain.mlp) is MLP and isinstance(plain.mlp.down_proj, gv.GemvLinear)
 
 
-def test_mlp_fold_with_gate_up_left_to_cublas(force_triton, monkeypatch):
+def test_mlp_fold_with_gate_up_left_to_cublas(force_triton):
     from minisgl.models.layers import MLP
 
     torch.manual_seed(5)
     wrapper = nn.Module()
     wrapper.mlp = MLP(32, 48)
-    monkeypatch.setitem(gv.GEMV_CONFIGS, (96, 32), None)  # gate_up measured slower on the GEMV
     x = torch.randn(1, 32)
     want = wrapper.mlp(x)
-    assert gv.use_gemv(wrapper, max_rows=4) == 1
+    # gate_up (96 x 32) measured slower on the GEMV
+    assert gv.use_gemv(wrapper, fold=(MLP,), max_rows=4, table={(96, 32): None}) == 1
     assert isinstance(wrapper.mlp, gv.GemvMLP) and type(wrapper.mlp.gate_up_proj) is nn.Linear
     torch.testing.assert_close(wrapper.mlp(x), want, rtol=1e-5, atol=1e-5)

@@ -165,3 +165,28 @@ def test_unsupported_architecture(qwen3_path, tmp_path):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="unsupported architecture"):
         LLM(path, load_format="dummy")
+
+
+def test_model_families_are_picked_by_the_registry():
+    """The loader and the engine ask one registry what a model type needs: Qwen3.5's own classes and the
+    linear-state runtime; any other type the decoder of notebook 01 over a KV cache only."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from minisgl.engine.hybrid import LinearStateRuntime
+    from minisgl.engine.runtime import ModelRuntime
+    from minisgl.engine.runtimes import make_runtime
+    from minisgl.models.qwen3_5 import Qwen35LM
+    from minisgl.models.registry import model_family, runtime_name
+
+    for model_type in ("qwen3_5", "qwen3_5_text"):
+        hf = SimpleNamespace(model_type=model_type)
+        assert model_family(hf).model_cls is Qwen35LM and runtime_name(hf) == "linear_state"
+    for model_type in ("qwen3", "llama", "qwen2", ""):
+        hf = SimpleNamespace(model_type=model_type)
+        assert model_family(hf) is None and runtime_name(hf) == "kv"
+    assert type(make_runtime("kv", None)) is ModelRuntime
+    with pytest.raises(ValueError, match="unknown model runtime"):
+        make_runtime("mamba", None)
+    assert issubclass(LinearStateRuntime, ModelRuntime)

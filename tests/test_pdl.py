@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import kernel_options
 
 from minisgl.config import EngineConfig
 
@@ -27,29 +28,20 @@ def _pdl():
     return pdl
 
 
-@pytest.fixture
-def restore_flag():
-    pdl = _pdl()
-    saved = pdl.PDL_ENABLED
-    yield pdl
-    pdl.set_enabled(saved)
-
-
 def _fake_cuda_tensor(index: int = 0):
     return SimpleNamespace(is_cuda=True, device=torch.device("cuda", index))
 
 
-# ------------------------------------------------------------ the switch and pdl_launch ---------------------
+# ------------------------------------------------------------ the option and pdl_launch ---------------------
 
 
-def test_cpu_tensors_never_get_pdl(restore_flag):
-    pdl = restore_flag
-    pdl.set_enabled(True)
-    assert pdl.pdl_launch(torch.zeros(3)) == {}
+def test_cpu_tensors_never_get_pdl():
+    with kernel_options(pdl=True):
+        assert _pdl().pdl_launch(torch.zeros(3)) == {}
 
 
-def test_pdl_launch_on_a_capable_device(restore_flag, monkeypatch):
-    pdl = restore_flag
+def test_pdl_launch_on_a_capable_device(monkeypatch):
+    pdl = _pdl()
     calls = []
 
     def capability(idx):
@@ -59,17 +51,17 @@ def test_pdl_launch_on_a_capable_device(restore_flag, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
     monkeypatch.setattr(pdl, "_capable", {})
     monkeypatch.setattr(pdl, "_TRITON_PDL", True)
-    pdl.set_enabled(True)
-    assert pdl.pdl_launch(_fake_cuda_tensor(0)) == {"launch_pdl": True}
-    assert pdl.pdl_launch(_fake_cuda_tensor(0)) == {"launch_pdl": True}
-    assert pdl.pdl_launch(_fake_cuda_tensor(1)) == {}  # sm_80: no PDL
-    assert pdl.pdl_launch(_fake_cuda_tensor(1)) == {}
-    assert calls == [0, 1], "the capability is looked up once per device"
-    pdl.set_enabled(False)
-    assert pdl.pdl_launch(_fake_cuda_tensor(0)) == {}
-    pdl.set_enabled(True)
-    monkeypatch.setattr(pdl, "_TRITON_PDL", False)  # a Triton without the launch option
-    assert pdl.pdl_launch(_fake_cuda_tensor(0)) == {}
+    with kernel_options(pdl=True):
+        assert pdl.pdl_launch(_fake_cuda_tensor(0)) == {"launch_pdl": True}
+        assert pdl.pdl_launch(_fake_cuda_tensor(0)) == {"launch_pdl": True}
+        assert pdl.pdl_launch(_fake_cuda_tensor(1)) == {}  # sm_80: no PDL
+        assert pdl.pdl_launch(_fake_cuda_tensor(1)) == {}
+        assert calls == [0, 1], "the capability is looked up once per device"
+        with kernel_options(pdl=False):  # an engine with PDL off: its launches do without
+            assert pdl.pdl_launch(_fake_cuda_tensor(0)) == {}
+        assert pdl.pdl_launch(_fake_cuda_tensor(0)) == {"launch_pdl": True}  # the block's end restores it
+        monkeypatch.setattr(pdl, "_TRITON_PDL", False)  # a Triton without the launch option
+        assert pdl.pdl_launch(_fake_cuda_tensor(0)) == {}
 
 
 def test_installed_triton_supports_pdl():
@@ -80,20 +72,21 @@ def test_installed_triton_supports_pdl():
     assert _pdl().triton_supports_pdl() == ("launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)})
 
 
-def _flag_in_subprocess(env_value: str | None, code: str) -> str:
+def _in_subprocess(env_value: str | None, code: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "MINISGL_PDL"}
     if env_value is not None:
         env["MINISGL_PDL"] = env_value
-    out = subprocess.run([sys.executable, "-c", "from minisgl.kernels import pdl\n" + code], env=env, cwd=REPO,
-                         capture_output=True, text=True, check=True)
+    prelude = "from minisgl.config import make_config\nfrom minisgl.kernels.options import current_options\n"
+    out = subprocess.run([sys.executable, "-c", prelude + code], env=env, cwd=REPO, capture_output=True, text=True,
+                         check=True)
     return out.stdout.strip()
 
 
-def test_env_turns_pdl_off_and_keeps_it_off():
-    assert _flag_in_subprocess(None, "print(pdl.PDL_ENABLED, pdl.configure(True), pdl.configure(False))") \
-        == "True True False"
-    # MINISGL_PDL=0: off, and an engine asking for PDL does not turn it back on
-    assert _flag_in_subprocess("0", "print(pdl.PDL_ENABLED, pdl.configure(True))") == "False False"
+def test_environment_is_a_default_only():
+    code = "print(current_options().pdl, make_config('m').kernels.pdl, make_config('m', pdl=True).kernels.pdl)"
+    assert _in_subprocess(None, code) == "True True True"
+    # MINISGL_PDL=0: off by default, and an engine asking for PDL gets it (the option given wins)
+    assert _in_subprocess("0", code) == "False False True"
 
 
 # ------------------------------------------------------------ the engine flag -------------------------------
@@ -102,20 +95,38 @@ def test_env_turns_pdl_off_and_keeps_it_off():
 def test_config_flag_parses():
     import argparse
 
-    from minisgl.config import add_engine_args, engine_kwargs_from_args
-    assert EngineConfig("m").pdl is True
+    from minisgl.config import add_engine_args, engine_kwargs_from_args, make_config
+    assert EngineConfig("m").kernels.pdl is True
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert engine_kwargs_from_args(p.parse_args(["--model", "m", "--disable-pdl"])) == {"pdl": False}
+    given = engine_kwargs_from_args(p.parse_args(["--model", "m", "--disable-pdl"]))
+    assert given == {"pdl": False} and make_config("m", **given).kernels.pdl is False
     assert "pdl" not in engine_kwargs_from_args(p.parse_args(["--model", "m"]))
 
 
-def test_engine_sets_the_process_flag(restore_flag, make_llm, qwen3_path):
-    pdl = restore_flag
-    make_llm(qwen3_path, pdl=False)
-    assert pdl.PDL_ENABLED is False
-    make_llm(qwen3_path)  # the default asks for PDL; the engine started last decides
-    assert pdl.PDL_ENABLED is pdl._ENV_ON
+def test_each_engine_steps_under_its_own_setting(make_llm, qwen3_path, monkeypatch):
+    """Two engines, PDL off and on, in one process: every step of each runs under its own option, and nothing
+    outside their steps changes (no process-wide flag)."""
+    from minisgl import SamplingParams
+    from minisgl.engine.model_runner import ModelRunner
+    from minisgl.kernels.options import current_options
+
+    before = current_options()
+    seen = []
+    step = ModelRunner._forward
+
+    def recording(self, batch):
+        seen.append((self.config.kernels.pdl, current_options().pdl))
+        return step(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "_forward", recording)
+    off, on = make_llm(qwen3_path, pdl=False), make_llm(qwen3_path)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = [llm.generate([[5, 6, 7]], params)[0].token_ids for llm in (off, on, off)]
+    assert outs[0] == outs[1] == outs[2]  # PDL changes launches, never tokens
+    assert {engine for engine, _ in seen} == {False, True}
+    assert all(engine == in_force for engine, in_force in seen), seen
+    assert current_options() == before
 
 
 # ------------------------------------------------------------ USE_PDL paths under the interpreter ----------
@@ -140,11 +151,11 @@ def interp(monkeypatch):
     pytest.importorskip("triton", reason="Triton is not installed (the GPU kernels are optional)")
     from helpers import use_triton_interpreter
     use_triton_interpreter("minisgl.kernels.elementwise", "minisgl.kernels.attention", "minisgl.kernels.gemv")
-    monkeypatch.setenv("MINISGL_FORCE_TRITON", "1")
     from minisgl.kernels import attention as att
     from minisgl.kernels import elementwise as ew
     from minisgl.kernels import gemv as gv
-    return SimpleNamespace(ew=ew, att=att, gv=gv)
+    with kernel_options(triton_on_cpu=True):
+        yield SimpleNamespace(ew=ew, att=att, gv=gv)
 
 
 def _with_pdl(monkeypatch, mods, fn):
@@ -163,13 +174,13 @@ def _with_pdl(monkeypatch, mods, fn):
                                                  (4, 24, 1030, True, False), (2, 8, 16, True, False)])
 def test_gemv_pdl_path_is_bitwise_the_same(interp, monkeypatch, early, rows, n, k, silu, bias):
     gv = interp.gv
-    monkeypatch.setattr(gv, "PDL_EARLY_TILES", early)
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, 2 * k if silu else k, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
     # K of 2100 and 1030 leave partial tiles after several steps; 16 fits in the peeled first step alone
-    without, with_pdl = _with_pdl(monkeypatch, [gv], lambda: gv.gemv(x, w, b, silu_mul=silu))
+    with kernel_options(gemv_pdl_early_tiles=early):
+        without, with_pdl = _with_pdl(monkeypatch, [gv], lambda: gv.gemv(x, w, b, silu_mul=silu))
     assert torch.equal(without, with_pdl)
     # and it is the product: fp32 maths on the same bf16 inputs (silu_and_mul's kernel rounds as the fold does),
     # one rounding at the end

@@ -27,8 +27,8 @@ from minisgl.kernels import gdn  # noqa: E402
 
 
 @pytest.fixture
-def force_triton(monkeypatch):
-    monkeypatch.setenv("MINISGL_FORCE_TRITON", "1")
+def force_triton(options_for_test):
+    options_for_test(triton_on_cpu=True)
 
 
 def _tol(dtype: torch.dtype) -> float:
@@ -158,7 +158,7 @@ def test_partial_rope_without_norm(force_triton):
     _close(k, k_ref, 1e-5)
 
 
-def test_qwen35_engine_on_triton_kernels_matches_hf(force_triton, models_dir, make_llm, monkeypatch):
+def test_qwen35_engine_on_triton_kernels_matches_hf(models_dir, make_llm, monkeypatch):
     """A tiny Qwen3.5 (fp32) through the engine with every Triton kernel under the interpreter: prefill in chunks
     (the chunked delta rule and the varlen conv), then decode steps; greedy tokens equal Hugging Face's."""
     from helpers import assert_parity, hf_greedy
@@ -184,7 +184,9 @@ def test_qwen35_engine_on_triton_kernels_matches_hf(force_triton, models_dir, ma
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", recorded)
-    llm = make_llm(path, dtype="float32", attention_backend="triton", page_size=4, chunked_prefill_size=8)
+    # the engine's own kernel option sends its CPU tensors through the Triton kernels (the interpreter)
+    llm = make_llm(path, dtype="float32", attention_backend="triton", page_size=4, chunked_prefill_size=8,
+                   triton_on_cpu=True)
     outs = llm.generate(prompts, params)
     assert_parity(outs, hf_greedy(path, prompts, max_new_tokens=4), prompts)
     fused = {"_rms_norm_kernel", "_gated_rms_norm_kernel", "_sigmoid_mul_kernel", "_gating_kernel", "_rope_kernel",

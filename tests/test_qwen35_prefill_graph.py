@@ -13,6 +13,7 @@ from test_qwen35 import GREEDY, SUBSET, qwen35_path  # noqa: F401 (a fixture)
 
 from minisgl import SamplingParams
 from minisgl.engine import prefill_graph as pg
+from minisgl.engine.hybrid import pad_state_step
 
 # --- shapes and host padding ---------------------------------------------------------------------------------
 
@@ -29,12 +30,12 @@ def test_hybrid_shapes_have_more_tokens_than_requests():
 
 def test_pad_state_step_values():
     slots, cu = np.array([5, 2]), np.array([0, 3, 4])
-    p_slots, p_cu = pg.pad_state_step((16, 4), slots, cu, dummy_slot=99)
+    p_slots, p_cu = pad_state_step((16, 4), slots, cu, dummy_slot=99)
     assert p_slots.tolist() == [5, 2, 99, 99]  # padded requests: the dummy slot
     assert p_cu.tolist() == [0, 3, 4, 4, 4]  # empty, after the real tokens: tokens 4..15 belong to no sequence
-    assert pg.pad_state_step((16, 2), slots, cu, 99)[1].tolist() == [0, 3, 4]
+    assert pad_state_step((16, 2), slots, cu, 99)[1].tolist() == [0, 3, 4]
     with pytest.raises(ValueError, match="do not fit"):
-        pg.pad_state_step((16, 1), slots, cu, 99)
+        pad_state_step((16, 1), slots, cu, 99)
 
 
 def test_runner_shapes_and_buffers(qwen35_path, make_llm):  # noqa: F811
@@ -44,8 +45,8 @@ def test_runner_shapes_and_buffers(qwen35_path, make_llm):  # noqa: F811
     assert (16, 16) not in graphs.shapes and (32, 16) in graphs.shapes and (16, 4) in graphs.shapes
     meta = graphs.metas[32, 4]
     assert meta.state_slots.shape == (4,) and meta.cu_seqlens.shape == (5,)
-    assert meta.state_slots.data_ptr() == graphs.state_slots.data_ptr()  # views of the fixed buffers
-    assert (graphs.state_slots == runner.state_pool.dummy_slot).all()
+    assert meta.state_slots.data_ptr() == graphs.inputs.state_slots.data_ptr()  # views of the fixed buffers
+    assert (graphs.inputs.state_slots == runner.state_pool.dummy_slot).all()
 
 
 # --- the padded forward against the eager one, inside real engine runs ------------------------------------

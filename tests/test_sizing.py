@@ -48,11 +48,12 @@ def test_rule_keeps_hybrid_models_bounded():
     assert 17 * MiB < slot < 19 * MiB
     row = sizing.row_bytes(262144 + 1, slot, 2)
     big_pool = 10_000_000
-    assert sizing.auto_max_running_requests(big_pool, row, memory_budget=120 * GiB, hybrid=True) == 256
+    hybrid_cap = sizing.MAX_ROWS_HYBRID
+    assert sizing.auto_max_running_requests(big_pool, row, memory_budget=120 * GiB, max_rows=hybrid_cap) == 256
     # without the hybrid cap the memory bound alone would allow 381 rows (15 GiB of rows)
     assert sizing.auto_max_running_requests(big_pool, row, memory_budget=120 * GiB) == 15 * GiB // row == 381
     # a 16 GiB card: its eighth holds 2 GiB / 41 MB = 52 rows, not 256 (which would be 10 GB of state)
-    rows = sizing.auto_max_running_requests(big_pool, row, memory_budget=16 * GiB, hybrid=True)
+    rows = sizing.auto_max_running_requests(big_pool, row, memory_budget=16 * GiB, max_rows=sizing.MAX_ROWS_HYBRID)
     assert rows == 2 * GiB // row and 40 < rows < 60
 
 

@@ -365,15 +365,14 @@ def _meta(rows, prefix, ext, total_slots_used, out_cache_loc, is_decode):
 
 @pytest.mark.parametrize("mixed_split", [True, False], ids=["mixed_split", "mixed_one_launch"])
 @pytest.mark.parametrize("fused_store", [True, False], ids=["fused_store", "store_kv"])
-def test_triton_backend_matches_torch_backend(fused_store, mixed_split, monkeypatch):
+def test_triton_backend_matches_torch_backend(fused_store, mixed_split, monkeypatch, options_for_test):
     """Extend, decode, then a mixed step (a decode row first, a chunk after it) through the backend API (the K/V
-    store included), against the torch backend: the same outputs and the same pool. With DECODE_FUSED_STORE the
-    decode step stores inside the decode kernel and never calls the pool's store; off, and in every extend step,
-    it stores through the pool first. With MIXED_DECODE_SPLIT the mixed step's decode row takes the decode kernel
-    (one row) and the chunk the extend kernel."""
+    store included), against the torch backend: the same outputs and the same pool. With the option
+    decode_fused_store the decode step stores inside the decode kernel and never calls the pool's store; off, and in
+    every extend step, it stores through the pool first. With mixed_decode_split the mixed step's decode row takes
+    the decode kernel (one row) and the chunk the extend kernel."""
     from minisgl.attention import triton_backend
-    monkeypatch.setattr(attention_kernels, "DECODE_FUSED_STORE", fused_store)
-    monkeypatch.setattr(triton_backend, "MIXED_DECODE_SPLIT", mixed_split)
+    options_for_test(decode_fused_store=fused_store, mixed_decode_split=mixed_split)
     decode_rows = []  # rows of every decode-kernel launch, and whether the step was a decode step
     kernel = triton_backend.decode_attention
     monkeypatch.setattr(triton_backend, "decode_attention",
@@ -441,12 +440,12 @@ def _launch_key(kernel, args: tuple, kwargs: dict) -> tuple:
 
 
 @pytest.mark.parametrize("fused_store", [True, False], ids=["fused_store", "store_kv"])
-def test_mixed_decode_rows_reuse_the_decode_graph_variants(fused_store, monkeypatch):
+def test_mixed_decode_rows_reuse_the_decode_graph_variants(fused_store, monkeypatch, options_for_test):
     """A mixed step with any number of decode rows launches the decode kernels exactly as a decode step of one of
     the CUDA-graph batch sizes does (same constexprs, alignments and int specialisations), so serving compiles no
     kernel variant after the graphs are captured; launches are recorded, not run."""
     from minisgl.engine.cuda_graph import default_batch_sizes
-    monkeypatch.setattr(attention_kernels, "DECODE_FUSED_STORE", fused_store)
+    options_for_test(decode_fused_store=fused_store)
     launches = []
 
     class Recorder:
@@ -526,8 +525,8 @@ def test_triton_backend_decode_workspaces_across_batch_sizes():
 
 
 @pytest.fixture
-def force_triton(monkeypatch):
-    monkeypatch.setenv("MINISGL_FORCE_TRITON", "1")
+def force_triton(options_for_test):
+    options_for_test(triton_on_cpu=True)
 
 
 def _tol(dtype: torch.dtype) -> float:
@@ -645,10 +644,11 @@ def test_norm_and_rope_in_place_on_qkv_views(force_triton, dtype):
 
 
 def test_elementwise_cpu_path_without_force():
-    """Without the flag, CPU tensors take the torch reference (what CI, which has no Triton, runs)."""
+    """Without the option, CPU tensors take the torch reference (what CI, which has no Triton, runs)."""
+    from minisgl.kernels.options import current_options
     x = torch.randn(3, 16)
     w = torch.ones(16)
-    assert os.environ.get("MINISGL_FORCE_TRITON", "0") != "1"
+    assert not current_options().triton_on_cpu
     assert torch.equal(ew.rms_norm(x, w, 1e-6), ew.rms_norm_ref(x, w, 1e-6))
 
 
@@ -665,7 +665,6 @@ def test_engine_on_triton_backend_matches_hf(fused_store, qwen3_path, make_llm, 
     from minisgl import SamplingParams
     from minisgl.attention import triton_backend
 
-    monkeypatch.setattr(attention_kernels, "DECODE_FUSED_STORE", fused_store)
     fused_calls = []
     run = triton_backend.decode_attention
 
@@ -676,7 +675,8 @@ def test_engine_on_triton_backend_matches_hf(fused_store, qwen3_path, make_llm, 
     monkeypatch.setattr(triton_backend, "decode_attention", recorded)
     prompts = [[5, 9, 17, 3, 44, 8, 21, 60, 2, 7, 11], [100, 4, 4, 4, 33], [7]]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    llm = make_llm(qwen3_path, dtype="float32", attention_backend="triton", page_size=4)
+    llm = make_llm(qwen3_path, dtype="float32", attention_backend="triton", page_size=4,
+                   decode_fused_store=fused_store)
     outs = llm.generate(prompts, params)
     assert_parity(outs, hf_greedy(qwen3_path, prompts, max_new_tokens=5), prompts)
     assert fused_calls and set(fused_calls) == {fused_store}

@@ -4,14 +4,16 @@ The kernels read every key through `req_to_token`, so they need no per-step plan
 the metadata, and CUDA Graph capture works by pointing the backend at the graph runner's fixed buffers.
 The one thing a captured decode needs fixed is its split count and workspace; both depend only on the batch
 size and `max_context_len`, never on the step's sequence lengths. The workspace's tail holds the split-merge
-counters (kernels/attention.py, DECODE_FUSED_MERGE): zeroed once here when allocated, left at zero by every
+counters (kernels/attention.py, the fused merge): zeroed once here when allocated, left at zero by every
 launch, and sized for every batch size that shares it.
 
-A decode step stores its new K/V inside the decode kernel (kernels/attention.py, DECODE_FUSED_STORE): one launch
-fewer per layer. `forward` still stores k/v either way; extend steps always store with store_kv first.
+A decode step stores its new K/V inside the decode kernel (kernels/attention.py; kernel option
+`decode_fused_store`): one launch fewer per layer. `forward` still stores k/v either way; extend steps always store
+with store_kv first.
 
 A mixed step (chunked prefill with decode rows riding along; the scheduler puts the decode rows first) sends its
-leading one-token rows through the decode kernel and only the rest through the extend kernel (MIXED_DECODE_SPLIT).
+leading one-token rows through the decode kernel and only the rest through the extend kernel (kernel option
+`mixed_decode_split`).
 The extend kernel gives each request and head a 128-query tile: a decode row would fill one row of it and pay
 the tensor-core work of 128 over its whole context, which made the decode rows of a 1-4k-prompt mix three times
 dearer in a mixed step than in a decode step (reports/h200/run12, sweep_phases06). The split needs the host's
@@ -20,22 +22,16 @@ extend lengths, so a prefill-graph step (engine/prefill_graph.py, whose fixed me
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from minisgl.attention.base import AttentionBackend, AttentionMetadata
-from minisgl.kernels import attention as attention_kernels
 from minisgl.kernels.attention import (
     decode_attention,
     decode_num_splits,
     decode_shared_workspace_numel,
     extend_attention,
 )
-
-# The switch of the mixed-step split (module docstring); read at every extend forward. MINISGL_MIXED_DECODE_SPLIT=0
-# starts a process with it off.
-MIXED_DECODE_SPLIT = os.environ.get("MINISGL_MIXED_DECODE_SPLIT", "1") != "0"
+from minisgl.kernels.options import current_options
 
 
 def leading_decode_rows(meta: AttentionMetadata) -> int:
@@ -92,9 +88,9 @@ class TritonAttentionBackend(AttentionBackend):
         return self._eager_workspace
 
     def _fuse_store(self, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether this decode step's K/V store goes into the decode kernel (the switch is read at every call, so
-        a captured graph holds whichever path was set when it was captured)."""
-        return attention_kernels.DECODE_FUSED_STORE and k.stride(-1) == 1 and v.stride(-1) == 1
+        """Whether this decode step's K/V store goes into the decode kernel (the engine's kernel option, read at
+        every call, so a captured graph holds the path of the options it was captured under)."""
+        return current_options().decode_fused_store and k.stride(-1) == 1 and v.stride(-1) == 1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         meta = self.meta
@@ -112,7 +108,7 @@ class TritonAttentionBackend(AttentionBackend):
                              workspace=self._workspace(bs, q.device), num_splits=self._num_splits(bs),
                              new_kv=(k, v, meta.out_cache_loc) if fuse_store else None)
         else:
-            n_dec = leading_decode_rows(meta) if MIXED_DECODE_SPLIT else 0
+            n_dec = leading_decode_rows(meta) if current_options().mixed_decode_split else 0
             if n_dec:
                 self._mixed_decode_rows(n_dec, q, k, v, k_buf, v_buf, out)
             # the requests from n_dec on; extend_start holds absolute token offsets, so only their rows are written

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -12,6 +13,7 @@ import time
 import torch
 
 from minisgl.bench.workloads import WORKLOADS, Workload
+from minisgl.environment import git_commit_override
 from minisgl.sampling_params import SamplingParams
 
 
@@ -69,6 +71,8 @@ def _engine_stats(llm) -> dict:
     s["max_running_requests"] = e.scheduler.max_running
     graphs = e.runner.graph_runner
     s["cuda_graph_batch_sizes"] = list(graphs.batch_sizes) if graphs is not None else []
+    # the kernel options the engine ran with (environment defaults included): settings of the run, in every result
+    s["kernel_options"] = dataclasses.asdict(e.config.kernels)
     return s
 
 
@@ -179,7 +183,8 @@ def run_workload(llm, name: str, scale: float = 1.0) -> dict:
 
 
 def environment() -> dict:
-    """What the numbers were measured with: commit, versions, hardware."""
+    """What the numbers were measured with: commit, versions, hardware. (The engine's settings, kernel options
+    included, are in each result's "engine" and in the CLI's "settings".)"""
     def git(*args):
         try:
             return subprocess.check_output(["git", *args], text=True, stderr=subprocess.DEVNULL).strip()
@@ -187,17 +192,13 @@ def environment() -> dict:
             return None
     import transformers
     # a copy of the tree without .git (the GPU machine) gets the commit from the caller
-    commit = os.environ.get("MINISGL_GIT_COMMIT") or git("rev-parse", "HEAD")
-    dirty = os.environ.get("MINISGL_GIT_DIRTY")
+    commit, dirty = git_commit_override()
     env = {
-        "git_commit": commit,
-        "git_dirty": (dirty == "1") if dirty is not None else bool(git("status", "--porcelain")),
+        "git_commit": commit or git("rev-parse", "HEAD"),
+        "git_dirty": dirty if dirty is not None else bool(git("status", "--porcelain")),
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
         "platform": platform.platform(), "cpu_count": os.cpu_count(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        # kernel switches set from the environment (e.g. MINISGL_PDL=0) are settings of the run too
-        "minisgl_env": {k: v for k, v in sorted(os.environ.items())
-                        if k.startswith("MINISGL_") and k not in ("MINISGL_GIT_COMMIT", "MINISGL_GIT_DIRTY")},
     }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()

@@ -1,12 +1,13 @@
 """Tensor parallelism, the processes: one per rank, started by rank 0, stopped together.
 
-Rank 0 is the engine's own process: it runs the scheduler, the radix cache and its own slice of the model.
-It starts ranks 1..N-1 with torch.multiprocessing (spawn). Each step it sends them the batch it is about to
-run (a slim, pickled copy of the host lists `ModelRunner.prepare` reads, plus the request-table writes)
-through one pipe per rank; every rank then runs the same forward, meeting the others in the all-reduces of
-torch.distributed (NCCL on GPUs, gloo on a CPU). Every rank sees the full logits and samples the same
-tokens (the sampler is a pure function of logits and seeds), so the overlap loop's on-device tokens exist
-on every rank without more traffic.
+Rank 0 is the engine's own process: it runs the scheduler, the radix cache and its own slice of the model. It starts
+ranks 1..N-1 with torch.multiprocessing (spawn), each building a model runner of the class rank 0's runner passes in
+(`worker`: this module never imports the engine) and running its `loop`. Each step rank 0 sends them the batch it is
+about to run (a slim, pickled copy of the host lists `ModelRunner.prepare` reads, plus the request-table writes as
+`ReqToTokenPool.take_writes` packs them) through one pipe per rank; every rank then runs the same forward, meeting
+the others in the all-reduces of torch.distributed (NCCL on GPUs, gloo on a CPU). Every rank sees the full logits
+and samples the same tokens (the sampler is a pure function of logits and seeds), so the overlap loop's on-device
+tokens exist on every rank without more traffic.
 
 Pipes carry the control messages: they need no timeout while a server idles, and a closed pipe tells a
 rank at once that its peer is gone. Failure handling, so no process is ever left behind:
@@ -26,6 +27,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import NamedTuple
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from minisgl.config import EngineConfig
+from minisgl.environment import keep_nvlink_multicast_off
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler import Batch
 
@@ -71,16 +74,19 @@ def _exit_reason(code: int | None) -> str:
 class TensorParallel:
     """This process's place in the tensor-parallel group; rank 0's instance also owns ranks 1..N-1."""
 
-    def __init__(self, config: EngineConfig, rank: int, device: torch.device, link: tuple | None = None) -> None:
-        """Rank 0: start ranks 1..N-1 and the group. Rank r > 0: `link` = (pipe to rank 0, store port)."""
+    def __init__(self, config: EngineConfig, rank: int, device: torch.device, link: tuple | None = None,
+                 worker: type | None = None) -> None:
+        """Rank 0: start ranks 1..N-1 and the group, each rank running `worker(config, rank=r, tp_link=...).loop()`
+        (the model runner's class). Rank r > 0: `link` = (pipe to rank 0, store port)."""
         self.config, self.rank, self.world = config, rank, config.tp_size
+        self.worker = worker
         self.procs: list = []  # rank 0: the processes of ranks 1..N-1
         self.conns: list = []  # rank 0: a pipe to each; rank r > 0: [the pipe to rank 0]
         self.error: str | None = None  # rank 0: why the group is dead
         self.closed = False
         self._monitor: threading.Thread | None = None
         self._lock = threading.Lock()
-        os.environ["NCCL_NVLS_ENABLE"] = "0"  # keep NVLink multicast off (ranks 1.. inherit this)
+        keep_nvlink_multicast_off()  # ranks 1.. inherit it
         if device.type == "cuda":
             if torch.cuda.device_count() < self.world:
                 raise ValueError(f"tp_size {self.world} needs {self.world} GPUs; {torch.cuda.device_count()} visible")
@@ -119,7 +125,7 @@ class TensorParallel:
         _LIVE.add(self)
         for r in range(1, self.world):
             ours, theirs = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_rank_main, args=(self.config, r, store.port, theirs, os.getpid()),
+            p = ctx.Process(target=_rank_main, args=(self.worker, self.config, r, store.port, theirs, os.getpid()),
                             name=f"minisgl-tp-rank{r}", daemon=True)
             p.start()
             theirs.close()
@@ -191,25 +197,35 @@ class TensorParallel:
         else:
             self.conns[0].send(("ready",))
 
-    def forward(self, runner, batch: Batch):
-        """Rank 0: send the batch to the other ranks, then run our part of it; a dead rank -> RuntimeError."""
-        if self.rank != 0:
-            return runner._forward(batch)
+    def run_step(self, batch: Batch, writes: tuple, step: Callable[[], object]):
+        """Rank 0: send the batch and its request-table writes to the other ranks, then run our part of it
+        (`step`); a dead rank -> RuntimeError naming it."""
         if self.error is not None:
             raise RuntimeError(self.error)
-        pool = runner.req_pool
-        # the request-table writes this step's flush() will apply (ReqToTokenPool queues them on the host)
-        msg = pickle.dumps(("step", slim_batch(batch), (pool._rows, pool._cols, pool._vals, pool._token_runs)),
-                           protocol=pickle.HIGHEST_PROTOCOL)
+        msg = pickle.dumps(("step", slim_batch(batch), writes), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for c in self.conns:
                 c.send_bytes(msg)
-            return runner._forward(batch)
+            return step()
         except BaseException as e:  # Ctrl-C too: the other ranks may wait in a collective we never reach
             message = self._diagnose(e)
             if isinstance(e, Exception):
                 raise RuntimeError(message) from e
             raise
+
+    def steps(self) -> Iterator[tuple[Batch, tuple]]:
+        """Rank r > 0: the (batch, request-table writes) of each step rank 0 sends, until it says stop or goes
+        away."""
+        conn = self.conns[0]
+        while True:
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return  # rank 0 is gone
+            if msg[0] == "stop":
+                return
+            _, batch, writes = msg
+            yield batch, writes
 
     def _diagnose(self, e: Exception) -> str:
         """After a failed step: name the rank that died (its exit shows a moment after its sockets close).
@@ -318,28 +334,17 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def _rank_main(config: EngineConfig, rank: int, port: int, conn, parent_pid: int) -> None:
-    """Entry point of ranks 1..N-1: build this rank's ModelRunner, then run each batch rank 0 sends."""
+def _rank_main(worker: type, config: EngineConfig, rank: int, port: int, conn, parent_pid: int) -> None:
+    """Entry point of ranks 1..N-1: build this rank's model runner (`worker`), then run its loop."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    keep_nvlink_multicast_off()
     runner = None
     try:
         if config.device != "cuda" and not (config.device == "auto" and torch.cuda.is_available()):
             # the ranks share the CPU cores; oversubscribing threads makes every rank slower
             torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // config.tp_size)))
-        from minisgl.engine.model_runner import ModelRunner
-        runner = ModelRunner(config, rank=rank, tp_link=(conn, port))
-        pool = runner.req_pool
-        while True:
-            try:
-                msg = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                break  # rank 0 is gone
-            if msg[0] == "stop":
-                break
-            _, batch, (rows, cols, vals, token_runs) = msg
-            pool._rows, pool._cols, pool._vals, pool._token_runs = rows, cols, vals, token_runs
-            runner.forward(batch)
+        runner = worker(config, rank=rank, tp_link=(conn, port))
+        runner.loop()
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from minisgl.config import EngineConfig
 from minisgl.engine.model_runner import ModelRunner, StepOutput
 from minisgl.errors import RequestError
-from minisgl.kvcache import NaiveCache, PageAllocator, RadixCache
+from minisgl.kvcache import PageAllocator
 from minisgl.sampling_params import SamplingParams
-from minisgl.scheduler import NEED_SYNC, Req, ReqStatus, Scheduler
+from minisgl.scheduler import NEED_SYNC, Req, ReqStatus
 
 
 # --- notebooks/07_overlap.ipynb, cell 6 (id c07-006) ---
@@ -35,16 +35,9 @@ class Engine:
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
         self.allocator = PageAllocator(self.runner.num_pages)
-        if getattr(self.runner, "state_pool", None) is not None:  # a hybrid model (Qwen3.5): scheduler/hybrid.py
-            from minisgl.scheduler.hybrid import make_hybrid_scheduler
-            self.cache, self.scheduler = make_hybrid_scheduler(config, self.allocator, self.runner.req_pool,
-                                                               self.runner.state_pool)
-        else:
-            cache_cls = RadixCache if config.radix_cache else NaiveCache
-            self.cache = cache_cls(self.allocator, config.page_size)
-            self.scheduler = Scheduler(self.allocator, self.runner.req_pool, self.cache, config.page_size,
-                                       config.max_running_requests, config.prefill_budget,
-                                       chunked=config.chunked_prefill)
+        # the prefix cache (RadixCache, or NaiveCache with the radix_cache switch off) and your Scheduler, built by
+        # the model's runtime (engine/runtime.py), which knows what else the model needs (a hybrid: notebook 10)
+        self.cache, self.scheduler = self.runner.runtime.make_scheduler(config, self.allocator, self.runner.req_pool)
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._next_rid = 0

@@ -19,13 +19,14 @@ import torch
 from minisgl.attention import AttentionMetadata, create_backend
 from minisgl.config import EngineConfig
 from minisgl.engine.graph_pieces import run_in_pieces
-from minisgl.engine.prefill_graph import pad_extend_step, pad_state_step
+from minisgl.engine.prefill_graph import pad_extend_step
+from minisgl.engine.runtimes import make_runtime
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_bytes
-from minisgl.kernels import pdl
+from minisgl.kernels.options import use_options
 from minisgl.kvcache import KVCache, ReqToTokenPool
-from minisgl.kvcache.state_pool import HybridAttentionMetadata, StatePool
 from minisgl.loader import DTYPES, load_model
+from minisgl.models.registry import runtime_name
 from minisgl.scheduler import Batch
 
 
@@ -55,7 +56,8 @@ class ModelRunner:
         # --- tensor parallelism (minisgl/distributed): rank 0 starts ranks 1..N-1, stopped again on failure ---
         self.tp = None
         try:
-            self._setup(config, rank, tp_link)
+            with use_options(config.kernels):  # the GEMV swap, warm-ups and graph captures run under them
+                self._setup(config, rank, tp_link)
         except BaseException:
             self.close()
             raise
@@ -69,12 +71,10 @@ class ModelRunner:
     def _setup(self, config: EngineConfig, rank: int, tp_link: tuple | None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        # programmatic dependent launch of the Triton kernels: a process-wide flag, set before any kernel is
-        # compiled or graph captured (kernels/pdl.py; the engine started last decides for the whole process)
-        pdl.configure(config.pdl)
         if config.tp_size > 1:  # --- tensor parallelism: join (rank 0: start) the group; a GPU per rank ---
             from minisgl.distributed import TensorParallel
-            self.tp = TensorParallel(config, rank, self.device, tp_link)
+            # ranks 1..N-1 run a runner of this class each (`loop`); the group never imports the engine
+            self.tp = TensorParallel(config, rank, self.device, tp_link, worker=type(self))
             self.device = self.tp.device
         if config.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -85,12 +85,12 @@ class ModelRunner:
         self.model, self.model_config, self.hf_config, self.model_path = (
             loaded.model, loaded.config, loaded.hf_config, loaded.path)
         mc = self.model_config
-        # a hybrid model (Qwen3.5) keeps per-request linear-attention state beside a KV pool of its full-attention
-        # layers only
-        self.is_hybrid = getattr(mc, "is_hybrid", False)
-        if self.is_hybrid and self.tp is not None:
-            raise ValueError("tensor parallelism does not run hybrid models (Qwen3.5) yet: use tp_size=1")
-        self.num_kv_layers = len(mc.full_attention_layers) if self.is_hybrid else mc.num_layers
+        # what the model needs beyond a KV cache, as its family declares it (engine/runtime.py)
+        self.runtime = make_runtime(runtime_name(loaded.hf_config), mc)
+        if self.tp is not None and not self.runtime.supports_tensor_parallel:
+            raise ValueError(f"tensor parallelism does not run {self.runtime.name} models (such as {mc.arch}) yet: "
+                             "use tp_size=1")
+        self.num_kv_layers = self.runtime.kv_layers
         # this rank's heads: all of them, or its slice under tensor parallelism (which shards the weights here)
         self.num_q_heads, self.num_kv_heads = mc.num_q_heads, mc.num_kv_heads
         if self.tp is not None:
@@ -99,22 +99,18 @@ class ModelRunner:
         self.gemv_linears = 0
         if config.gemv and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
             from minisgl.kernels.gemv import use_gemv
+            from minisgl.models.layers import MLP
             # few-row matmuls stream the weights (kernels/gemv.py); more rows stay cuBLAS
-            self.gemv_linears = use_gemv(self.model)
+            self.gemv_linears = use_gemv(self.model, fold=(MLP,))
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.page_size = config.page_size
         # max_running_requests 0/None: sized from memory here, and the rest of the engine sees the resolved count
         self.config = config = self._resolve_max_running(config)
         self.max_reqs = config.max_running_requests + 8  # finished requests hold a row until released
-        self.state_pool = None
-        if self.is_hybrid:  # allocated before the KV pool is sized, so the free memory it measures excludes it
-            shape = (len(mc.linear_attention_layers), mc.conv_channels, mc.linear_conv_kernel,
-                     mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim)
-            snapshots = StatePool.num_snapshots_for(
-                config.state_snapshots, config.state_snapshot_memory_fraction,
-                StatePool.bytes_per_slot(*shape, self.dtype), self.device, fallback=config.max_running_requests)
-            self.state_pool = StatePool(shape[0], self.max_reqs, snapshots, *shape[1:], self.dtype, self.device)
-            self.model.state_pool = self.state_pool
+        # per-request state beyond the KV cache (none, or a hybrid's), before the KV pool is sized, so the free
+        # memory it measures excludes it
+        self.runtime.allocate(self, config)
+        self.state_pool = self.runtime.state_pool
         # the request table before the KV pool, so the free memory the pool is sized from excludes it
         self.req_pool = ReqToTokenPool(self.max_reqs, self.max_model_len + self.page_size, self.device)
         self.num_pages = config.num_pages or self._auto_num_pages()
@@ -131,14 +127,9 @@ class ModelRunner:
                                    max_context_len=self.max_model_len)
         self.graph_runner = None
         if config.cuda_graph and self.device.type == "cuda" and self.attn.supports_cuda_graph:
-            if self.is_hybrid:  # decode graphs that also refresh each row's state slot (engine/hybrid_graph.py)
-                from minisgl.engine.hybrid_graph import HybridCudaGraphRunner as CudaGraphRunner
-            else:
-                from minisgl.engine.cuda_graph import CudaGraphRunner
-            self.graph_runner = CudaGraphRunner(self, graph_max_bs(config.cuda_graph_max_bs,
-                                                                   config.max_running_requests))
+            self.graph_runner = self.runtime.decode_graphs(self, graph_max_bs(config.cuda_graph_max_bs,
+                                                                              config.max_running_requests))
         # --- prefill graphs (engine/prefill_graph.py): extend steps replayed per token bucket ---
-        # (hybrid models too: their state slots and sequence bounds are two more fixed buffers)
         self.prefill_graph = None
         if (self.graph_runner is not None and config.prefill_graph_max_tokens > 0
                 and getattr(self.attn, "supports_extend_cuda_graph", False)):
@@ -177,17 +168,10 @@ class ModelRunner:
         (engine/sizing.py)."""
         if config.max_running_requests:
             return config
-        mc = self.model_config
         budget = self._pool_budget()
         kv_tokens = config.num_pages * self.page_size if config.num_pages else self._kv_tokens(budget)
-        slot_bytes = slots_per_row = 0
-        if self.is_hybrid:  # its own state slot, and by default room for one snapshot (state_snapshots None)
-            slot_bytes = StatePool.bytes_per_slot(
-                len(mc.linear_attention_layers), mc.conv_channels, mc.linear_conv_kernel, mc.linear_num_value_heads,
-                mc.linear_key_head_dim, mc.linear_value_head_dim, self.dtype)
-            slots_per_row = 2 if config.state_snapshots is None else 1
-        per_row = row_bytes(self.max_model_len + self.page_size, slot_bytes, slots_per_row)
-        rows = auto_max_running_requests(kv_tokens, per_row, budget, hybrid=self.is_hybrid)
+        per_row = row_bytes(self.max_model_len + self.page_size, *self.runtime.row_state_bytes(config, self.dtype))
+        rows = auto_max_running_requests(kv_tokens, per_row, budget, max_rows=self.runtime.max_rows)
         if self.tp is not None:  # every rank's request table must hold the rows rank 0 schedules
             rows = self.tp.agree_min(rows)
         return config.with_(max_running_requests=rows)
@@ -203,14 +187,16 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def prepare(self, batch: Batch, pad_to: tuple[int, int] | None = None
+    def prepare(self, batch: Batch, pad_to: tuple[int, int] | None = None,
+                writes: tuple[np.ndarray, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, SamplingTensors, torch.Tensor]:
         """Device inputs of a step: (input ids, positions, attention metadata, logit indices, sampling settings,
-        token_dst). The table writes the scheduler queued travel in the same copy and are applied first, since
-        the input ids are read from the token table; `token_dst` is where the step's sampled tokens go in it
-        (`store_tokens`, or inside the decode graph's replay). `pad_to` = (tokens, requests) pads the step to
-        a prefill graph's shape."""
-        writes, n_slot_writes = self.req_pool.take_writes()
+        token_dst). The table writes the scheduler queued (`writes`, as `ReqToTokenPool.take_writes` gives them;
+        by default taken from the pool here) travel in the same copy and are applied first, since the input ids
+        are read from the token table; `token_dst` is where the step's sampled tokens go in it (`store_tokens`, or
+        inside the decode graph's replay). `pad_to` = (tokens, requests) pads the step to a prefill graph's
+        shape."""
+        writes, n_slot_writes = writes if writes is not None else self.req_pool.take_writes()
         b, t = batch.size, batch.num_tokens
         prefix = np.asarray(batch.prefix_lens, dtype=np.int64)
         extend = np.asarray(batch.extend_lens, dtype=np.int64)
@@ -232,18 +218,12 @@ class ModelRunner:
         steps = np.asarray([r.num_outputs_scheduled for r in reqs], dtype=np.int64)
         top_ks = np.asarray([r.params.top_k_within(vocab) for r in reqs], dtype=np.int64)
         loc = np.asarray(batch.out_cache_loc, np.int64)
-        if self.is_hybrid:  # the linear-attention layers' state slots (slot = row) and sequence bounds
-            state_slots, cu_seqlens = rows, np.append(start, t)
-            if pad_to is not None:  # padded requests: the dummy slot, empty (prefill_graph.pad_state_step)
-                state_slots, cu_seqlens = pad_state_step(pad_to, state_slots, cu_seqlens,
-                                                         self.state_pool.dummy_slot)
+        extra = self.runtime.step_arrays(rows, start, t, pad_to)  # e.g. a hybrid's state slots and bounds
         if pad_to is not None:  # prefill graph: padded on the host, so the one upload has the graph's shapes
             token_src, positions, loc, rows, prefix, extend, start, logit_idx = pad_extend_step(
                 pad_to, token_src, positions, loc, rows, prefix, extend, start, logit_idx)
         parts = [token_src, positions, loc, rows, prefix + extend, prefix, extend, start, logit_idx, token_dst,
-                 seeds, steps, top_ks, writes.ravel()]
-        if self.is_hybrid:  # in the same copy
-            parts += [state_slots, cu_seqlens]
+                 seeds, steps, top_ks, writes.ravel(), *extra]  # all in one copy
         # Each part starts on a 16-byte boundary: Triton compiles a kernel variant per pointer alignment, and
         # unaligned views would make the variant depend on the batch's token count.
         padded = [n + n % 2 for n in map(len, parts)]
@@ -257,17 +237,16 @@ class ModelRunner:
         floats[2, :s] = [r.params.min_p for r in reqs]
         dev_ints, dev_floats = self._to_device(ints), self._to_device(floats)
         (src_d, pos, out_loc, rows_d, seq_lens, prefix_d, extend_d, start_d, logit_d, dst_d, seeds_d, steps_d,
-         topk_d, writes_d, *state_d) = (chunk[:len(part)] for chunk, part in zip(dev_ints.split(padded), parts))
+         topk_d, writes_d, *extra_d) = (chunk[:len(part)] for chunk, part in zip(dev_ints.split(padded), parts))
         self.req_pool.apply_writes(writes_d.view(3, writes.shape[1]), n_slot_writes)
         input_ids = self.req_pool.token_ids.view(-1)[src_d]
-        meta = (HybridAttentionMetadata if self.is_hybrid else AttentionMetadata)(
+        meta = self.runtime.metadata_cls(
             is_decode=batch.is_decode, req_pool_indices=rows_d, seq_lens=seq_lens.int(),
             prefix_lens=prefix_d.int(), extend_lens=extend_d.int(), extend_start=start_d.int(),
             out_cache_loc=out_loc, max_seq_len=int((prefix + extend).max()), max_extend_len=int(extend.max()),
             seq_lens_cpu=(prefix + extend).tolist(), prefix_lens_cpu=prefix.tolist(),
             extend_lens_cpu=extend.tolist())
-        if state_d:
-            meta.state_slots, meta.cu_seqlens = state_d[0], state_d[1].int()
+        self.runtime.attach(meta, extra_d)
         sampling = SamplingTensors(
             temperatures=dev_floats[0, :s], top_ps=dev_floats[1, :s], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
             all_greedy=all(x == 0 for x in temps), min_ps=dev_floats[2, :s],
@@ -280,15 +259,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> StepOutput:
-        if self.tp is not None:  # tensor parallelism: rank 0 sends the batch to ranks 1..N-1, all run it
-            return self.tp.forward(self, batch)
-        return self._forward(batch)
+        with use_options(self.config.kernels):  # this engine's kernel options, whatever another engine uses
+            if self.tp is None:
+                return self._forward(batch)
+            # tensor parallelism: rank 0 sends the batch and its table writes to ranks 1..N-1 (`loop`), all run it
+            writes = self.req_pool.take_writes()
+            return self.tp.run_step(batch, writes, lambda: self._forward(batch, writes))
 
-    def _forward(self, batch: Batch) -> StepOutput:
+    @torch.inference_mode()
+    def loop(self) -> None:
+        """Ranks 1..N-1 of tensor parallelism: run every step rank 0 sends, until it stops or goes away (the shape
+        of nano-vllm's ModelRunner.loop)."""
+        with use_options(self.config.kernels):
+            for batch, writes in self.tp.steps():
+                self._forward(batch, writes)
+
+    def _forward(self, batch: Batch, writes: tuple[np.ndarray, int] | None = None) -> StepOutput:
         shape = self.prefill_graph.shape_for(batch) if self.prefill_graph is not None else None
-        input_ids, positions, meta, logit_idx, sampling, token_dst = self.prepare(batch, pad_to=shape)
-        if self.state_pool is not None:  # hybrid: admitted requests start from zeros or a prefix snapshot
-            self.state_pool.start(batch.state_inits)
+        input_ids, positions, meta, logit_idx, sampling, token_dst = self.prepare(batch, pad_to=shape, writes=writes)
+        self.runtime.before_step(batch)  # e.g. a hybrid's admitted requests start from zeros or a snapshot
         in_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
         if in_graph:  # one replay: forward, sampler and token-table write (`tokens` is a view, copied below)
             tokens = self.graph_runner.run(input_ids, positions, meta, sampling, token_dst=token_dst)
@@ -300,8 +289,7 @@ class ModelRunner:
         else:
             self.attn.prepare(meta)
             tokens = sample(self.model(input_ids, positions, self.attn, logit_idx), sampling)
-        if self.state_pool is not None:  # hybrid: snapshots of the state after this step's layers
-            self.state_pool.save(batch.state_saves)
+        self.runtime.after_step(batch)  # e.g. a hybrid's snapshots of the state after this step
         if not in_graph:
             self.store_tokens(token_dst, tokens)
         if self.device.type == "cuda":

@@ -15,15 +15,9 @@ launches is larger than the GPU work. So we capture the forward once per *shape*
 - logits are computed for `requests` rows only (`logit_idx`, padded with row 0) and copied inside the graph
   into one shared logits buffer, so no graph keeps a private output alive in the memory pool.
 
-Hybrid models (Qwen3.5): a Gated DeltaNet layer reads its requests' state slots and sequence bounds
-(`state_slots` [requests], `cu_seqlens` [requests + 1]); they are two more fixed buffers. `pad_state_step` pads
-them on the host: padded requests point at the state pool's dummy slot and are empty sequences placed after the
-real tokens (cu_seqlens ends at the real token count), so the padded tokens belong to no sequence. The GDN
-kernels then leave them alone: the conv kernel only reads state for them (writing outputs in padded rows only),
-its state update and the delta-rule kernels work on [cu[i], cu[i+1]) and an empty sequence keeps its state. No
-real request's state is touched by padding. A shape with as many tokens as requests is not captured for a
-hybrid model: the GDN ops take T == N as a decode step (one token per sequence). Starting a request's state
-(zeros or a snapshot) and saving snapshots stay outside the graph (ModelRunner._forward, around the replay).
+A model with more than a KV cache (a hybrid's state slots and sequence bounds) declares the extra inputs a graph
+reads through its runtime (engine/runtime.py: `graph_inputs`, fixed buffers refreshed before each replay; how a
+hybrid pads them: engine/hybrid.py), and whether a shape may have as many tokens as requests.
 
 Every graph shares the decode graphs' memory pool (captured largest first, so smaller ones reuse its blocks).
 On a CPU (or with `capture=False`) `run` executes the very same padded, fixed-buffer forward eagerly: the
@@ -35,13 +29,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import fields
 
 import numpy as np
 import torch
 
 from minisgl.attention import AttentionMetadata
-from minisgl.kvcache.state_pool import HybridAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +70,8 @@ def pick_bucket(buckets: list[int], n: int) -> int | None:
 def extend_shape(token_buckets: list[int], request_buckets: list[int], num_tokens: int, num_reqs: int,
                  is_decode: bool, more_tokens_than_reqs: bool = False) -> Shape | None:
     """The captured shape a step runs in, or None (eager). Decode-only steps are the decode graphs' job.
-    `more_tokens_than_reqs` (hybrid models): only shapes with more tokens than requests (see the module doc)."""
+    `more_tokens_than_reqs` (a runtime without `tokens_may_equal_requests`): only shapes with more tokens than
+    requests."""
     if is_decode or num_tokens == 0:
         return None
     reqs = pick_bucket(request_buckets, num_reqs)
@@ -90,7 +83,8 @@ def extend_shape(token_buckets: list[int], request_buckets: list[int], num_token
     return tokens, reqs
 
 
-def _pad(a: np.ndarray, n: int, value: int) -> np.ndarray:
+def pad_array(a: np.ndarray, n: int, value: int) -> np.ndarray:
+    """`a` as int64, grown to `n` entries with `value`."""
     out = np.full(n, value, dtype=np.int64)
     out[:len(a)] = a
     return out
@@ -108,19 +102,9 @@ def pad_extend_step(shape: Shape, input_ids: np.ndarray, positions: np.ndarray, 
     tokens, reqs = shape
     if len(input_ids) > tokens or len(rows) > reqs or len(logit_idx) > reqs:
         raise ValueError(f"a step of {len(input_ids)} tokens / {len(rows)} requests does not fit {shape}")
-    return (_pad(input_ids, tokens, 0), _pad(positions, tokens, 0), _pad(out_cache_loc, tokens, 0),
-            _pad(rows, reqs, 0), _pad(prefix, reqs, 0), _pad(extend, reqs, 0), _pad(start, reqs, tokens),
-            _pad(logit_idx, reqs, 0))
-
-
-def pad_state_step(shape: Shape, state_slots: np.ndarray, cu_seqlens: np.ndarray, dummy_slot: int
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """A hybrid step's state slots [requests] and sequence bounds [requests + 1], padded to `shape`: padded
-    requests on `dummy_slot`, empty, at the end of the real tokens (the padded tokens past it belong to none)."""
-    _, reqs = shape
-    if len(state_slots) > reqs or len(cu_seqlens) != len(state_slots) + 1:
-        raise ValueError(f"{len(state_slots)} state slots / {len(cu_seqlens)} bounds do not fit {shape}")
-    return _pad(state_slots, reqs, dummy_slot), _pad(cu_seqlens, reqs + 1, int(cu_seqlens[-1]))
+    return (pad_array(input_ids, tokens, 0), pad_array(positions, tokens, 0), pad_array(out_cache_loc, tokens, 0),
+            pad_array(rows, reqs, 0), pad_array(prefix, reqs, 0), pad_array(extend, reqs, 0),
+            pad_array(start, reqs, tokens), pad_array(logit_idx, reqs, 0))
 
 
 class PrefillGraphRunner:
@@ -148,12 +132,9 @@ class PrefillGraphRunner:
         self.extend_start = torch.zeros(r, dtype=torch.int32, device=dev)
         self.logit_idx = torch.zeros(r, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(r, runner.model_config.vocab_size, dtype=runner.dtype, device=dev)
-        # hybrid models: the linear-attention layers' state slots and sequence bounds (see the module doc)
-        self.state_pool = getattr(runner, "state_pool", None)
-        self.hybrid = self.state_pool is not None
-        if self.hybrid:
-            self.state_slots = torch.full((r,), self.state_pool.dummy_slot, dtype=torch.int64, device=dev)
-            self.cu_seqlens = torch.zeros(r + 1, dtype=torch.int32, device=dev)
+        # the model's extra inputs beyond a KV cache, if any (a hybrid's state slots and sequence bounds)
+        self.inputs = runner.runtime.graph_inputs(r, dev, decode=False)
+        self.tokens_may_equal_requests = runner.runtime.tokens_may_equal_requests
         self.metas = {shape: self._meta(shape) for shape in self.shapes}  # built once: no per-step host work
         self.graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
         self.replays = 0  # steps served by this runner (graph replays, or padded eager runs on a CPU)
@@ -165,11 +146,12 @@ class PrefillGraphRunner:
 
     @property
     def shapes(self) -> list[Shape]:
-        return [(t, r) for t in self.token_buckets for r in self.request_buckets if t > r or not self.hybrid]
+        return [(t, r) for t in self.token_buckets for r in self.request_buckets
+                if t > r or self.tokens_may_equal_requests]
 
     def shape_for(self, batch) -> Shape | None:
         return extend_shape(self.token_buckets, self.request_buckets, batch.num_tokens, batch.size,
-                            batch.is_decode, more_tokens_than_reqs=self.hybrid)
+                            batch.is_decode, more_tokens_than_reqs=not self.tokens_may_equal_requests)
 
     def _meta(self, shape: Shape) -> AttentionMetadata:
         t, r = shape
@@ -180,10 +162,7 @@ class PrefillGraphRunner:
             prefix_lens=self.prefix_lens[:r], extend_lens=self.extend_lens[:r],
             extend_start=self.extend_start[:r], out_cache_loc=self.out_cache_loc[:t],
             max_seq_len=self.runner.max_model_len, max_extend_len=t)
-        if not self.hybrid:
-            return meta
-        return HybridAttentionMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)},
-                                       state_slots=self.state_slots[:r], cu_seqlens=self.cu_seqlens[:r + 1])
+        return self.inputs.metadata(meta, r)
 
     def _forward(self, shape: Shape) -> None:
         t, r = shape
@@ -226,11 +205,7 @@ class PrefillGraphRunner:
         self.extend_lens[:r].copy_(meta.extend_lens)
         self.extend_start[:r].copy_(meta.extend_start)
         self.logit_idx[:r].copy_(logit_idx)
-        if self.hybrid:  # padded by ModelRunner.prepare (pad_state_step): dummy slot, empty sequences
-            if meta.state_slots.shape[0] != r or meta.cu_seqlens.shape[0] != r + 1:
-                raise ValueError(f"state slots / cu_seqlens are not padded to {shape}")
-            self.state_slots[:r].copy_(meta.state_slots)
-            self.cu_seqlens[:r + 1].copy_(meta.cu_seqlens)
+        self.inputs.load(meta, r)
         self.replays += 1
         if self.captured:
             self.attn.prepare(self.metas[shape])  # the backend's meta must not point at a freed step's tensors

@@ -41,13 +41,13 @@ def row_bytes(table_width: int, state_slot_bytes: int = 0, state_slots_per_row: 
 
 
 def auto_max_running_requests(kv_tokens: int, bytes_per_row: int, memory_budget: int | None = None,
-                              hybrid: bool = False) -> int:
+                              max_rows: int = MAX_ROWS) -> int:
     """Requests that may run at once (the rule in the module docstring); always >= 1.
 
     kv_tokens: the KV pool's capacity in tokens. bytes_per_row: `row_bytes(...)`. memory_budget: bytes the
-    pools may use on the device (None on a CPU: no memory bound)."""
-    cap = MAX_ROWS_HYBRID if hybrid else MAX_ROWS
-    rows = min(cap, max(MIN_ROWS, kv_tokens // TOKENS_PER_ROW))
+    pools may use on the device (None on a CPU: no memory bound). max_rows: the cap, MAX_ROWS or the model
+    runtime's own (MAX_ROWS_HYBRID)."""
+    rows = min(max_rows, max(MIN_ROWS, kv_tokens // TOKENS_PER_ROW))
     if memory_budget is not None and bytes_per_row > 0:
         rows = min(rows, int(ROW_MEMORY_SHARE * memory_budget) // bytes_per_row)
     return max(rows, 1)

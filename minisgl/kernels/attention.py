@@ -4,12 +4,13 @@ Both read keys through `req_to_token`, so the pool's page size never matters to 
 - K/V buffers of one layer: `[num_slots, num_kv_heads, head_dim]`, slot = page * page_size + offset.
 - `req_to_token[row, pos]` (int32) is the slot of token `pos` of the request that owns `row`.
 
-Decode can also store the step's new K/V itself (DECODE_FUSED_STORE, on by default): the stage-1 program that
-owns a request's last position writes that token's K and V into the buffers before it reads any key, so a decode
-step needs no separate store launch per layer. The switch exists for the A/B: at batch 1 a decode step is a few
-hundred short kernels, and the store kernel (~1.2 us plus a ~0.4 us kernel-to-kernel gap, once per layer) is a
-measurable part of it; turning the switch off (MINISGL_DECODE_FUSED_STORE=0) brings back the separate store_kv
-launch unchanged, to measure what the fusion saves or to rule it out when chasing a bug.
+Decode can also store the step's new K/V itself (`new_kv=`; the Triton backend does so unless the kernel option
+`decode_fused_store` is off): the stage-1 program that owns a request's last position writes that token's K and V
+into the buffers before it reads any key, so a decode step needs no separate store launch per layer. The switch
+exists for the A/B: at batch 1 a decode step is a few hundred short kernels, and the store kernel (~1.2 us plus a
+~0.4 us kernel-to-kernel gap, once per layer) is a measurable part of it; turning the switch off
+(`--disable-decode-fused-store`) brings back the separate store_kv launch unchanged, to measure what the fusion
+saves or to rule it out when chasing a bug.
 
 Every kernel here takes `USE_PDL` (programmatic dependent launch, kernels/pdl.py): launched with it, a kernel may
 start while its predecessor still runs, so its first statement, before any global load or store, is the wait.
@@ -20,12 +21,12 @@ The Triton import is guarded: this module imports on a machine without Triton; o
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable
 
 import torch
 
 from minisgl.kernels.elementwise import _jit  # triton.jit where Triton is installed, with its options
+from minisgl.kernels.options import current_options
 from minisgl.kernels.pdl import pdl_enter, pdl_launch
 
 try:
@@ -35,7 +36,7 @@ except ImportError:  # CPU-only installs: nothing here can run, but importing mu
     triton = None
     tl = None
 
-__all__ = ["DECODE_FUSED_MERGE", "DECODE_FUSED_STORE", "decode_attention", "decode_merge_counters",
+__all__ = ["decode_attention", "decode_merge_counters",
            "decode_num_splits", "decode_shared_workspace_numel", "decode_workspace_numel", "extend_attention"]
 
 _LOG2E = 1.4426950408889634
@@ -59,19 +60,11 @@ def _require_triton() -> None:
 # a request's end compute nothing.
 # ----------------------------------------------------------------------------------------------------------
 
-# The A/B switch of the fused merge: True merges the splits inside stage 1 (one launch per layer), False keeps
-# the separate stage-2 launch. Off by default: on an H200 the fused merge made Qwen3-0.6B's batch-1 decode step
-# slower, W2 TPOT 1.187 ms fused vs 1.150 ms two-launch (reports/h200/run10/run10_merge_ab.json): the merging
-# program waits for the slowest split and then merges alone, which costs more than the launch it saves.
-# `decode_attention(..., fused_merge=...)` overrides it per call; MINISGL_DECODE_FUSED_MERGE=1 starts a process
-# with it on.
-DECODE_FUSED_MERGE = os.environ.get("MINISGL_DECODE_FUSED_MERGE", "0") == "1"
-
-# The A/B switch of the fused K/V store: True lets the Triton backend hand a decode step's new K/V (and their
-# slots) to decode_attention, whose stage-1 kernel stores them (`new_kv=`); False keeps the separate store_kv launch
-# before attention, exactly as before. Read by the backend at every decode forward (so a CUDA graph captures
-# whichever path is set when it is captured); MINISGL_DECODE_FUSED_STORE=0 starts a process with it off.
-DECODE_FUSED_STORE = os.environ.get("MINISGL_DECODE_FUSED_STORE", "1") != "0"
+# The fused merge (kernel option `decode_fused_merge`): True merges the splits inside stage 1 (one launch per
+# layer), False keeps the separate stage-2 launch. Off by default: on an H200 the fused merge made Qwen3-0.6B's
+# batch-1 decode step slower, W2 TPOT 1.187 ms fused vs 1.150 ms two-launch (reports/h200/run10/run10_merge_ab.json):
+# the merging program waits for the slowest split and then merges alone, which costs more than the launch it saves.
+# `decode_attention(..., fused_merge=...)` overrides the option per call.
 
 
 @_jit
@@ -322,12 +315,12 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     seq_lens: [B] (already counting the new token). Without `new_kv` the new token's K/V must already be stored;
     with `new_kv = (k, v, loc)` (k, v: [B, Hkv, D], any token/head strides, last dim contiguous; loc: [B] slots,
     the slots req_to_token holds at position seq_lens[b] - 1) the kernel stores k[b], v[b] at loc[b] itself,
-    cast to the buffers' dtype, before it reads any key (DECODE_FUSED_STORE); rows of seq_len 0 store nothing,
+    cast to the buffers' dtype, before it reads any key (the fused store); rows of seq_len 0 store nothing,
     and rows sharing a slot (CUDA-graph padding on slot 0) store in no defined order. `max_seq_len` is a host-side
     bound on seq_lens used only to pick the split count (pass a fixed bound when capturing a CUDA graph);
     `workspace` is an optional flat 4-byte (fp32) buffer of at least `decode_workspace_numel(...)` elements,
     ZEROED when allocated (its tail holds the merge counters, which every launch leaves at zero), so a captured
-    graph reuses the same memory. `fused_merge` (default: the module's DECODE_FUSED_MERGE) merges the splits
+    graph reuses the same memory. `fused_merge` (default: the kernel option decode_fused_merge) merges the splits
     in the stage-1 launch instead of a second one. Rows with seq_len 0 get zeros.
     """
     _require_triton()
@@ -348,7 +341,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     if num_splits is None:
         num_splits = decode_num_splits(B, Hkv, max_seq_len, _num_sms(q.device))
     if fused_merge is None:
-        fused_merge = DECODE_FUSED_MERGE
+        fused_merge = current_options().decode_fused_merge
     block_n = _decode_block_n(D)
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
     block_d = max(16, triton.next_power_of_2(D))

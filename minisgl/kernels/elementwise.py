@@ -6,8 +6,9 @@ Qwen3.5 adds variants: the zero-centred RMSNorm (scale (1 + w) in fp32, `zero_ce
 DeltaNet's output (`gated_rms_norm`: norm(x) * w * silu(z)) and the attention's output gate (`sigmoid_mul`).
 
 Each op has a torch reference (`*_ref`, the semantics) and a fused Triton kernel. The public wrappers use
-Triton for CUDA tensors and the reference otherwise; setting MINISGL_FORCE_TRITON=1 sends CPU tensors to
-Triton too, which only works under TRITON_INTERPRET=1 (that is how the kernels are tested without a GPU).
+Triton for CUDA tensors and the reference otherwise; the kernel option `triton_on_cpu` (MINISGL_FORCE_TRITON=1)
+sends CPU tensors to Triton too, which only works under TRITON_INTERPRET=1 (how the kernels are tested without a
+GPU).
 Triton is optional: without it this module still imports and everything runs the torch path.
 
 Every kernel takes `USE_PDL` (programmatic dependent launch, kernels/pdl.py): launched with it, a kernel may start
@@ -16,11 +17,10 @@ while its predecessor still runs, so its first statement, before any global load
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from minisgl.kernels.options import current_options
 from minisgl.kernels.pdl import pdl_enter, pdl_launch
 
 try:
@@ -43,16 +43,15 @@ def _jit(fn=None, **options):
 def _use_triton(x: torch.Tensor) -> bool:
     if triton is None:
         return False
-    return x.is_cuda or os.environ.get("MINISGL_FORCE_TRITON", "0") == "1"
-
-
-# (rows per program, warps) by padded row length; overridable so scripts can sweep it on the GPU.
-NORM_CONFIGS: dict[int, tuple[int, int]] = {}
+    return x.is_cuda or current_options().triton_on_cpu
 
 
 def _norm_config(block: int) -> tuple[int, int]:
-    if block in NORM_CONFIGS:
-        return NORM_CONFIGS[block]
+    """(rows per program, warps) for a padded row length: the options' `norm_configs` (scripts sweep them on
+    the GPU), else the rule below."""
+    for length, rows, warps in current_options().norm_configs:
+        if length == block:
+            return rows, warps
     # From a noisy sweep on an H200: several short rows per program, 4-8 warps.
     rows = 16 if block <= 256 else (4 if block <= 4096 else 1)
     return rows, (4 if rows * block <= 4096 else 8)

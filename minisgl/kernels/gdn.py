@@ -15,8 +15,8 @@ slots[i]. A decode step is the case T == N (one token each); padded rows of a CU
 
 Each op has a torch reference (`*_ref`, the semantics; a plain loop over tokens, which is also the CPU path; they
 live in `gdn_ref.py`, generated from notebooks/10_hybrid_state.ipynb) and Triton kernels; the public wrappers use
-Triton for CUDA tensors and the reference otherwise. As in `elementwise.py`, MINISGL_FORCE_TRITON=1 sends CPU
-tensors to Triton too, which only works under TRITON_INTERPRET=1 (how the kernels are tested without a GPU).
+Triton for CUDA tensors and the reference otherwise. As in `elementwise.py`, the kernel option `triton_on_cpu`
+sends CPU tensors to Triton too, which only works under TRITON_INTERPRET=1 (how the kernels are tested without a GPU).
 Without Triton this module still imports.
 
 Kernels (none reads anything on the host, so every launch can be captured in a CUDA graph):
@@ -25,7 +25,7 @@ Kernels (none reads anything on the host, so every launch can be captured in a C
   binary search in `cu_seqlens`; then a second launch writes the new states (it must not race the reads).
 - delta rule, recurrent: one program per (sequence, value head, Dv block), its [Dk, BLOCK_V] state tile in
   registers, looping over the sequence's tokens. The decode path (T == N, one iteration), and the fallback
-  prefill path (`GDN_CONFIG["prefill"] = "recurrent"`).
+  prefill path (kernel option `gdn.prefill = "recurrent"`).
 - delta rule, chunked (the default prefill path): the WY/UT form over chunks of 64 tokens. A first launch,
   one program per (sequence, chunk, value head), solves each chunk's triangular system and forms its
   matrices (fp32 scratch, 320 floats per token and head); the second, on the recurrent kernel's grid, walks
@@ -37,11 +37,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# the same decorator and dispatch rule as the elementwise kernels (CUDA tensors, or MINISGL_FORCE_TRITON=1)
+# the same decorator and dispatch rule as the elementwise kernels (CUDA tensors, or the option triton_on_cpu)
 from minisgl.kernels.elementwise import _jit, _use_triton
 
 # the torch references (the semantics, and the CPU path) are written in notebook 10
 from minisgl.kernels.gdn_ref import causal_conv1d_ref, gated_delta_rule_ref
+from minisgl.kernels.options import current_options
 
 try:
     import triton
@@ -65,25 +66,7 @@ def gdn_gating_ref(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
 # ------------------------------------------------------------ Triton kernels --------------------------------
 
 
-# Launch settings, overridable so scripts can sweep them on the GPU (lab/checks/gdn.py).
-#   conv_*: channel block / token block / warps of the conv kernels;
-#   decode_block_v (0: by batch size) / decode_warps: the recurrent kernel on a decode step;
-#   prefill: "chunked" or "recurrent"; prepare_warps, chunk_block_v (0: by batch size) / chunk_warps /
-#   chunk_stages: the chunked path's two kernels (one stage: compiled for sm_90, deeper pipelining of the chunk
-#   loop took 150-260 KB of shared memory and spilled more); recurrent_block_v / recurrent_warps: the
-#   recurrent kernel on a prefill; dot_precision: the chunked kernels' fp32 tl.dot ("tf32", "tf32x3" or "ieee");
-#   conv_search_steps: binary-search steps the varlen conv kernel compiles in (its rows find their sequence in
-#   cu_seqlens). A compile-time constant, so each distinct value is a Triton compile. 0 = exactly the steps the
-#   batch needs, ceil(log2 N): a new compile the first time a step holds 17+, 33+, 65+, 129+, 257+ sequences
-#   (about 2 s each for sm_90 on a 2-core CPU, reports/cpu/w1_host_study.json), which W1's timed run hit five times
-#   (its warm-up and the prefill graphs reach N = 16). A fixed count (default 16: N up to 65,536) is one
-#   variant for every batch; the extra steps are no-ops (`lo < hi` is false once the search converged, and
-#   their loads are masked), a few integer ops per row. A batch needing more steps than this takes the exact count.
-GDN_CONFIG: dict = dict(
-    conv_decode_block_c=256, conv_decode_warps=4, conv_block_c=128, conv_block_t=32, conv_warps=4,
-    decode_block_v=0, decode_warps=4, prefill="chunked", prepare_warps=8, chunk_block_v=0, chunk_warps=4,
-    chunk_stages=1, recurrent_block_v=32, recurrent_warps=4, dot_precision="tf32", conv_search_steps=16,
-)
+# Launch settings: the kernel option `gdn` (GdnLaunch in minisgl/config.py, which says what each one does).
 _CHUNK = 64  # tokens per chunk of the chunked delta rule
 
 
@@ -377,9 +360,9 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def conv_search_steps(n: int) -> int:
-    """SEARCH_STEPS of the varlen conv kernel for a batch of n sequences (GDN_CONFIG["conv_search_steps"])."""
+    """SEARCH_STEPS of the varlen conv kernel for a batch of n sequences (option gdn.conv_search_steps)."""
     exact = max(1, (n - 1).bit_length())
-    return max(exact, GDN_CONFIG["conv_search_steps"])
+    return max(exact, current_options().gdn.conv_search_steps)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
@@ -402,7 +385,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out
     if kw < 2:  # no state to carry: not a Qwen3.5 shape, leave it to the reference
         return causal_conv1d_ref(x, weight, bias, conv_state, slots, cu_seqlens)
-    cfg = GDN_CONFIG
+    cfg = current_options().gdn
     kp = triton.next_power_of_2(kw - 1)
     has_bias = bias is not None
     b_arg = bias if has_bias else weight
@@ -410,21 +393,21 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     s_strides = (conv_state.stride(0), conv_state.stride(1), conv_state.stride(2))
     w_strides = (weight.stride(0), weight.stride(1))
     if t == n:
-        bc = cfg["conv_decode_block_c"]
+        bc = cfg.conv_decode_block_c
         _conv_decode_kernel[(n, triton.cdiv(c, bc))](
             x, weight, b_arg, conv_state, slots, cu_seqlens, out, c, *common, out.stride(0), *w_strides, *s_strides,
-            K=kw, KP=kp, HAS_BIAS=has_bias, BLOCK_C=bc, num_warps=cfg["conv_decode_warps"])
+            K=kw, KP=kp, HAS_BIAS=has_bias, BLOCK_C=bc, num_warps=cfg.conv_decode_warps)
         return out
-    bc, bt = cfg["conv_block_c"], cfg["conv_block_t"]
+    bc, bt = cfg.conv_block_c, cfg.conv_block_t
     if t:
         _conv_varlen_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc))](
             x, weight, b_arg, conv_state, slots, cu_seqlens, out, t, n, c, *common, out.stride(0), *w_strides,
             *s_strides, K=kw, HAS_BIAS=has_bias, SEARCH_STEPS=conv_search_steps(n), BLOCK_T=bt,
-            BLOCK_C=bc, num_warps=cfg["conv_warps"])
-    bc = cfg["conv_decode_block_c"]
+            BLOCK_C=bc, num_warps=cfg.conv_warps)
+    bc = cfg.conv_decode_block_c
     _conv_state_kernel[(n, triton.cdiv(c, bc))](
         x, conv_state, slots, cu_seqlens, c, *common, *s_strides, K=kw, KP=kp, BLOCK_C=bc,
-        num_warps=cfg["conv_decode_warps"])
+        num_warps=cfg.conv_decode_warps)
     return out
 
 
@@ -451,9 +434,9 @@ def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
     return g, beta
 
 
-def _block_v(key: str, n: int, hv: int, dv: int) -> int:
-    if GDN_CONFIG[key]:
-        return GDN_CONFIG[key]
+def _block_v(configured: int, n: int, hv: int, dv: int) -> int:
+    if configured:
+        return configured
     # small batches: narrower tiles for more programs (about two per SM on an H200)
     return 16 if n * hv * triton.cdiv(dv, 32) < 264 else 32
 
@@ -464,7 +447,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     copied); g and beta [T, Hv] any strides; the state pool needs a contiguous last dim (else the reference).
 
     No host sync. T == N (a decode step) takes the recurrent kernel, one token per program; a prefill/extend
-    batch takes the chunked kernel (or the recurrent one, by GDN_CONFIG["prefill"]).
+    batch takes the chunked kernel (or the recurrent one, by the option gdn.prefill).
     """
     if not _use_triton(v) or state.stride(-1) != 1:
         return gated_delta_rule_ref(q, k, v, g, beta, state, slots, cu_seqlens)
@@ -475,15 +458,15 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     out = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
     if n == 0 or t == 0:
         return out
-    cfg = GDN_CONFIG
+    cfg = current_options().gdn
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), state.stride(0), state.stride(1),
                state.stride(2), out.stride(0), out.stride(1), dk ** -0.5)
     shape = dict(GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=max(16, triton.next_power_of_2(dk)))
     args = (q, k, v, g, beta, state, slots, cu_seqlens, out)
-    if t == n or cfg["prefill"] == "recurrent":
-        bv = _block_v("decode_block_v", n, hv, dv) if t == n else cfg["recurrent_block_v"]
-        warps = cfg["decode_warps"] if t == n else cfg["recurrent_warps"]
+    if t == n or cfg.prefill == "recurrent":
+        bv = _block_v(cfg.decode_block_v, n, hv, dv) if t == n else cfg.recurrent_block_v
+        warps = cfg.decode_warps if t == n else cfg.recurrent_warps
         _gdr_recurrent_kernel[(n, hv, triton.cdiv(dv, bv))](*args, *strides, **shape, BLOCK_V=bv, num_warps=warps)
         return out
     # Scratch, row t for token t (chunks start at each sequence's first token): W [T, Hv, Dk], U [T, Hv, Dv],
@@ -493,14 +476,14 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     ut = torch.empty(t, hv, dv, dtype=torch.float32, device=v.device)
     at = torch.empty(t, hv, _CHUNK, dtype=torch.float32, device=v.device)
     scratch = (wt.stride(0), wt.stride(1), ut.stride(0), ut.stride(1), at.stride(0), at.stride(1))
-    prec = cfg["dot_precision"]
+    prec = cfg.dot_precision
     _gdr_chunk_prepare_kernel[(n, triton.cdiv(t, _CHUNK), hv)](
         q, k, v, g, beta, cu_seqlens, wt, ut, at, *strides[:10], *scratch, strides[-1], **shape,
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)), BT=_CHUNK, PRECISION=prec, num_warps=cfg["prepare_warps"],
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)), BT=_CHUNK, PRECISION=prec, num_warps=cfg.prepare_warps,
         num_stages=1)
-    bv = _block_v("chunk_block_v", n, hv, dv)
+    bv = _block_v(cfg.chunk_block_v, n, hv, dv)
     _gdr_chunk_kernel[(n, hv, triton.cdiv(dv, bv))](
         q, k, g, state, slots, cu_seqlens, wt, ut, at, out, *strides[:4], *strides[6:8], *strides[10:13],
-        *scratch, *strides[13:], **shape, BLOCK_V=bv, BT=_CHUNK, PRECISION=prec, num_warps=cfg["chunk_warps"],
-        num_stages=cfg["chunk_stages"])
+        *scratch, *strides[13:], **shape, BLOCK_V=bv, BT=_CHUNK, PRECISION=prec, num_warps=cfg.chunk_warps,
+        num_stages=cfg.chunk_stages)
     return out

@@ -10,29 +10,34 @@ cross-program reduction, so one launch per matmul.
 
 `GemvLinear` wraps an `nn.Linear` (sharing its parameters): up to `GEMV_MAX_ROWS` rows (fewer where the card's
 tuned table says cuBLAS wins from there on) take the GEMV, more rows `F.linear`; `GemvMLP` also folds the MLP's
-SiLU-and-mul into its down projection's GEMV. `use_gemv(model)` swaps every plain `nn.Linear` and decoder MLP of a
-model for them; the engine does that on a GPU for half-precision weights unless the `gemv` switch is off
-(`EngineConfig.gemv`, `--disable-gemv`). Like the other kernel modules, CPU tensors take the torch path unless
-MINISGL_FORCE_TRITON=1 (then the Triton interpreter).
+SiLU-and-mul into its down projection's GEMV. `use_gemv(model, fold=...)` swaps every plain `nn.Linear` of a model,
+and every MLP of the classes it is given (the caller's: this module knows no model), for them; the engine does that
+on a GPU for half-precision weights unless the `gemv` switch is off (`EngineConfig.gemv`, `--disable-gemv`). The
+tile table is the kernel option `gemv_configs` or the GPU's tuned table, resolved when the modules are swapped in,
+so each keeps its engine's tiles. Like the other kernel modules, CPU tensors take the torch path unless the kernel
+option `triton_on_cpu` is on (then the Triton interpreter).
 
 With programmatic dependent launch (kernels/pdl.py) the GEMV may start while the kernel before it still runs. It
-waits for it before reading x or writing y, but it loads its first weight tiles *before* the wait (up to
-`PDL_EARLY_TILES` of them), so the weight stream overlaps the predecessor's tail: the weights are written once at
-load time, long before any decode kernel runs, and never by a kernel, so reading them early is safe. (That is a
-precondition on `gemv`'s `weight`: it must not be the output of a kernel that may still be in flight.)
+waits for it before reading x or writing y, but it loads its first weight tiles *before* the wait (up to the kernel
+option `gemv_pdl_early_tiles` of them), so the weight stream overlaps the predecessor's tail: the weights are
+written once at load time, long before any decode kernel runs, and never by a kernel, so reading them early is safe.
+(That is a precondition on `gemv`'s `weight`: it must not be the output of a kernel that may still be in flight.)
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import os
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl.kernels import elementwise as ew
+from minisgl.kernels.options import current_options
 from minisgl.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 
 try:
@@ -42,56 +47,63 @@ except ImportError:  # CPU-only installs: GemvLinear is plain F.linear
     triton = None
     tl = None
 
-__all__ = ["GEMV_CONFIGS", "GEMV_MAX_ROWS", "GemvLinear", "GemvMLP", "gemv", "gemv_config", "gemv_max_rows",
-           "load_configs", "load_device_table", "use_gemv"]
+__all__ = ["GEMV_MAX_ROWS", "GemvLinear", "GemvMLP", "device_table", "gemv", "gemv_config", "gemv_max_rows",
+           "load_table", "table_for", "use_gemv"]
 
 # Rows (tokens) up to which the GEMV replaces cuBLAS; above it a GEMM's tiles reuse each weight load across rows.
 GEMV_MAX_ROWS = 4
-# (BLOCK_N, BLOCK_K, num_warps, max_rows) by weight shape (N, K): the tiles, and up to how many rows the GEMV
-# beat cuBLAS; None where it never did (use_gemv then keeps the nn.Linear). Filled from the tuned table of the GPU
-# (load_device_table: {"N,K": [bn, bk, warps, rows] or null}, as lab/tune/gemv.py writes it); shapes not
-# in it take gemv_config's rule up to GEMV_MAX_ROWS rows.
-GEMV_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int] | None] = {}
-
-
-def load_configs(path: str) -> None:
-    with open(path) as f:
-        table = json.load(f)
-    for key, value in table.items():
-        n, k = (int(v) for v in key.split(","))
-        # a 3-entry value (tiles only) holds up to GEMV_MAX_ROWS rows
-        GEMV_CONFIGS[(n, k)] = (*value, GEMV_MAX_ROWS)[:4] if value is not None else None
-
+# A tile table: (BLOCK_N, BLOCK_K, num_warps, max_rows) by weight shape (N, K): the tiles, and up to how many rows
+# the GEMV beat cuBLAS; None where it never did (use_gemv then keeps the nn.Linear). Read from the JSON that
+# lab/tune/gemv.py writes ({"N,K": [bn, bk, warps, rows] or null}); shapes not in it take gemv_config's
+# rule up to GEMV_MAX_ROWS rows.
+GemvTable = Mapping[tuple[int, int], "tuple[int, int, int, int] | None"]
+NO_TABLE: GemvTable = MappingProxyType({})
 
 # Tables measured by lab/tune/gemv.py, one per GPU model: gemv_tuned/<device name>.json.
 TUNED_DIR = Path(__file__).parent / "gemv_tuned"
 
 
-def load_device_table(device_name: str) -> bool:
-    """Load the tuned table of this GPU model if there is one (MINISGL_GEMV_CONFIGS, when set, wins)."""
-    path = os.environ.get("MINISGL_GEMV_CONFIGS") or TUNED_DIR / f"{device_name.replace(' ', '_')}.json"
-    if not Path(path).is_file():
-        return False
-    load_configs(str(path))
-    return True
+@functools.cache
+def load_table(path: str) -> GemvTable:
+    """The tile table in the JSON file at `path` (read once per path; read-only)."""
+    with open(path) as f:
+        raw = json.load(f)
+    table = {}
+    for key, value in raw.items():
+        n, k = (int(v) for v in key.split(","))
+        # a 3-entry value (tiles only) holds up to GEMV_MAX_ROWS rows
+        table[(n, k)] = (*value, GEMV_MAX_ROWS)[:4] if value is not None else None
+    return MappingProxyType(table)
+
+
+def device_table(device_name: str) -> GemvTable:
+    """The tuned table of this GPU model (kernels/gemv_tuned/), or no table."""
+    path = TUNED_DIR / f"{device_name.replace(' ', '_')}.json"
+    return load_table(str(path)) if path.is_file() else NO_TABLE
+
+
+def table_for(device: torch.device) -> GemvTable:
+    """The table a GEMV on `device` uses under the kernel options in force: `gemv_configs` when set, else the
+    device's tuned table (none on a CPU)."""
+    path = current_options().gemv_configs
+    if path:
+        return load_table(str(path))
+    return device_table(torch.cuda.get_device_name(device)) if device.type == "cuda" else NO_TABLE
 
 
 _jit = ew._jit  # triton.jit where Triton is installed
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    if triton is None:
-        return False
-    return x.is_cuda or os.environ.get("MINISGL_FORCE_TRITON", "0") == "1"
+    return ew._use_triton(x)
 
 
-# The early weight load under PDL: each program loads up to this many of its weight tiles before waiting for the
-# previous kernel (see the module docstring; the kernel holds at most 3); 0 waits first, as every other kernel
-# does. Only matters for launches with PDL. MINISGL_GEMV_PDL_EARLY_TILES sets it for a process. 2 had the lowest
-# batch-1 TPOT on Qwen3-0.6B in reports/h200/run12 (early_ab06, means of two rounds: 1.006 ms, against 1.014 with 1
-# and 1.035 with 3, whose rounds were 1.060 and 1.011).
+# The early weight load under PDL: each program loads up to `gemv_pdl_early_tiles` (a kernel option) of its weight
+# tiles before waiting for the previous kernel (see the module docstring; the kernel holds at most 3); 0 waits
+# first, as every other kernel does. Only matters for launches with PDL. 2 had the lowest batch-1 TPOT on
+# Qwen3-0.6B in reports/h200/run12 (early_ab06, means of two rounds: 1.006 ms, against 1.014 with 1 and 1.035
+# with 3, whose rounds were 1.060 and 1.011).
 MAX_EARLY_TILES = 3
-PDL_EARLY_TILES = int(os.environ.get("MINISGL_GEMV_PDL_EARLY_TILES", "2"))
 
 
 @_jit
@@ -153,10 +165,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int]:
+def gemv_config(n: int, k: int, table: GemvTable = NO_TABLE) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a weight of `n` outputs by `k` inputs."""
-    if GEMV_CONFIGS.get((n, k)) is not None:
-        return GEMV_CONFIGS[(n, k)][:3]
+    if table.get((n, k)) is not None:
+        return table[(n, k)][:3]
     # Enough programs to keep every SM streaming (a few per SM), each loading 8-16 KB a step of its loop.
     block_k = min(triton.next_power_of_2(k), 1024)
     block_n = 8
@@ -165,19 +177,20 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     return block_n, block_k, 4
 
 
-def gemv_max_rows(n: int, k: int) -> int:
+def gemv_max_rows(n: int, k: int, table: GemvTable = NO_TABLE) -> int:
     """Up to how many rows a weight of this shape takes the GEMV (0: cuBLAS always)."""
-    if (n, k) not in GEMV_CONFIGS:
+    if (n, k) not in table:
         return GEMV_MAX_ROWS
-    cfg = GEMV_CONFIGS[(n, k)]
+    cfg = table[(n, k)]
     return 0 if cfg is None else min(cfg[3], GEMV_MAX_ROWS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         silu_mul: bool = False) -> torch.Tensor:
+         silu_mul: bool = False, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for x `[rows, K]` (rows <= GEMV_MAX_ROWS) and weight `[N, K]`; fp32 accumulation.
     silu_mul=True: x is `[rows, 2K]` (gate | up) and the product is `silu_and_mul(x) @ weight.T`, the MLP's down
-    projection with its activation folded in (one launch fewer per layer)."""
+    projection with its activation folded in (one launch fewer per layer). `tiles`: (BLOCK_N, BLOCK_K, warps),
+    by default from `table_for(x.device)` (a GemvLinear passes the ones it resolved when it was swapped in)."""
     rows, k = x.shape
     n = weight.shape[0]
     if silu_mul:
@@ -190,9 +203,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x = x.contiguous()
     assert weight.stride(-1) == 1 and weight.shape[1] == k
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = gemv_config(n, k)
+    block_n, block_k, warps = tiles or gemv_config(n, k, table_for(x.device))
     kw = pdl_launch(x)
-    early_tiles = min(PDL_EARLY_TILES, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
+    early = current_options().gemv_pdl_early_tiles
+    early_tiles = min(early, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
@@ -202,18 +216,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 class GemvLinear(nn.Module):
-    """An `nn.Linear` whose few-row calls take the GEMV. Holds the same parameters under the same names."""
+    """An `nn.Linear` whose few-row calls take the GEMV. Holds the same parameters under the same names, and the
+    tiles and row limit of the table it was built with."""
 
-    def __init__(self, linear: nn.Linear, max_rows: int = GEMV_MAX_ROWS) -> None:
+    def __init__(self, linear: nn.Linear, max_rows: int = GEMV_MAX_ROWS, table: GemvTable = NO_TABLE) -> None:
         super().__init__()
         self.weight = linear.weight
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.max_rows = min(max_rows, gemv_max_rows(*linear.weight.shape))
+        self.max_rows = min(max_rows, gemv_max_rows(*linear.weight.shape, table))
+        self.tiles = gemv_config(*linear.weight.shape, table) if triton is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
-            return gemv(x, self.weight, self.bias)
+            return gemv(x, self.weight, self.bias, tiles=self.tiles)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -221,53 +237,54 @@ class GemvLinear(nn.Module):
 
 
 class GemvMLP(nn.Module):
-    """The decoder's MLP (models/layers.py) with its SiLU-and-mul folded into the down projection's GEMV when a
-    call has few rows; more rows run the MLP's own forward (with plain cuBLAS matmuls). Holds the same parameters
-    under the same names."""
+    """A decoder MLP (gate_up_proj, SiLU-and-mul, down_proj; models/layers.py) with its SiLU-and-mul folded into the
+    down projection's GEMV when a call has few rows; more rows run the MLP's own forward (with plain cuBLAS
+    matmuls). Holds the same parameters under the same names."""
 
-    def __init__(self, mlp: nn.Module, max_rows: int = GEMV_MAX_ROWS) -> None:
+    def __init__(self, mlp: nn.Module, max_rows: int = GEMV_MAX_ROWS, table: GemvTable = NO_TABLE) -> None:
         super().__init__()
         # gate_up keeps cuBLAS where that measured faster; the fold rides on the down projection's GEMV
         gate_up = mlp.gate_up_proj
-        self.gate_up_proj = GemvLinear(gate_up, max_rows) if _gemv_shape(gate_up) else gate_up
-        self.down_proj = GemvLinear(mlp.down_proj, max_rows)
+        self.gate_up_proj = GemvLinear(gate_up, max_rows, table) if _gemv_shape(gate_up, table) else gate_up
+        self.down_proj = GemvLinear(mlp.down_proj, max_rows, table)
         self.max_rows = self.down_proj.max_rows
         # a bound method, not a submodule: the parameters stay registered once, under their own names
         self._mlp_forward = mlp.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
-            return gemv(self.gate_up_proj(x), self.down_proj.weight, silu_mul=True)
+            return gemv(self.gate_up_proj(x), self.down_proj.weight, silu_mul=True, tiles=self.down_proj.tiles)
         return self._mlp_forward(x)
 
 
-def _gemv_shape(linear: nn.Module) -> bool:
-    return type(linear) is nn.Linear and gemv_max_rows(*linear.weight.shape) > 0
+def _gemv_shape(linear: nn.Module, table: GemvTable) -> bool:
+    return type(linear) is nn.Linear and gemv_max_rows(*linear.weight.shape, table) > 0
 
 
-def use_gemv(model: nn.Module, max_rows: int = GEMV_MAX_ROWS) -> int:
-    """Swap every plain `nn.Linear` under `model` for a GemvLinear, except shapes GEMV_CONFIGS gives to cuBLAS;
-    returns how many were swapped. Subclasses (e.g. tensor-parallel linears) are left alone: their forward does
-    more than the matmul."""
-    weight = next(model.parameters(), None)
-    if not GEMV_CONFIGS and weight is not None and weight.is_cuda:
-        load_device_table(torch.cuda.get_device_name(weight.device))
-    return _swap(model, max_rows)
+def use_gemv(model: nn.Module, fold: tuple[type, ...] = (), max_rows: int = GEMV_MAX_ROWS,
+             table: GemvTable | None = None) -> int:
+    """Swap every plain `nn.Linear` under `model` for a GemvLinear, except shapes the table gives to cuBLAS, and
+    every module whose class is in `fold` (decoder MLPs: gate_up_proj, SiLU-and-mul, down_proj) for a GemvMLP;
+    returns how many matmuls now take the GEMV. `table`: by default `table_for` the model's device under the
+    kernel options in force. Subclasses of nn.Linear (e.g. tensor-parallel linears) are left alone: their forward
+    does more than the matmul."""
+    if table is None:
+        weight = next(model.parameters(), None)
+        table = table_for(weight.device) if weight is not None else NO_TABLE
+    return _swap(model, fold, max_rows, table)
 
 
-def _swap(model: nn.Module, max_rows: int) -> int:
-    from minisgl.models.layers import MLP
-
+def _swap(model: nn.Module, fold: tuple[type, ...], max_rows: int, table: GemvTable) -> int:
     swapped = 0
     for name, child in list(model.named_children()):
-        if (type(child) is MLP and _gemv_shape(child.down_proj) and child.down_proj.bias is None
+        if (type(child) in fold and _gemv_shape(child.down_proj, table) and child.down_proj.bias is None
                 and type(child.gate_up_proj) is nn.Linear):
-            mlp = GemvMLP(child, max_rows)
+            mlp = GemvMLP(child, max_rows, table)
             setattr(model, name, mlp)
             swapped += 1 + isinstance(mlp.gate_up_proj, GemvLinear)
-        elif _gemv_shape(child):
-            setattr(model, name, GemvLinear(child, max_rows))
+        elif _gemv_shape(child, table):
+            setattr(model, name, GemvLinear(child, max_rows, table))
             swapped += 1
         else:
-            swapped += _swap(child, max_rows)
+            swapped += _swap(child, fold, max_rows, table)
     return swapped

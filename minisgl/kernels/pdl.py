@@ -29,23 +29,22 @@ before every kernel launched before it has completed. Kernels launched without t
 copies) keep the normal stream order: they start only when the previous kernel has finished, PDL or not.
 Memory no kernel ever writes (weights) may be read before the wait.
 
-The switch. `PDL_ENABLED` is process-wide: on by default where supported, `MINISGL_PDL=0` starts a process with it
-off (and keeps it off), and the engine sets it from `EngineConfig.pdl` (`--disable-pdl`) at start-up, before its
-kernels are compiled and its graphs captured (`configure`). Two engines with different settings in one process do
-not mix: the one started last sets the flag for every later launch, the other engine's eager launches included; only
-CUDA graphs captured before keep what they were captured with. `pdl_launch(t)` is what a launcher asks:
-`{"launch_pdl": True}` only when the switch is on, `t` is a CUDA tensor (never the CPU / Triton-interpreter path),
-the device is sm_90 or newer, and the installed Triton knows the option; `{}` otherwise. A launcher passes
-`USE_PDL=bool(kw), **kw`, so the gdc calls are compiled in only for PDL launches (and never reached by the
-interpreter). Without Triton this module still imports; `pdl_launch` then returns `{}`.
+The switch. PDL is a kernel option (`KernelOptions.pdl`, `--disable-pdl`; kernels/options.py): on by default,
+applied per engine, so each engine's launches and the CUDA graphs it captures follow its own setting.
+`pdl_launch(t)` is what a launcher asks: `{"launch_pdl": True}` only when the options in force have it on, `t` is a
+CUDA tensor (never the CPU / Triton-interpreter path), the device is sm_90 or newer, and the installed Triton knows
+the option; `{}` otherwise. A launcher passes `USE_PDL=bool(kw), **kw`, so the gdc calls are compiled in only for
+PDL launches (and never reached by the interpreter). Without Triton this module still imports; `pdl_launch` then
+returns `{}`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
+
+from minisgl.kernels.options import current_options
 
 try:
     import triton
@@ -59,25 +58,7 @@ try:  # Triton >= 3.2 exposes grid dependency control; older versions simply nev
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["PDL_ENABLED", "configure", "pdl_enter", "pdl_launch", "set_enabled", "triton_supports_pdl"]
-
-# Process-wide switch (see the module docstring): MINISGL_PDL=0 turns it off for good, else the engine's
-# `EngineConfig.pdl` decides (`configure`) and `set_enabled` overrides it directly (scripts, tests).
-_ENV_ON = os.environ.get("MINISGL_PDL", "1") != "0"
-PDL_ENABLED = _ENV_ON
-
-
-def set_enabled(on: bool) -> None:
-    """Turn PDL on or off for every later launch in this process (graphs already captured keep theirs)."""
-    global PDL_ENABLED
-    PDL_ENABLED = bool(on)
-
-
-def configure(engine_pdl: bool) -> bool:
-    """The engine's start-up call: PDL on iff its config asks for it and MINISGL_PDL is not 0. Returns the
-    setting."""
-    set_enabled(engine_pdl and _ENV_ON)
-    return PDL_ENABLED
+__all__ = ["pdl_enter", "pdl_launch", "triton_supports_pdl"]
 
 
 def _detect_triton_pdl() -> bool:
@@ -111,8 +92,9 @@ def _device_capable(device: torch.device) -> bool:
 
 def pdl_launch(t: torch.Tensor) -> dict:
     """The extra launch kwargs for a kernel working on `t`'s device: {"launch_pdl": True} where PDL applies
-    (switch on, CUDA tensor, sm_90+, Triton supports it), else {}. Pass `USE_PDL=bool(kw), **kw`."""
-    if not (PDL_ENABLED and _TRITON_PDL and t.is_cuda):
+    (the options in force have it on, CUDA tensor, sm_90+, Triton supports it), else {}. Pass
+    `USE_PDL=bool(kw), **kw`."""
+    if not (_TRITON_PDL and t.is_cuda and current_options().pdl):
         return {}
     return {"launch_pdl": True} if _device_capable(t.device) else {}
 

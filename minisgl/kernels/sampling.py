@@ -16,15 +16,15 @@ between the last candidate that qualifies and the first that does not. 8 passes 
 row's logits are bf16 values widened to fp32 (the LM head's output), the low 16 key bits are zero and
 4 passes do. Later passes of a finished row, and every pass of a row without that cut, exit at once.
 
-Two exact shortcuts (named switches below; the tokens are bit for bit those of the switch off):
-- `SKIP_BLOCKS`: every candidate of a pass is >= the bracket's lo, so a block of logits with no token at or
+Two exact shortcuts (kernel options; the tokens are bit for bit those of the option off):
+- `sampler_skip_blocks`: every candidate of a pass is >= the bracket's lo, so a block of logits with no token at or
   above lo adds nothing (count 0, weight +0.0) to any candidate. The stats pass keeps each block's max, and
   a search pass neither reads nor measures (compare/accumulate tile, exp) a block whose max is below lo.
   The draw skips a block whose max is cut (its tokens' noisy values would all be -inf). After the first
   passes a row's bracket sits near its threshold: with top-k 50, about 50 of 151,936 tokens survive, so the
   later top-k passes, every top-p pass after top-k and the draw touch only the few blocks holding them.
   Skipping leaves each accumulator lane's fp32 sums, and their order, unchanged.
-- `TOP_K_BOUND`: the k-th largest of the block maxima is the value of a
+- `sampler_top_k_bound`: the k-th largest of the block maxima is the value of a
   token with at least k tokens at or above it, so top-k's search starts its bracket there instead of at -inf
   (rows with k above the number of blocks start at -inf). The search ends on the largest key that qualifies
   whatever valid bracket it starts from, so the threshold is the same; the bracket is just narrower, and the
@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.kernels.hashing import row_hash
+from minisgl.kernels.options import current_options
 from minisgl.kernels.pdl import pdl_enter, pdl_launch
 
 try:
@@ -57,9 +58,6 @@ NUM_PASSES = 8  # 16 ** 8 = 2 ** 32: enough for any fp32 key
 KEY_NEG_INF = -0x7F800000  # the key of -inf (keys: +-(the bits of |x|), so -0.0 and 0.0 share key 0)
 # flag bits per row
 SAMPLES, TOP_K, TOP_P, MIN_P = 1, 2, 4, 8
-# exact shortcuts (see the module docstring); off, the kernels do the full tile work on every block
-SKIP_BLOCKS = True
-TOP_K_BOUND = True
 
 if triton is not None:
     _SAMPLES, _TOP_K, _MIN_P = tl.constexpr(SAMPLES), tl.constexpr(TOP_K), tl.constexpr(MIN_P)
@@ -322,19 +320,13 @@ def row_flags(temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Te
     return (temperatures > 0).int() * (SAMPLES + cuts)
 
 
-# Launch shapes. They are the same for every batch size on purpose: a row's top-p weight is summed in an order
-# set by the chunk and block sizes, and a row's token must never depend on the batch it is in.
-# lab/tune/sampling.py times the alternatives on a GPU; the defaults are its pick on an H200.
-LAUNCH = {"chunk": 4096, "stats_block": 1024, "search_block": 256, "search_warps": 4, "draw_block": 1024,
-          "draw_warps": 4}
-
-
 def _launch_blocks(chunk: int) -> tuple[int, int, int]:
-    """The stats, search and draw block sizes for a chunk. The stats block divides the chunk and the other two
-    divide the stats block: the search and the draw walk a chunk one stats block at a time (its max says
-    whether the block can be skipped), and a block never straddles two."""
-    cfg = LAUNCH
-    stats, search, draw = (min(cfg[name], chunk) for name in ("stats_block", "search_block", "draw_block"))
+    """The stats, search and draw block sizes for a chunk (launch shapes: the kernel option `sampler_launch`).
+    The stats block divides the chunk and the other two divide the stats block: the search and the draw walk a
+    chunk one stats block at a time (its max says whether the block can be skipped), and a block never straddles
+    two."""
+    cfg = current_options().sampler_launch
+    stats, search, draw = (min(size, chunk) for size in (cfg.stats_block, cfg.search_block, cfg.draw_block))
     assert chunk % stats == 0 and stats % search == 0 and stats % draw == 0, (chunk, stats, search, draw)
     return stats, search, draw
 
@@ -348,7 +340,7 @@ def search_cuts(logits: torch.Tensor, flags: torch.Tensor, inv_t: torch.Tensor, 
     top-k. fused_sample uses it; tests compare its results switch by switch."""
     b, vocab = logits.shape
     dev = logits.device
-    cfg = LAUNCH
+    opts = current_options()
     stats_block, search_block, _ = _launch_blocks(chunk)
     num_chunks = triton.cdiv(vocab, chunk)
     num_blocks = num_chunks * (chunk // stats_block)
@@ -367,16 +359,17 @@ def search_cuts(logits: torch.Tensor, flags: torch.Tensor, inv_t: torch.Tensor, 
     _stats_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, pmax, plow, num_chunks,
                                    CHUNK=chunk, BLOCK=stats_block, USE_PDL=pdl, **kw)
     _init_kernel[(b,)](flags, top_ks, pmax, plow, row_max, unit, lo, hi, b, num_chunks, num_blocks, NC_PAD=nc_pad,
-                       NB_PAD=max(16, triton.next_power_of_2(num_blocks)), TOP_K_BOUND=TOP_K_BOUND, USE_PDL=pdl,
-                       **kw)
+                       NB_PAD=max(16, triton.next_power_of_2(num_blocks)), TOP_K_BOUND=opts.sampler_top_k_bound,
+                       USE_PDL=pdl, **kw)
     top_ps = top_ps.float()
     for phase in phases:  # top-k, then top-p over the top-k survivors
         for p in range(passes):
             _search_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, hi, unit, row_max,
                                             inv_t, pmax, part, b, num_chunks, PHASE=phase, NC=NUM_CANDIDATES,
                                             CHUNK=chunk, BLOCK=search_block, STATS_BLOCK=stats_block,
-                                            SKIP=SKIP_BLOCKS, USE_PDL=pdl,
-                                            num_warps=cfg["search_warps"], enable_fp_fusion=False, **kw)
+                                            SKIP=opts.sampler_skip_blocks, USE_PDL=pdl,
+                                            num_warps=opts.sampler_launch.search_warps, enable_fp_fusion=False,
+                                            **kw)
             _narrow_kernel[(b,)](flags, lo, hi, unit, zk, top_ks, top_ps, part, b, num_chunks,
                                  PHASE=phase, FIRST=p == 0, NC=NUM_CANDIDATES, NC_PAD=nc_pad, USE_PDL=pdl, **kw)
     return lo, row_max, zk, pmax
@@ -393,8 +386,8 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch
     """
     b, vocab = logits.shape
     dev = logits.device
-    cfg = LAUNCH
-    chunk = chunk or cfg["chunk"]
+    opts = current_options()
+    chunk = chunk or opts.sampler_launch.chunk
     num_chunks = triton.cdiv(vocab, chunk)
     stats_block, _, draw_block = _launch_blocks(chunk)
     temps = temperatures.float()
@@ -412,7 +405,8 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch
     kw = pdl_launch(logits)
     _draw_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, row_max, inv_t, log_min_p,
                                   row_hash(seeds, steps), block_max, vals, idxs, num_chunks, CUTS=cuts, CHUNK=chunk,
-                                  BLOCK=draw_block, STATS_BLOCK=stats_block, SKIP=SKIP_BLOCKS, USE_PDL=bool(kw),
-                                  num_warps=cfg["draw_warps"], enable_fp_fusion=False, **kw)
+                                  BLOCK=draw_block, STATS_BLOCK=stats_block, SKIP=opts.sampler_skip_blocks,
+                                  USE_PDL=bool(kw), num_warps=opts.sampler_launch.draw_warps, enable_fp_fusion=False,
+                                  **kw)
     best = vals.argmax(dim=1, keepdim=True)
     return idxs.gather(1, best).squeeze(1).long()

@@ -13,7 +13,7 @@ ARCHITECTURES = {
 }
 
 
-# --- notebooks/01_model.ipynb, cell 8 (id c01-008) ---
+# --- notebooks/01_model.ipynb, cell 9 (id c01-008) ---
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str  # qwen3 | llama | qwen2

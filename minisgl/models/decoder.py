@@ -19,7 +19,7 @@ from minisgl.models.config import ModelConfig
 from minisgl.models.layers import MLP, RMSNorm, RotaryEmbedding
 
 
-# --- notebooks/01_model.ipynb, cell 22 (id c01-022) ---
+# --- notebooks/01_model.ipynb, cell 23 (id c01-022) ---
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -49,7 +49,7 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.q_size))
 
 
-# --- notebooks/01_model.ipynb, cell 23 (id c01-023) ---
+# --- notebooks/01_model.ipynb, cell 24 (id c01-023) ---
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -70,7 +70,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-# --- notebooks/01_model.ipynb, cell 25 (id c01-025) ---
+# --- notebooks/01_model.ipynb, cell 26 (id c01-025) ---
 class DecoderLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()

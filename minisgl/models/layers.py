@@ -16,7 +16,7 @@ from torch import nn
 from minisgl.kernels import elementwise as ew
 
 
-# --- notebooks/01_model.ipynb, cell 11 (id c01-011) ---
+# --- notebooks/01_model.ipynb, cell 12 (id c01-011) ---
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         return ew.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-# --- notebooks/01_model.ipynb, cell 14 (id c01-014) ---
+# --- notebooks/01_model.ipynb, cell 15 (id c01-014) ---
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
@@ -48,7 +48,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return torch.where(is_medium, blended, scaled)
 
 
-# --- notebooks/01_model.ipynb, cell 18 (id c01-018) ---
+# --- notebooks/01_model.ipynb, cell 19 (id c01-018) ---
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin table `[max_positions, head_dim]` (cos in the first half, sin in the second)."""
 
@@ -67,7 +67,7 @@ class RotaryEmbedding(nn.Module):
         return ew.norm_and_rope(q, k, positions, self.cos_sin, q_norm.weight, k_norm.weight, q_norm.eps)
 
 
-# --- notebooks/01_model.ipynb, cell 20 (id c01-020) ---
+# --- notebooks/01_model.ipynb, cell 21 (id c01-020) ---
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()

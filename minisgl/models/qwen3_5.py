@@ -30,9 +30,11 @@ from safetensors import safe_open
 from torch import nn
 
 from minisgl.attention.base import AttentionBackend
+from minisgl.checkpoint import checkpoint_files
 from minisgl.kernels import elementwise as ew
 from minisgl.kernels import gdn
 from minisgl.models.config import ModelConfig
+from minisgl.models.family import ModelFamily
 from minisgl.models.layers import MLP, RotaryEmbedding
 
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -47,8 +49,6 @@ class Qwen35Config(ModelConfig):
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0
-
-    is_hybrid = True  # a class attribute, not a field: the engine asks getattr(config, "is_hybrid", False)
 
     @property
     def full_attention_layers(self) -> list[int]:
@@ -281,7 +281,6 @@ def _our_name(hf_name: str) -> str | None:
 
 
 def load_safetensors(model: Qwen35LM, cfg: Qwen35Config, path: str) -> None:
-    from minisgl.loader import checkpoint_files  # not at the top: the loader imports this module
     files = checkpoint_files(path)
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = cfg.tie_word_embeddings
@@ -340,3 +339,7 @@ def init_dummy(model: Qwen35LM, seed: int) -> None:
         else:
             std = 0.02 if "embed" in name else 1.0 / max(p.shape[1], 1) ** 0.5
             p.normal_(0.0, std, generator=gen)
+
+
+# the registry's entry (models/registry.py): per-request linear-attention state beside the KV pool (engine/hybrid.py)
+FAMILY = ModelFamily("qwen3_5", Qwen35Config, Qwen35LM, init_dummy, load_safetensors, runtime="linear_state")

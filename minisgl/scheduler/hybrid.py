@@ -111,7 +111,9 @@ class HybridRadixCache(RadixCache):
         assert all(n in live for n in self.snapshots), "a snapshot outlived its node"
         slots = list(self.snapshots.values())
         assert len(set(slots)) == len(slots), "a snapshot slot is held twice"
-        assert not set(slots) & set(self.state_pool._free_snapshots), "a snapshot slot is both held and free"
+        # every snapshot slot is either held here or free in the pool: none both, none lost
+        assert len(slots) + self.state_pool.num_free_snapshots == self.state_pool.num_snapshots, \
+            "a snapshot slot is both held and free, or lost"
 
 
 class HybridScheduler(Scheduler):

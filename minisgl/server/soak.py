@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from minisgl.environment import child_environment
 
 BIG_TEXT_CHARS = 7_900_000  # the size of the prompt that stalled /health for 4.8 s (issue 15)
 TOKENIZED_TEXT_CHARS = 100_000  # under the raw bound: tokenized (on the pool), then refused by token count
@@ -187,7 +188,7 @@ def _wait_started(proc: subprocess.Popen, url: str, timeout: float = 180) -> boo
 
 def run_soak(model_path: str, rounds: int = 5, extra_args: tuple[str, ...] = (), env: dict | None = None) -> dict:
     """Start the server, run the rounds, stop it; returns the figures (see the module docstring)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    env = child_environment(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
     for _attempt in range(3):  # a free port can be taken by another process before the server binds it
         port = _free_port()
         url = f"http://127.0.0.1:{port}"

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from minisgl.environment import server_test_model
+
 REPO = Path(__file__).resolve().parents[2]
 ASSET = REPO / "assets" / "tiny-qwen3"
 
@@ -89,8 +91,8 @@ def build_random_model(folder: str | os.PathLike, seed: int = 0, max_position_em
 
 def tiny_model_path(scratch: str | os.PathLike) -> str:
     """The demo model when it is ready, else a random one built (once) under `scratch`."""
-    if os.environ.get("MINISGL_TEST_MODEL"):
-        return os.environ["MINISGL_TEST_MODEL"]
+    if server_test_model():
+        return server_test_model()
     if asset_ready():
         return str(ASSET)
     return build_random_model(Path(scratch) / "tiny-random-qwen3")
