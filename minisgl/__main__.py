@@ -3,6 +3,11 @@
 The engine flags are SGLang's names (--disable-overlap-schedule, --disable-cuda-graph, --disable-radix-cache,
 --chunked-prefill-size, --page-size, --attention-backend, ...), generated once from EngineConfig's fields by
 `minisgl.config.add_engine_args`, so every subcommand takes the same ones.
+
+Errors are one line on stderr, never a traceback (`--traceback` shows it): exit status 2 when the command line
+is wrong (argparse's errors, an engine setting out of range: `minisgl.errors.ConfigError`, a request the engine
+refuses: `RequestError`, such as --max-tokens 0 or a prompt longer than the context), 1 when the command is right
+but cannot run here (no GPU, a broken model folder, a missing package, the engine failed).
 """
 
 from __future__ import annotations
@@ -11,8 +16,13 @@ import argparse
 import dataclasses
 import json
 import sys
+import traceback
+from collections.abc import Callable
 
-from minisgl.config import add_engine_args, engine_kwargs_from_args
+from minisgl.config import EngineConfig, add_engine_args, engine_kwargs_from_args
+from minisgl.errors import ConfigError, RequestError
+
+USAGE_ERROR, RUNTIME_ERROR = 2, 1
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -44,8 +54,42 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its message with line breaks folded (a library's message may span several),
+    prefixed by its type when the type says something the message does not (a KeyError's message is a key)."""
+    message = " ".join(str(error).split())
+    if isinstance(error, ConfigError):
+        flags = next((f.metadata.get("flags") for f in dataclasses.fields(EngineConfig) if f.name == error.field),
+                     None)
+        message = f"{'/'.join(flags)} {' '.join(error.problem.split())}" if flags else message
+    elif not isinstance(error, (ValueError, OSError, ImportError, RuntimeError)) or not message:
+        message = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    return message
+
+
+def run_command(prog: str, func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """func(args), its errors as one line on stderr (`prog: error: ...`) and an exit status: 2 for a setting
+    out of range or a refused request (ConfigError, RequestError), 1 for anything else that went wrong; the
+    traceback too with --traceback."""
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # the command line's last word: every error becomes one line
+        if getattr(args, "traceback", False):
+            traceback.print_exc()
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        return USAGE_ERROR if isinstance(e, (ConfigError, RequestError)) else RUNTIME_ERROR
+
+
+def add_traceback_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--traceback", action="store_true",
+                        help="on an error, print the whole traceback, not only its one-line message")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="minisgl", description=__doc__)
+    parser = argparse.ArgumentParser(prog="minisgl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -53,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     g.add_argument("--ignore-eos", action="store_true")
@@ -73,13 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(s)
     add_serve_args(s)
     s.set_defaults(func=run_serve)
+    for p in (g, b, s):
+        add_traceback_flag(p)
 
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = parser.parse_args(argv)  # a malformed command line: argparse's message, exit status 2
+    return run_command(f"minisgl {args.command}", args.func, args)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import json
 import os
 
 
-# --- notebooks/01_model.ipynb, cell 35 (id c01-034a) ---
+# --- notebooks/01_model.ipynb, cell 37 (id c01-034a) ---
 def checkpoint_files(path: str) -> list[str]:
     """The .safetensors files of a checkpoint folder: the ones its index names, or else every one there."""
     index = os.path.join(path, "model.safetensors.index.json")

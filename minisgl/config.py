@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass, field, replace
 
 from minisgl.environment import kernel_option_defaults
+from minisgl.errors import ConfigError
 
 
 def _opt(default, flag: str | tuple[str, ...], help: str, *, disable: bool = False, enable: bool = False,
@@ -200,8 +202,10 @@ class EngineConfig:
                                          "buckets 16, 32, ... up to it; 0 = off")
     prefill_graph_max_reqs: int = _opt(16, "--prefill-graph-max-reqs",
                                        "most requests in a prefill/extend step replayed as a CUDA graph")
-    attention_backend: str = _opt("auto", "--attention-backend", "attention kernels",
-                                  choices=("auto", "torch", "triton", "flashinfer"))
+    attention_backend: str = _opt("auto", "--attention-backend",
+                                  "attention kernels (auto = triton on a GPU, torch on a CPU; torch runs a decode "
+                                  "step as a few padded ops, torch_loop every step one request at a time)",
+                                  choices=("auto", "torch", "torch_loop", "triton", "flashinfer"))
     tp_size: int = _opt(1, "--tp-size", "tensor parallelism: ranks (one GPU each; gloo processes on a CPU)")
     # how minisgl's kernels run (the class above; its flags are generated with these)
     kernels: KernelOptions = field(default_factory=default_kernel_options)
@@ -223,34 +227,51 @@ class EngineConfig:
         return replace(self, **kw)
 
     def validate(self) -> None:
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.attention_backend not in ("auto", "torch", "triton", "flashinfer"):
-            raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"unknown dtype {self.dtype!r}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"unknown load_format {self.load_format!r}")
-        if self.prefill_graph_max_tokens < 0 or self.prefill_graph_max_reqs < 1:
-            raise ValueError("prefill_graph_max_tokens must be >= 0 (0 = off) and prefill_graph_max_reqs >= 1")
-        if self.max_running_requests is not None and (
-                not isinstance(self.max_running_requests, int) or self.max_running_requests < 0):
-            raise ValueError(f"max_running_requests must be an integer >= 1, or 0/None for auto, got "
-                             f"{self.max_running_requests!r}")
-        if self.cuda_graph_max_bs < 1:
-            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
-        if not 0 <= self.state_snapshot_memory_fraction < 1:
-            raise ValueError(f"state_snapshot_memory_fraction must be in [0, 1), got "
-                             f"{self.state_snapshot_memory_fraction}")
-        if self.state_snapshots is not None and self.state_snapshots < 0:
-            raise ValueError(f"state_snapshots must be >= 0, got {self.state_snapshots}")
-        if self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
-        if not isinstance(self.kernels, KernelOptions):
-            raise ValueError(f"kernels must be a KernelOptions, got {type(self.kernels).__name__}")
-        self.kernels.validate()
+        """Raise ConfigError (a ValueError) naming the first field whose value cannot be right on any machine;
+        what depends on the machine or the model (no GPU, a broken checkpoint) is found when the engine starts."""
+        def need(ok: bool, name: str, problem: str) -> None:
+            if not ok:
+                raise ConfigError(name, f"{problem}, got {getattr(self, name)!r}")
+
+        def integer(name: str, low: int | None, problem: str, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            need(isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low), name,
+                 problem)
+
+        need(isinstance(self.model, str) and self.model != "", "model", "must be a folder or a hub id")
+        need(isinstance(self.device, str) and _DEVICE.fullmatch(self.device) is not None, "device",
+             "must be auto, cpu, cuda or cuda:N")
+        for name in ("dtype", "load_format", "attention_backend"):
+            choices = next(f for f in dataclasses.fields(self) if f.name == name).metadata["choices"]
+            need(getattr(self, name) in choices, name, f"must be one of {', '.join(choices)}")
+        integer("page_size", 1, "must be an integer >= 1")
+        integer("num_pages", 0, "must be an integer >= 1 (0 or unset: sized from memory)", optional=True)
+        integer("max_model_len", 2, "must be an integer >= 2 (a prompt token and an output token; unset: the "
+                "model's max_position_embeddings)", optional=True)
+        integer("kv_cache_tokens", 1, "must be an integer >= 1")
+        need(isinstance(self.kv_memory_fraction, (int, float)) and 0 < self.kv_memory_fraction <= 1,
+             "kv_memory_fraction", "must be in (0, 1]")
+        integer("max_running_requests", 0, "must be an integer >= 1, or 0/unset for auto", optional=True)
+        integer("chunked_prefill_size", None, "must be an integer (<= 0: chunked prefill off)")
+        integer("max_prefill_tokens", 1, "must be an integer >= 1")
+        integer("cuda_graph_max_bs", 1, "must be an integer >= 1")
+        integer("prefill_graph_max_tokens", 0, "must be an integer >= 0 (0 = off)")
+        integer("prefill_graph_max_reqs", 1, "must be an integer >= 1")
+        integer("tp_size", 1, "must be an integer >= 1")
+        need(isinstance(self.state_snapshot_memory_fraction, (int, float))
+             and 0 <= self.state_snapshot_memory_fraction < 1, "state_snapshot_memory_fraction", "must be in [0, 1)")
+        integer("state_snapshots", 0, "must be an integer >= 0", optional=True)
+        integer("seed", None, "must be an integer")
+        need(isinstance(self.kernels, KernelOptions), "kernels", "must be a KernelOptions")
+        try:
+            self.kernels.validate()
+        except ValueError as e:
+            raise ConfigError("kernels", f"option {e}") from None
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
 RENAMED = {"chunked_prefill": "chunked_prefill was folded into chunked_prefill_size: pass chunked_prefill_size=0 "

@@ -1,5 +1,5 @@
-"""Typed errors of a bad request, so a front end (the HTTP server, LLM.generate) can say which parameter
-is wrong without reading the message."""
+"""Typed errors of a bad request or a bad engine setting, so a front end (the HTTP server, LLM.generate, the
+command line) can say which parameter is wrong without reading the message."""
 
 from __future__ import annotations
 
@@ -19,3 +19,17 @@ class RequestError(ValueError):
 
     def __reduce__(self):  # picklable with its fields (ValueError's default would drop them)
         return type(self), (self.message, self.param, self.code)
+
+
+class ConfigError(ValueError):
+    """An engine setting that is wrong whatever the machine or the model (out of range, an unknown name): the
+    caller's mistake, so the command line answers it as a usage error (exit status 2). `field` is the
+    EngineConfig field at fault; the message reads "<field> <problem>", so the command line can say the flag
+    instead of the field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field, self.problem = field, problem
+
+    def __reduce__(self):
+        return type(self), (self.field, self.problem)

@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 
 from minisgl.checkpoint import checkpoint_files
-from minisgl.models import DecoderLM, ModelConfig
+from minisgl.models import ARCHITECTURES, DecoderLM, ModelConfig
 from minisgl.models.family import ModelFamily
-from minisgl.models.registry import model_family
+from minisgl.models.registry import FAMILIES, model_family
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,14 +55,65 @@ def resolve_model_path(model: str) -> str:
         raise ValueError(f"model {model!r} is not a local folder and could not be fetched from the hub: {e}") from e
 
 
-# --- notebooks/01_model.ipynb, cell 32 (id c01-031) ---
+# --- notebooks/01_model.ipynb, cell 32 (id c01-030a) ---
+def read_json_file(file: str) -> dict:
+    """A JSON object from a file of a model folder, or a ValueError that says what is wrong with the file (empty,
+    not UTF-8, cut short), where `json.load` would only say "Expecting value: line 1 column 1"."""
+    with open(file, "rb") as f:
+        raw = f.read()
+    if not raw.strip():
+        raise ValueError(f"{file} is empty")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file} is not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})") from None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); is the file cut short?") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object, not a {type(data).__name__}")
+    return data
+
+
+# --- notebooks/01_model.ipynb, cell 33 (id c01-030b) ---
+REQUIRED_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_hf_config(path: str):
+    """The folder's config.json through transformers, checked first so that a broken or foreign file gets a
+    message saying what is wrong: a file that does not parse, an architecture minisgl does not run, a missing
+    size (which transformers would quietly fill with its class default: 32 layers where the checkpoint has 8)."""
+    from transformers import AutoConfig
+
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no config.json in {path}: not a model folder in Hugging Face layout")
+    data = read_json_file(file)
+    archs = data.get("architectures") if isinstance(data.get("architectures"), list) else []
+    model_type = str(data.get("model_type", ""))
+    if not (any(a in ARCHITECTURES for a in archs) or model_type in ARCHITECTURES.values()
+            or model_type in FAMILIES):
+        raise ValueError(f"{file}: unsupported architecture {archs or model_type!r}; minisgl runs "
+                         f"{sorted(ARCHITECTURES)} and the model types of models/registry.py "
+                         f"({', '.join(sorted(FAMILIES))})")
+    sizes = data["text_config"] if isinstance(data.get("text_config"), dict) else data  # Qwen3.5 nests them
+    missing = [k for k in REQUIRED_CONFIG_FIELDS if k not in sizes]
+    if missing:
+        raise ValueError(f"{file} lacks {', '.join(missing)}")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # a value transformers refuses (its messages are clear; its exception types vary)
+        raise ValueError(f"transformers cannot read {file}: {e}") from e
+
+
+# --- notebooks/01_model.ipynb, cell 34 (id c01-031) ---
 def read_eos_ids(path: str, hf_config) -> tuple[int, ...]:
     """Every EOS id: generation_config.json's (often a list) wins over config.json's."""
     for source in (os.path.join(path, "generation_config.json"), None):
         eos = None
         if source and os.path.exists(source):
-            with open(source) as f:
-                eos = json.load(f).get("eos_token_id")
+            eos = read_json_file(source).get("eos_token_id")
         elif source is None:
             eos = getattr(hf_config, "eos_token_id", None)
         if eos is not None:
@@ -70,7 +121,7 @@ def read_eos_ids(path: str, hf_config) -> tuple[int, ...]:
     return ()
 
 
-# --- notebooks/01_model.ipynb, cell 33 (id c01-032) ---
+# --- notebooks/01_model.ipynb, cell 35 (id c01-032) ---
 def _fused_slice(param: torch.Tensor, cfg: ModelConfig, fused: str, part: int) -> torch.Tensor:
     if fused == "qkv_proj":
         q, kv = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -81,7 +132,30 @@ def _fused_slice(param: torch.Tensor, cfg: ModelConfig, fused: str, part: int) -
     return param.narrow(0, start, size)
 
 
-# --- notebooks/01_model.ipynb, cell 36 (id c01-034) ---
+# --- notebooks/01_model.ipynb, cell 38 (id c01-034b) ---
+def check_checkpoint(path: str) -> None:
+    """Before the model is built: the folder has .safetensors weights and every file's header reads; else an
+    error naming the file (an empty or cut-short download, a file that is not safetensors at all)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index) and not isinstance(read_json_file(index).get("weight_map"), dict):
+        raise ValueError(f"{index} has no weight_map")
+    try:
+        files = checkpoint_files(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no .safetensors weights in {path} (load_format 'dummy', --load-format dummy, "
+                                "fills the model with seeded random weights instead)") from None
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{file} is missing (named in {index})")
+        try:
+            with safe_open(file, framework="pt", device="cpu"):
+                pass  # opening reads and checks the header: tensor names, shapes, offsets against the file size
+        except Exception as e:  # safetensors' own error type: header too small, too large, file not covered
+            raise ValueError(f"{file} is not a readable safetensors file ({e}); is the download complete?") from None
+
+
+# --- notebooks/01_model.ipynb, cell 39 (id c01-034) ---
 def load_safetensors(model: DecoderLM, cfg: ModelConfig, path: str) -> None:
     files = checkpoint_files(path)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -121,7 +195,7 @@ def load_safetensors(model: DecoderLM, cfg: ModelConfig, path: str) -> None:
         raise ValueError(f"checkpoint in {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-# --- notebooks/01_model.ipynb, cell 37 (id c01-035) ---
+# --- notebooks/01_model.ipynb, cell 40 (id c01-035) ---
 @torch.no_grad()
 def init_dummy(model: DecoderLM, seed: int) -> None:
     """Seeded random weights at a scale that keeps activations finite in bf16."""
@@ -136,13 +210,13 @@ def init_dummy(model: DecoderLM, seed: int) -> None:
             p.normal_(0.0, std, generator=gen)
 
 
-# --- notebooks/01_model.ipynb, cell 38 (id c01-036) ---
+# --- notebooks/01_model.ipynb, cell 41 (id c01-036) ---
 def load_model(model: str, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
                seed: int = 0, max_positions: int | None = None) -> LoadedModel:
-    from transformers import AutoConfig
-
     path = resolve_model_path(model)
-    hf_config = AutoConfig.from_pretrained(path)
+    hf_config = read_hf_config(path)
+    if load_format != "dummy":
+        check_checkpoint(path)  # a broken file fails here, before the model's memory is allocated
     # the model's config class, module, dummy init and checkpoint reader: this file's, unless the registry names
     # another family for its model type (minisgl/models/registry.py: Qwen3.5's hybrid, notebook 10)
     family = model_family(hf_config) or ModelFamily("decoder", ModelConfig, DecoderLM, init_dummy, load_safetensors)
@@ -163,7 +237,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, load_format
     return LoadedModel(net, cfg, hf_config, path)
 
 
-# --- notebooks/01_model.ipynb, cell 39 (id c01-037) ---
+# --- notebooks/01_model.ipynb, cell 42 (id c01-037) ---
 def to_hf_state_dict(model: DecoderLM, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our weights under Hugging Face names (fused tensors split), e.g. to load a transformers peer."""
     out = {}

@@ -86,6 +86,48 @@ def copy_model(src: str, dst: str, generation_config: dict | None = None) -> str
     return dst
 
 
+# Model folders broken the ways a download or a careless edit breaks them (issue 28), each with the words the
+# error must contain: config.json cut short, empty, not UTF-8, of another architecture, without a size; the
+# weights cut short, empty, random bytes, or absent.
+BROKEN_MODELS = {
+    "config_truncated": "is not valid JSON", "config_empty": "config.json is empty",
+    "config_not_utf8": "is not UTF-8 text", "config_unknown_architecture": "unsupported architecture",
+    "config_without_layers": "lacks num_hidden_layers", "weights_truncated": "is not a readable safetensors file",
+    "weights_empty": "is not a readable safetensors file", "weights_random": "is not a readable safetensors file",
+    "weights_missing": "no .safetensors weights",
+}
+
+
+def make_broken_model(src: str, dst: str, kind: str) -> str:
+    """A copy of the model folder `src` in `dst`, broken as BROKEN_MODELS[kind] describes."""
+    copy_model(src, dst)
+    config, weights = os.path.join(dst, "config.json"), os.path.join(dst, "model.safetensors")
+    with open(config, "rb") as f:
+        raw = f.read()
+    data = json.loads(raw)
+    edits = {
+        "config_truncated": lambda: raw[:len(raw) // 2], "config_empty": lambda: b"",
+        "config_not_utf8": lambda: raw.replace(b'"qwen3"', b'"qwen3\xff\xfe"'),
+        "config_unknown_architecture": lambda: json.dumps(
+            {**data, "architectures": ["MambaForCausalLM"], "model_type": "mamba"}).encode(),
+        "config_without_layers": lambda: json.dumps({k: v for k, v in data.items()
+                                                     if k != "num_hidden_layers"}).encode(),
+    }
+    if kind in edits:
+        with open(config, "wb") as f:
+            f.write(edits[kind]())
+    elif kind == "weights_missing":
+        os.remove(weights)
+    else:
+        with open(weights, "rb") as f:
+            blob = f.read()
+        new = {"weights_truncated": blob[:len(blob) // 2], "weights_empty": b"",
+               "weights_random": random.Random(0).randbytes(4096)}[kind]
+        with open(weights, "wb") as f:
+            f.write(new)
+    return dst
+
+
 def make_prompts(seed: int = 0) -> list[list[int]]:
     """20 prompts of 1..60 tokens: independent ones, groups sharing a prefix, an exact duplicate, and a
     prompt that is a prefix of another (the radix cache's edge cases)."""

@@ -3,13 +3,15 @@ refusal a valid request on the same LLM completes (matching HF) and every page i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
-from helpers import PROMPTS, assert_all_pages_back, hf_greedy
+from helpers import BROKEN_MODELS, PROMPTS, assert_all_pages_back, hf_greedy, make_broken_model
 
 from minisgl import LLM, EngineConfig, RequestError, SamplingParams
+from minisgl.errors import ConfigError
 from minisgl.sampling_params import MAX_TEMPERATURE, TOP_K_OFF
 
 CTX = 64  # max_model_len of the context-limited engine
@@ -229,12 +231,49 @@ def test_a_bad_request_in_a_batch_runs_nothing(ctx_llm, qwen3_path):
                                       (dict(load_format="pickle"), "load_format"),
                                       (dict(attention_backend="magic"), "attention_backend"),
                                       (dict(max_running_requests=-1), "max_running_requests"),
-                                      (dict(cuda_graph_max_bs=0), "cuda_graph_max_bs")])
+                                      (dict(cuda_graph_max_bs=0), "cuda_graph_max_bs"),
+                                      (dict(num_pages=-3), "num_pages"), (dict(max_model_len=-1), "max_model_len"),
+                                      (dict(max_model_len=1), "max_model_len"), (dict(device="bogus"), "device"),
+                                      (dict(device="cuda:x"), "device"), (dict(kv_cache_tokens=0), "kv_cache_tokens"),
+                                      (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
+                                      (dict(page_size=2.0), "page_size"), (dict(tp_size=True), "tp_size")])
 def test_bad_engine_config(kw, match, qwen3_path):
-    with pytest.raises(ValueError, match=match):
+    """A setting out of range is a ConfigError (a ValueError) naming the field, before anything loads."""
+    with pytest.raises(ConfigError, match=match) as info:
         EngineConfig(model=qwen3_path, **kw).validate()
-    with pytest.raises(ValueError, match=match):
+    assert info.value.field == match
+    with pytest.raises(ConfigError, match=match):
         LLM(qwen3_path, **kw)
+
+
+def test_cuda_device_without_a_gpu(qwen3_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: device 'cuda' is fine here")
+    with pytest.raises(RuntimeError, match="torch sees no CUDA GPU here"):
+        LLM(qwen3_path, device="cuda")
+
+
+@pytest.mark.parametrize("kind", sorted(BROKEN_MODELS))
+def test_broken_model_folder(kind, qwen3_path, tmp_path):
+    """A broken folder is refused with a message that names the file and what is wrong with it (issue 28:
+    these were tracebacks from transformers and safetensors); a good folder loads and serves right after."""
+    path = make_broken_model(qwen3_path, str(tmp_path / kind), kind)
+    with pytest.raises((ValueError, OSError), match=BROKEN_MODELS[kind]) as info:
+        LLM(path)
+    assert path in str(info.value) and "\n" not in str(info.value)
+    still_serves(LLM(qwen3_path, page_size=4), qwen3_path)
+
+
+def test_top_k_past_the_vocabulary_is_no_cut(ctx_llm, qwen3_path):
+    """top_k of 2**63 (past int64) keeps every token, as top_k -1 does (issue 28: an OverflowError ended the
+    step); the server already answered such a top_k as "off"."""
+    sampled = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=7)
+    huge = ctx_llm.generate([PROMPTS[3]], dataclasses.replace(sampled, top_k=2**63))[0]
+    off = ctx_llm.generate([PROMPTS[3]], sampled)[0]
+    assert huge.token_ids == off.token_ids and len(off.token_ids) == 8
+    still_serves(ctx_llm, qwen3_path)
 
 
 def test_missing_model_folder(tmp_path):

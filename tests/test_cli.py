@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from helpers import BROKEN_MODELS, make_broken_model
 
 import minisgl
 import minisgl.server.launch as launch
@@ -109,3 +111,82 @@ def test_real_entry_points_parse(module):
     bad = subprocess.run([sys.executable, *module, "--model", "m", "--no-overlap"], capture_output=True, text=True,
                          cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "unrecognized arguments: --no-overlap" in bad.stderr
+
+
+# --- errors: one line on stderr, exit status 2 (the command line is wrong) or 1 (it cannot run here) -----------
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def _one_line_error(err: str, prog: str = "minisgl generate") -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err
+    return lines[0]
+
+
+BAD_FLAGS = [  # (flags, exit status, words of the message, skip reason or None)
+    (["--num-pages", "-3"], 2, "--num-pages must be an integer >= 1", None),
+    (["--max-model-len", "-1"], 2, "--context-length/--max-model-len must be an integer >= 2", None),
+    (["--device", "bogus"], 2, "--device must be auto, cpu, cuda or cuda:N, got 'bogus'", None),
+    (["--kv-memory-fraction", "0"], 2, "--kv-memory-fraction must be in (0, 1]", None),
+    (["--max-tokens", "0"], 2, "max_tokens must be a positive integer", None),
+    (["--temperature", "-1"], 2, "temperature must be", None),
+    (["--device", "cuda"], 1, "torch sees no CUDA GPU", "a GPU is visible" if torch.cuda.is_available() else None),
+    (["--attention-backend", "triton"], 1, "needs Triton", "Triton is installed" if _has("triton") else None),
+    (["--attention-backend", "flashinfer"], 1, "needs FlashInfer",
+     "FlashInfer is installed" if _has("flashinfer") and torch.cuda.is_available() else None),
+]
+
+
+@pytest.mark.parametrize("flags, status, words, skip", BAD_FLAGS, ids=[" ".join(c[0]) for c in BAD_FLAGS])
+def test_bad_flag_is_one_line(flags, status, words, skip, qwen3_tok_path, capsys):
+    if skip:
+        pytest.skip(skip)
+    assert main(["generate", "--model", qwen3_tok_path, "--prompt", "w5 w6", "--max-tokens", "2", *flags]) == status
+    out, err = capsys.readouterr()
+    assert words in _one_line_error(err) and out == ""
+
+
+@pytest.mark.parametrize("kind", sorted(BROKEN_MODELS))
+def test_broken_model_folder_is_one_line(kind, qwen3_tok_path, tmp_path, capsys):
+    path = make_broken_model(qwen3_tok_path, str(tmp_path / kind), kind)
+    assert main(["generate", "--model", path, "--prompt", "w5 w6", "--max-tokens", "2"]) == 1
+    line = _one_line_error(capsys.readouterr().err)
+    assert BROKEN_MODELS[kind] in line and path in line
+
+
+def test_top_k_past_int64_generates(qwen3_tok_path, capsys):
+    """--top-k 9223372036854775808 keeps every token, like --top-k -1 (it was an OverflowError traceback)."""
+    common = ["generate", "--model", qwen3_tok_path, "--prompt", "w5 w6", "--max-tokens", "6", "--ignore-eos",
+              "--temperature", "1", "--random-seed", "3"]
+    assert main([*common, "--top-k", str(2**63)]) == 0
+    huge = capsys.readouterr()
+    assert main([*common, "--top-k", "-1"]) == 0
+    assert huge.out == capsys.readouterr().out and huge.out.startswith("w5 w6") and huge.err == ""
+
+
+def test_traceback_flag_shows_the_traceback(qwen3_tok_path, tmp_path, capsys):
+    path = make_broken_model(qwen3_tok_path, str(tmp_path / "m"), "weights_empty")
+    assert main(["generate", "--model", path, "--prompt", "w5", "--traceback"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("minisgl generate: error: ")
+
+
+@pytest.mark.parametrize("module, flags, status, words", [
+    (["-m", "minisgl", "generate", "--prompt", "w5"], ["--num-pages", "-3"], 2, "--num-pages must be"),
+    (["-m", "minisgl.server"], ["--device", "bogus"], 2, "--device must be"),
+    (["-m", "minisgl", "generate", "--prompt", "w5"], ["weights_random"], 1, "is not a readable safetensors file"),
+    (["-m", "minisgl", "serve", "--port", "0"], ["config_truncated"], 1, "is not valid JSON"),
+], ids=["generate-usage", "server-usage", "generate-runtime", "serve-runtime"])
+def test_real_process_errors(module, flags, status, words, qwen3_tok_path, tmp_path):
+    """The processes themselves: one line on stderr, no traceback, the exit status."""
+    model = qwen3_tok_path
+    if flags[0] in BROKEN_MODELS:
+        model, flags = make_broken_model(qwen3_tok_path, str(tmp_path / "m"), flags[0]), []
+    run = subprocess.run([sys.executable, *module, "--model", model, *flags], capture_output=True, text=True,
+                         cwd=REPO, timeout=300)
+    assert run.returncode == status, run.stderr
+    prog = "minisgl serve" if "serve" in module or module[-1] == "minisgl.server" else "minisgl generate"
+    assert words in _one_line_error(run.stderr, prog)

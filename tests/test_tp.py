@@ -97,6 +97,37 @@ def test_tp_vocab_not_divisible(tmp_path, make_llm, no_leftover_processes):
     assert_parity(outs, hf_greedy(path, prompts, MAX_NEW), prompts)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
+def test_tp_step_of_mid_prompt_chunks_only(overlap, qwen3_path, make_llm, no_leftover_processes):
+    """One 40-token prompt cut into chunks of 13: the first three steps hold only mid-prompt chunks, so no row
+    needs logits and the vocab-parallel LM head gets 0 rows on every rank (issue 28: it raised, every rank
+    stopped). The tokens are TP=1's and Hugging Face's, and every page comes back (make_llm checks)."""
+    prompt = [PROMPTS[1][i % len(PROMPTS[1])] for i in range(40)]
+    switches = dict(dtype="float32", chunked_prefill_size=13, page_size=4, overlap=overlap)
+    ref = make_llm(qwen3_path, **switches).generate([prompt], GREEDY)
+    llm = make_llm(qwen3_path, tp_size=2, **switches)
+    steps_before = llm.engine.stats["steps"]
+    (out,) = llm.generate([prompt], GREEDY)
+    assert llm.engine.stats["steps"] - steps_before >= 3 + MAX_NEW - 1  # 13 + 13 + 13 + 1, then decodes
+    assert out.token_ids == ref[0].token_ids
+    assert_parity([out], hf_greedy(qwen3_path, [prompt], MAX_NEW), [prompt])
+    assert [o.token_ids for o in llm.generate([prompt, prompt[:7]], GREEDY)][0] == out.token_ids  # serves on
+    llm.close()
+
+
+def test_tp_refuses_a_hybrid_model_by_name(tmp_path, no_leftover_processes):
+    """Qwen3.5 runs at TP 1; at TP 2 the message says tensor parallelism does not run hybrid models (it used to
+    say "unsupported architecture"), before any rank process starts."""
+    from test_qwen35 import tiny_text_config
+    from transformers import Qwen3_5ForCausalLM
+
+    path = str(tmp_path / "qwen3.5")
+    Qwen3_5ForCausalLM(tiny_text_config()).save_pretrained(path)  # architectures: ["Qwen3_5ForCausalLM"]
+    assert LLM(path, dtype="float32").generate([[5, 6, 7]], GREEDY)[0].token_ids  # runs at TP 1
+    with pytest.raises(ValueError, match=r"tensor parallelism does not run linear_state models \(such as qwen3_5\)"):
+        LLM(path, dtype="float32", tp_size=2)
+
+
 @pytest.mark.parametrize("tp, match", [(3, "must divide the model's 4 query heads"), (0, "tp_size must be")])
 def test_tp_size_validated_before_any_process_starts(qwen3_path, tp, match, no_leftover_processes):
     with pytest.raises(ValueError, match=match):

@@ -108,17 +108,13 @@ class TensorParallel:
 
     # --- start-up ------------------------------------------------------------------------------------
     def _start_group(self) -> None:
-        from transformers import AutoConfig
-
-        from minisgl.distributed.shard import check_tp_size
-        from minisgl.loader import resolve_model_path
-        from minisgl.models import ModelConfig
+        from minisgl.distributed.shard import check_tp_model
+        from minisgl.loader import read_hf_config, resolve_model_path
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process; "
                                "one tensor-parallel engine per process")
-        # fail before starting anything when the model cannot be split this way
-        check_tp_size(ModelConfig.from_hf(AutoConfig.from_pretrained(resolve_model_path(self.config.model))),
-                      self.world)
+        # fail before starting anything when the model cannot be split this way (or its config.json is broken)
+        check_tp_model(read_hf_config(resolve_model_path(self.config.model)), self.world)
         store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, timeout=_COLLECTIVE_TIMEOUT,
                               wait_for_workers=False)
         ctx = torch.multiprocessing.get_context("spawn")

@@ -51,6 +51,18 @@ def check_tp_size(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(f"tp_size {tp} must divide the MLP's intermediate size {cfg.intermediate_size}")
 
 
+def check_tp_model(hf_config, tp: int) -> None:
+    """Raise ValueError when `tp` ranks cannot run this checkpoint (its transformers config): only notebook 01's
+    decoder is sharded (a family of models/registry.py, such as the hybrid Qwen3.5, is not yet), and it must
+    split evenly (check_tp_size)."""
+    from minisgl.models.registry import model_family
+    family = model_family(hf_config)
+    if family is not None:
+        raise ValueError(f"tensor parallelism does not run {family.runtime} models (such as {family.name}) yet: "
+                         f"use tp_size=1, not {tp}")
+    check_tp_size(ModelConfig.from_hf(hf_config), tp)
+
+
 def head_split(cfg: ModelConfig, rank: int, tp: int) -> HeadSplit:
     q = cfg.num_q_heads // tp
     if cfg.num_kv_heads >= tp:
@@ -103,9 +115,11 @@ class VocabParallelLMHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         part = F.linear(x, self.weight)  # [n, vocab shard]
         n, shard = part.shape
+        if n == 0:  # a step of mid-prompt chunks only: no row needs logits, on any rank (they run the same batch)
+            return part.new_empty((0, self.vocab))
         gathered = part.new_empty((self.tp * n, shard))  # rank r's block in rows r*n..(r+1)*n-1
         _all_gather(gathered, part.contiguous())
-        return gathered.view(self.tp, n, shard).permute(1, 0, 2).reshape(n, -1)[:, :self.vocab]
+        return gathered.view(self.tp, n, shard).permute(1, 0, 2).reshape(n, self.tp * shard)[:, :self.vocab]
 
 
 # torch >= 2.13 renames all_gather_into_tensor (the GPU machines run 2.11)

@@ -33,7 +33,13 @@ from minisgl.scheduler import Batch
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r}: torch sees no CUDA GPU here (a CPU-only build of torch, or no "
+                           "driver); use device 'cpu' or 'auto'")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise RuntimeError(f"device {name!r}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    return device
 
 
 @dataclass

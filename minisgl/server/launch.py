@@ -4,6 +4,9 @@ Shutdown: the first SIGINT or SIGTERM stops accepting connections and refuses ne
 in flight get `shutdown_timeout` seconds to finish, then the engine aborts them (their streams end with
 finish_reason "abort"). Then the engine thread aborts what is left, releases it and stops, and the process
 exits with status 0. A second signal skips the grace period.
+
+Clients are held to deadlines and a bound (`limits.py`, flags --header-timeout, --body-timeout,
+--max-connections): a request's head and body must arrive in time, and connections past the bound are refused.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import threading
 import time
 
 from minisgl.config import add_engine_args, engine_kwargs_from_args, make_config
+from minisgl.server.limits import ConnectionLimits
 
 logger = logging.getLogger("minisgl.server")
 
@@ -43,7 +47,28 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "are aborted (default 5)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    limits = ConnectionLimits()
+    group.add_argument("--header-timeout", type=float, default=limits.header_timeout,
+                       help="seconds a client gets to send a request's head (request line and headers), from when "
+                            "its connection opens or its previous response ends; then 408 and the connection "
+                            f"closes (default {limits.header_timeout:g})")
+    group.add_argument("--body-timeout", type=float, default=limits.body_timeout,
+                       help="seconds a client gets to send a request's whole body once its head arrived; then 408 "
+                            f"and the connection closes (default {limits.body_timeout:g})")
+    group.add_argument("--max-connections", type=int, default=limits.max_connections,
+                       help="open connections at most; a request on one more is answered 503 and its connection "
+                            f"closed (default {limits.max_connections})")
     return parser
+
+
+def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
+    """The --header-timeout, --body-timeout and --max-connections flags; a bad value is a ConfigError."""
+    from minisgl.errors import ConfigError
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
+                        ("--max-connections", args.max_connections)):
+        if not value > 0:  # NaN too
+            raise ConfigError(flag, f"must be > 0, got {value}")
+    return ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -52,11 +77,11 @@ def run_serve(args: argparse.Namespace) -> int:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        print(f"error: {_MISSING_DEPS}")
-        return 2
+        raise ImportError(_MISSING_DEPS) from None
+    limits = limits_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = build_state(args.model, args.served_model_name, **engine_kwargs_from_args(args))
-    return serve(state, args.host, args.port, args.shutdown_timeout, args.log_level)
+    return serve(state, args.host, args.port, args.shutdown_timeout, args.log_level, limits)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m minisgl.server ...`: the same flags as `python -m minisgl serve ...`."""
-    return run_serve(build_parser().parse_args(argv))
+    """`python -m minisgl.server ...`: the same flags as `python -m minisgl serve ...`, the same errors."""
+    from minisgl.__main__ import add_traceback_flag, run_command
+    parser = build_parser()
+    add_traceback_flag(parser)
+    return run_command("minisgl serve", run_serve, parser.parse_args(argv))
 
 
 # --- building and running --------------------------------------------------------------------------------
@@ -92,10 +120,13 @@ def build_state(model: str, served_model_name: str | None = None, **engine_kwarg
                        model_aliases=frozenset(aliases))
 
 
-def _make_server(state, sock_or_host, port, log_level: str, shutdown_timeout: float):
+def _make_server(state, sock_or_host, port, log_level: str, shutdown_timeout: float,
+                 limits: ConnectionLimits | None = None):
     import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol  # httptools when installed, else h11
 
     from minisgl.server.app import create_app
+    from minisgl.server.limits import guarded_protocol
 
     class Server(uvicorn.Server):
         """uvicorn with our own signal handling: a grace period, then abort; exit status 0."""
@@ -133,14 +164,15 @@ def _make_server(state, sock_or_host, port, log_level: str, shutdown_timeout: fl
 
     config = uvicorn.Config(create_app(state), host=sock_or_host if isinstance(sock_or_host, str) else None,
                             port=port or 0, log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=int(shutdown_timeout) + 5, lifespan="on")
+                            timeout_graceful_shutdown=int(shutdown_timeout) + 5, lifespan="on",
+                            http=guarded_protocol(AutoHTTPProtocol, limits or ConnectionLimits()))
     return Server(config)
 
 
 def serve(state, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, shutdown_timeout: float = 5.0,
-          log_level: str = "info") -> int:
+          log_level: str = "info", limits: ConnectionLimits | None = None) -> int:
     """Run the HTTP server in this (main) thread until a signal; returns 0 after a clean shutdown."""
-    server = _make_server(state, host, port, log_level, shutdown_timeout)
+    server = _make_server(state, host, port, log_level, shutdown_timeout, limits)
     try:
         server.run()
     finally:
@@ -160,14 +192,14 @@ class ServerThread:
     """
 
     def __init__(self, state, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", limits: ConnectionLimits | None = None) -> None:
         self.state = state
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
-        self.server = _make_server(state, self.sock, None, log_level, shutdown_timeout)
+        self.server = _make_server(state, self.sock, None, log_level, shutdown_timeout, limits)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="minisgl-http", daemon=True)
 

@@ -50,9 +50,18 @@ def parse_json_object(raw: bytes, yield_gil: bool = False) -> dict:
     otherwise holds the GIL, and with it the event loop, for the whole parse)."""
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    # Decoded here, strictly: json.loads(bytes) decodes with "surrogatepass", which turns the UTF-8 spelling of a
+    # surrogate (b"\xed\xa0\x80", not UTF-8 at all) into a lone surrogate that no tokenizer takes (a 500).
+    encoding = json.detect_encoding(raw)  # UTF-8 (with or without a BOM), or UTF-16/32 by their zero bytes
     try:
-        body = json.loads(raw, parse_constant=_reject_constant, parse_int=_parse_int if yield_gil else None)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        text = raw.decode(encoding)
+    except UnicodeDecodeError as e:
+        name = "UTF-8" if encoding.startswith("utf-8") else encoding.upper()
+        raise APIError(400, f"the request body is not valid {name} text: byte {raw[e.start]:#04x} at offset "
+                            f"{e.start} ({e.reason})", code="invalid_json") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int if yield_gil else None)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     # JSON may spell unpaired UTF-16 surrogates (\ud800), which are not text and break tokenizers; and a body
     # nested deeper than json.dumps manages is refused too. Both checks re-encode the body, so they run only
