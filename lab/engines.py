@@ -1,30 +1,32 @@
 """How a measurement builds an engine: settings (EngineConfig fields) and kernel options, applied in one place.
 
-Settings are the engine's own switches (`overlap=False`, `gemv=False`, ...): keyword arguments of `LLM`.
-Kernel options are the Triton path's switches that are not (yet) per-engine on main: module-level values that an
-engine reads when it compiles its kernels and captures its graphs (the kernel checks and tunes of lab.checks and
-lab.tune set them through here too). Until they are engine options, `kernel_options` sets them for one engine's
-life and restores them afterwards. Every result records both, so a JSON says what ran.
-
-When the engine takes them (issue 27's `KernelOptions`, `EngineConfig.kernels`), this module is the one to change:
-the option names here are that class's fields (`decode_fused_store`, `gemv_pdl_early_tiles`, `sampler_launch`,
-`gdn`, ...); `with_engine` then passes `kernel` to `LLM` with the settings (a `gemv_table` dict written to a JSON
-file for `gemv_configs`), and `kernel_options` becomes `use_options(replace(current_options(), ...))` for the
-checks that call kernels directly. `fused_sampler` has no such field yet: its arm needs one or keeps this patch.
+Settings are the engine's switches (`overlap=False`, `gemv=False`, ...); kernel options are the fields of its
+`KernelOptions` (`decode_fused_store=False`, `gemv_pdl_early_tiles=1`, `sampler_launch={...}`, ...), which
+`LLM` takes by name and applies to that engine's launches only, plus two conveniences of the lab: `gemv_table`
+(some GEMV tile entries replaced: written as a table file for `gemv_configs`) and `fused_sampler`. The kernel
+checks and tunes (lab.checks, lab.tune), which call kernels directly, run them under `kernel_options(...)`.
+Every result records both, so a JSON says what ran.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import hashlib
 import importlib
+import json
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from lab.models import model_path
+from minisgl.config import KernelOptions
+from minisgl.kernels.options import current_options, use_options
 
 T = TypeVar("T")
 
@@ -50,81 +52,76 @@ def _module_value(module: str, name: str, value: Any) -> Iterator[None]:
         setattr(mod, name, saved)
 
 
-@contextlib.contextmanager
-def dict_entries(module: str, name: str, updates: dict) -> Iterator[None]:
-    """Some entries of a module-level dict replaced (None as a value: the entry removed) for one engine's life."""
-    table = getattr(importlib.import_module(module), name)
-    saved = dict(table)
-    for key, value in updates.items():
-        table[key] = value
-    try:
-        yield
-    finally:
-        table.clear()
-        table.update(saved)
+_TABLES: list[Path] = []  # the folder of GEMV tables written for `gemv_configs` (made on first use)
 
 
-@contextlib.contextmanager
-def _gemv_table(updates: dict) -> Iterator[None]:
-    """The card's tuned GEMV table ((N, K) -> (BLOCK_N, BLOCK_K, warps, rows) or None for cuBLAS) with some
-    shapes' entries replaced. Keys may be "N,K" strings (as the tune writes them) or (N, K) tuples."""
+def gemv_table_file(updates: dict) -> str:
+    """A JSON tile table for the `gemv_configs` option: the GPU's tuned table with some shapes' entries replaced
+    ({"N,K": [BLOCK_N, BLOCK_K, warps, rows] or None for cuBLAS}), written once per distinct table."""
     from minisgl.kernels import gemv
-    if not gemv.GEMV_CONFIGS and torch.cuda.is_available():
-        gemv.load_device_table(torch.cuda.get_device_name())
-    parsed = {(tuple(int(v) for v in k.split(",")) if isinstance(k, str) else tuple(k)):
-              (tuple(v) if v is not None else None) for k, v in updates.items()}
-    with dict_entries("minisgl.kernels.gemv", "GEMV_CONFIGS", parsed):
-        yield
+    base = gemv.device_table(torch.cuda.get_device_name()) if torch.cuda.is_available() else {}
+    table = {f"{n},{k}": (list(v) if v is not None else None) for (n, k), v in base.items()}
+    table.update({(k if isinstance(k, str) else ",".join(map(str, k))): (list(v) if v is not None else None)
+                  for k, v in updates.items()})
+    text = json.dumps(table, indent=1, sort_keys=True)
+    if not _TABLES:
+        _TABLES.append(Path(tempfile.mkdtemp(prefix="lab-gemv-tables-")))
+    path = _TABLES[0] / f"gemv_{hashlib.sha1(text.encode()).hexdigest()[:12]}.json"
+    path.write_text(text)
+    return str(path)
 
 
-def _fused_sampler(on: bool):
-    """Off: the sampler takes its torch path (a sort per row for top-k/top-p) where it would take the fused
-    Triton kernel; the sampler picks the kernel when `minisgl.kernels.sampling.triton` is set."""
-    return contextlib.nullcontext() if on else _module_value("minisgl.kernels.sampling", "triton", None)
-
-
-# option name -> (what it does, a function value -> context manager that applies it to engines built inside)
-KERNEL_OPTIONS: dict[str, tuple[str, Callable[[Any], contextlib.AbstractContextManager]]] = {
-    "decode_fused_merge": ("decode attention merges its splits inside its first kernel (else a second launch)",
-                           lambda v: _module_value("minisgl.kernels.attention", "DECODE_FUSED_MERGE", bool(v))),
-    "decode_fused_store": ("decode attention writes the step's K/V itself (else a K/V-store launch first)",
-                           lambda v: _module_value("minisgl.kernels.attention", "DECODE_FUSED_STORE", bool(v))),
-    "mixed_decode_split": ("a mixed step's decode rows take the decode kernel (else the extend kernel)",
-                           lambda v: _module_value("minisgl.attention.triton_backend", "MIXED_DECODE_SPLIT", bool(v))),
-    "gemv_pdl_early_tiles": ("weight tiles the decode GEMV loads before waiting for the kernel ahead (0-3)",
-                             lambda v: _module_value("minisgl.kernels.gemv", "PDL_EARLY_TILES", int(v))),
-    "gemv_table": ("entries of the decode GEMV's tuned table replaced ({'N,K': [tiles..., rows] or None})",
-                   _gemv_table),
-    "sampler_launch": ("the fused sampler's launch shapes (entries of minisgl.kernels.sampling.LAUNCH)",
-                       lambda v: dict_entries("minisgl.kernels.sampling", "LAUNCH", v)),
-    "fused_sampler": ("sampling with top-k/top-p/temperature in one Triton kernel (else torch, with a sort)",
-                      _fused_sampler),
-    "sampler_skip_blocks": ("the fused sampler reads only the blocks of logits that can hold a kept token (exact)",
-                            lambda v: _module_value("minisgl.kernels.sampling", "SKIP_BLOCKS", bool(v))),
-    "sampler_top_k_bound": ("the fused sampler's top-k search starts from the k-th largest block maximum (exact)",
-                            lambda v: _module_value("minisgl.kernels.sampling", "TOP_K_BOUND", bool(v))),
-    "gdn": ("launch settings of the Gated DeltaNet kernels (entries of minisgl.kernels.gdn.GDN_CONFIG)",
-            lambda v: dict_entries("minisgl.kernels.gdn", "GDN_CONFIG", v)),
+# the lab's own conveniences on top of KernelOptions' fields (minisgl/config.py), and what each does
+LAB_OPTIONS = {
+    "gemv_table": "entries of the decode GEMV's tuned table replaced ({'N,K': [tiles..., rows] or None})",
+    "fused_sampler": "sampling with top-k/top-p/temperature in one Triton kernel (else torch, with a sort)",
 }
+KERNEL_OPTIONS = {**{f.name: (f.metadata.get("help") or f.name) for f in dataclasses.fields(KernelOptions)},
+                  **LAB_OPTIONS}
 
 
-@contextlib.contextmanager
-def kernel_options(**options: Any) -> Iterator[None]:
-    """Apply kernel options to every engine built inside the block; unknown names are an error."""
+def kernel_fields(options: dict) -> dict:
+    """Lab kernel options -> KernelOptions fields: `gemv_table` becomes a `gemv_configs` file; `sampler_launch`
+    and `gdn` may be dicts of some of their fields (the rest: the defaults in force); `fused_sampler` has no
+    field (it is applied by `kernel_options` / `with_engine`)."""
     unknown = set(options) - set(KERNEL_OPTIONS)
     if unknown:
         raise ValueError(f"unknown kernel options {sorted(unknown)}; known: {sorted(KERNEL_OPTIONS)}")
-    with contextlib.ExitStack() as stack:
-        for name, value in options.items():
-            stack.enter_context(KERNEL_OPTIONS[name][1](value))
-        yield
+    defaults = current_options()
+    out = {}
+    for name, value in options.items():
+        if name == "gemv_table":
+            out["gemv_configs"] = gemv_table_file(value)
+        elif name in ("sampler_launch", "gdn") and isinstance(value, dict):
+            out[name] = dataclasses.replace(getattr(defaults, name), **value)
+        elif name != "fused_sampler":
+            out[name] = value
+    return out
 
 
-def build(model: str, settings: dict | None = None, **fixed: Any):
+def _fused_sampler(options: dict):
+    """`fused_sampler=False`: the sampler takes its torch path (a sort per row for top-k/top-p), as it does where
+    the fused kernel is missing (the sampler checks `minisgl.kernels.sampling.triton`). No engine option says so
+    yet: this is the lab's one patch of a module value, for that arm's engine only."""
+    if options.get("fused_sampler", True):
+        return contextlib.nullcontext()
+    return _module_value("minisgl.kernels.sampling", "triton", None)
+
+
+@contextlib.contextmanager
+def kernel_options(**options: Any) -> Iterator[KernelOptions]:
+    """Kernel launches inside the block run under the options in force with these replaced (for the checks and
+    tunes that call kernels directly; an engine applies its own options, given to `build`)."""
+    fields = kernel_fields(options)
+    with _fused_sampler(options), use_options(dataclasses.replace(current_options(), **fields)) as opts:
+        yield opts
+
+
+def build(model: str, settings: dict | None = None, kernel: dict | None = None, **fixed: Any):
     """An engine on `model`'s dummy bf16 weights: `fixed` are the caller's own LLM arguments (e.g. a smaller
-    KV pool for a check), `settings` the ones a result records. Build it inside `kernel_options` for those."""
+    KV pool for a check), `settings` the engine switches and `kernel` the kernel options a result records."""
     from minisgl import LLM
-    kw = {"load_format": "dummy", "dtype": "bfloat16", **fixed, **(settings or {})}
+    kw = {"load_format": "dummy", "dtype": "bfloat16", **fixed, **(settings or {}), **kernel_fields(kernel or {})}
     return LLM(model_path(model), **kw)
 
 
@@ -132,8 +129,9 @@ def with_engine(model: str, body: Callable[[Any], T], settings: dict | None = No
                 **fixed: Any) -> T:
     """Build an engine, run body(llm), drop the engine and give its GPU memory back before returning: nothing
     keeps a reference to it, so the next engine of the section starts on the same free memory."""
-    with kernel_options(**(kernel or {})):
-        llm = build(model, settings, **fixed)
+    kernel = kernel or {}
+    with _fused_sampler(kernel):
+        llm = build(model, settings, kernel, **fixed)
         try:
             return body(llm)
         finally:

@@ -11,6 +11,7 @@ stays in reports/.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -25,12 +26,13 @@ from dataclasses import dataclass, field
 import torch
 
 from lab import REPO
-from lab.engines import KERNEL_OPTIONS, dict_entries, free_gpu, log, with_engine
+from lab.engines import KERNEL_OPTIONS, free_gpu, log, with_engine
 from lab.hf import hf_peer, parity
 from lab.timing import time_us
 from minisgl import SamplingParams
 from minisgl.bench.runner import RUNNERS, flush_prefix_cache, run_sweep, run_throughput, warm_up
 from minisgl.bench.workloads import WORKLOADS, Workload, sweep_cells, sweep_workload
+from minisgl.kernels.options import use_options
 
 # --- benches: arms on one model ----------------------------------------------------------------------------
 
@@ -83,10 +85,9 @@ def workload(name: str, vocab: int, requests: int | None = None) -> Workload:
     return w
 
 
-def sampler_launch() -> dict | None:
-    """The fused sampler's launch shapes this process uses."""
-    from minisgl.kernels import sampling
-    return dict(sampling.LAUNCH) if hasattr(sampling, "LAUNCH") else None
+def kernel_record(llm) -> dict:
+    """The engine's kernel options as it resolved them (environment defaults included), for the JSON."""
+    return dataclasses.asdict(llm.config.kernels)
 
 
 def run_arm(model: str, arm: Arm) -> dict:
@@ -95,7 +96,7 @@ def run_arm(model: str, arm: Arm) -> dict:
     def body(llm) -> dict:
         runner = llm.engine.runner
         out = {"settings": arm.settings, "kernel": arm.kernel, "startup_s": time.perf_counter() - t0,
-               "kv_pool_tokens": runner.kv_capacity_tokens, "sampler_launch": sampler_launch(),
+               "kv_pool_tokens": runner.kv_capacity_tokens, "kernel_options": kernel_record(llm),
                "gemv_linears": getattr(runner, "gemv_linears", None)}
         vocab = llm.engine.model_config.vocab_size
         for name in arm.workloads:
@@ -125,7 +126,7 @@ ABLATION = {
     "no_chunked_prefill": Arm("no_chunked_prefill", ("w1", "w4"), {"chunked_prefill_size": 0},
                               about="a long prompt's prefill runs whole, in one step"),
     "no_gemv": Arm("no_gemv", ("w2",), {"gemv": False}, about="batch-1..4 matmuls on cuBLAS, not minisgl's GEMV"),
-    "no_pdl": Arm("no_pdl", ("w1", "w2"), {"pdl": False},
+    "no_pdl": Arm("no_pdl", ("w1", "w2"), kernel={"pdl": False},
                   about="kernels in plain stream order, without programmatic dependent launch"),
     "no_prefill_graphs": Arm("no_prefill_graphs", ("w1", "w2"), {"prefill_graph_max_tokens": 0},
                              about="prefill and mixed steps launched eagerly, not replayed as CUDA Graphs"),
@@ -137,7 +138,8 @@ ABLATION_8 = (Arm("default", ("w1", "w1_topkp", "w2"), about="every switch on"),
               Arm("no_overlap", ("w1", "w2"), {"overlap": False}, about=ABLATION["no_overlap"].about),
               Arm("no_cuda_graph", ("w2",), {"cuda_graph": False}, requests=EAGER_W2,
                   about=ABLATION["no_cuda_graph"].about),
-              ABLATION["no_gemv"], Arm("no_pdl", ("w2",), {"pdl": False}, about=ABLATION["no_pdl"].about))
+              ABLATION["no_gemv"], Arm("no_pdl", ("w2",), kernel={"pdl": False},
+                                         about=ABLATION["no_pdl"].about))
 
 # cuBLAS's projections at batch 1 taken by the GEMV (4 or 8 output rows a program, 1024-wide K tiles, one row)
 GEMV_ALL = {"qwen3-0.6b": {"6144,1024": (4, 1024, 4, 1)},
@@ -188,7 +190,7 @@ def sweep(model: str, **settings) -> dict:
                # the scheduler's: the resolved value where the config leaves it to the engine (0/None)
                "max_running_requests": llm.engine.scheduler.max_running,
                "cuda_graph_batch_sizes": list(graphs.batch_sizes) if graphs is not None else [],
-               "sampler_launch": sampler_launch(), "cells": {}}
+               "kernel_options": kernel_record(llm), "cells": {}}
         for cell in sweep_cells():
             res["cells"].update(run_sweep(llm, [cell]))
             r = res["cells"][cell.name]
@@ -318,13 +320,15 @@ def pdl_tokens(model: str = "qwen3-0.6b", new_tokens: int = 300) -> dict:
         toks = {"bs1_greedy": [llm.generate([p], greedy, progress=False)[0].token_ids for p in prompts[:2]],
                 "bs8_greedy": [o.token_ids for o in llm.generate(prompts, greedy, progress=False)],
                 "bs8_sampled": [o.token_ids for o in llm.generate(prompts, sampled, progress=False)]}
-        return {"pdl_enabled": pdl.PDL_ENABLED,
-                "pdl_active": bool(pdl.pdl_launch(next(llm.engine.runner.model.parameters()))),
+        with use_options(llm.config.kernels):  # what a launch of this engine gets
+            active = bool(pdl.pdl_launch(next(llm.engine.runner.model.parameters())))
+        return {"pdl_enabled": llm.config.kernels.pdl, "pdl_active": active,
                 "graph_steps": llm.engine.stats["graph_steps"], "decode_steps": llm.engine.stats["decode_steps"],
                 "tokens": toks}
 
-    runs = {label: with_engine(model, body, settings, max_model_len=4096, kv_memory_fraction=0.3)
-            for label, settings in (("no_pdl", {"pdl": False}), ("pdl", {}), ("pdl_no_graph", {"cuda_graph": False}))}
+    runs = {label: with_engine(model, body, settings, kernel, max_model_len=4096, kv_memory_fraction=0.3)
+            for label, settings, kernel in (("no_pdl", {}, {"pdl": False}), ("pdl", {}, {}),
+                                            ("pdl_no_graph", {"cuda_graph": False}, {}))}
     ref = runs["no_pdl"]["tokens"]
     out = {}
     for label, r in runs.items():
@@ -392,11 +396,9 @@ def wide_gemv_ab(model: str, rounds: int = 2) -> dict:
     from minisgl.kernels import gemv
 
     with tempfile.TemporaryDirectory() as tmp:
-        with with_kernel_table():
-            tune = tune_gemv.main(tmp, models=(model,), wide=True)
-    if not gemv.GEMV_CONFIGS:
-        gemv.load_device_table(torch.cuda.get_device_name())
-    repo = {f"{n},{k}": (list(v[:4]) if v is not None else None) for (n, k), v in gemv.GEMV_CONFIGS.items()}
+        tune = tune_gemv.main(tmp, models=(model,), wide=True)
+    repo = {f"{n},{k}": (list(v[:4]) if v is not None else None)
+            for (n, k), v in gemv.device_table(torch.cuda.get_device_name()).items()}
     wide = dict(repo, **{shape: pick for shape, pick in tune["picks"].items() if pick is not None})
     all_gemv = dict(repo, **{f"{r['n']},{r['k']}": [*r["best"], max(1, (tune["picks"][f"{r['n']},{r['k']}"]
                                                                         or [0, 0, 0, 1])[3])]
@@ -407,11 +409,6 @@ def wide_gemv_ab(model: str, rounds: int = 2) -> dict:
             tables[label] = table
     arms = tuple(Arm(label, ("w2",), kernel={"gemv_table": table}) for label, table in tables.items())
     return {"tune": tune, "tables": tables, "runs": Bench(model, arms, rounds)()}
-
-
-def with_kernel_table():
-    """The tune rewrites the GEMV table as it goes: give the process's table back afterwards."""
-    return dict_entries("minisgl.kernels.gemv", "GEMV_CONFIGS", {})
 
 
 def flashinfer_section() -> dict:
@@ -475,9 +472,9 @@ SECTIONS: dict[str, Section] = {
     "merge_ab06": section(w2_pair("qwen3-0.6b", "fused_merge", "two_launch_merge", "decode_fused_merge")),
     "store_ab06": section(w2_pair("qwen3-0.6b", "fused_store", "store_kv", "decode_fused_store")),
     "pdl_ab06": section(Bench("qwen3-0.6b", (
-        Arm("pdl", ("w2",)), Arm("no_pdl", ("w2",), {"pdl": False}),
+        Arm("pdl", ("w2",)), Arm("no_pdl", ("w2",), kernel={"pdl": False}),
         Arm("pdl_no_early_weights", ("w2",), kernel={"gemv_pdl_early_tiles": 0})), 2)),
-    "pdl_ab8": section(Bench("qwen3-8b", (Arm("pdl", ("w2",)), Arm("no_pdl", ("w2",), {"pdl": False})))),
+    "pdl_ab8": section(Bench("qwen3-8b", (Arm("pdl", ("w2",)), Arm("no_pdl", ("w2",), kernel={"pdl": False})))),
     "early_ab06": section(early_tiles("qwen3-0.6b", (1, 3, 2), rounds=2)),
     "early_ab8": section(early_tiles("qwen3-8b", (1, 3), rounds=1)),
     "wide_ab06": section(lambda: wide_gemv_ab("qwen3-0.6b"),

@@ -54,33 +54,27 @@ def test_ablation_turns_off_the_designs_switches_and_the_newer_ones():
     assert arms["no_radix_cache"].settings == {"radix_cache": False} and "w3" in arms["no_radix_cache"].workloads
     assert arms["no_chunked_prefill"].settings == {"chunked_prefill_size": 0}
     assert "w4" in arms["no_chunked_prefill"].workloads
-    assert arms["no_gemv"].settings == {"gemv": False} and arms["no_pdl"].settings == {"pdl": False}
+    assert arms["no_gemv"].settings == {"gemv": False} and arms["no_pdl"].kernel == {"pdl": False}
     assert arms["no_prefill_graphs"].settings == {"prefill_graph_max_tokens": 0}
     assert arms["no_fused_sampler"].kernel == {"fused_sampler": False}
     assert all(a.about for a in arms.values())
 
 
 def test_kernel_options_apply_for_the_block_and_restore_after():
-    from minisgl.attention import triton_backend
-    from minisgl.kernels import attention, gemv, sampling
-    before = (attention.DECODE_FUSED_STORE, attention.DECODE_FUSED_MERGE, gemv.PDL_EARLY_TILES,
-              triton_backend.MIXED_DECODE_SPLIT, dict(gemv.GEMV_CONFIGS), dict(sampling.LAUNCH), sampling.triton)
-    opts = {"decode_fused_store": not before[0], "decode_fused_merge": not before[1], "gemv_pdl_early_tiles": 3,
-            "mixed_decode_split": not before[3], "gemv_table": {"24,3000": [1, 4096, 4, 1], "8,16": None},
-            "sampler_launch": {"chunk": 1024}, "fused_sampler": False}
-    with engines.kernel_options(**opts):
-        assert attention.DECODE_FUSED_STORE is (not before[0]) and attention.DECODE_FUSED_MERGE is (not before[1])
-        assert gemv.PDL_EARLY_TILES == 3 and triton_backend.MIXED_DECODE_SPLIT is (not before[3])
-        assert gemv.GEMV_CONFIGS[(24, 3000)] == (1, 4096, 4, 1) and gemv.GEMV_CONFIGS[(8, 16)] is None
-        assert sampling.LAUNCH["chunk"] == 1024 and sampling.triton is None
-    after = (attention.DECODE_FUSED_STORE, attention.DECODE_FUSED_MERGE, gemv.PDL_EARLY_TILES,
-             triton_backend.MIXED_DECODE_SPLIT, dict(gemv.GEMV_CONFIGS), dict(sampling.LAUNCH), sampling.triton)
-    assert after == before
-    from minisgl.kernels import gdn
-    shortcuts, gdn_config = (sampling.SKIP_BLOCKS, sampling.TOP_K_BOUND), dict(gdn.GDN_CONFIG)
-    with engines.kernel_options(sampler_skip_blocks=False, sampler_top_k_bound=False, gdn={"decode_warps": 2}):
-        assert not sampling.SKIP_BLOCKS and not sampling.TOP_K_BOUND and gdn.GDN_CONFIG["decode_warps"] == 2
-    assert (sampling.SKIP_BLOCKS, sampling.TOP_K_BOUND) == shortcuts and gdn.GDN_CONFIG == gdn_config
+    from minisgl.kernels import gemv, sampling
+    from minisgl.kernels.options import current_options
+    before, triton = current_options(), sampling.triton
+    with engines.kernel_options(decode_fused_store=False, gemv_pdl_early_tiles=3, sampler_launch={"chunk": 2048},
+                                gdn={"decode_warps": 2}, sampler_skip_blocks=False, fused_sampler=False,
+                                gemv_table={"24,3000": [1, 4096, 4, 1], "8,16": None}) as opts:
+        cur = current_options()
+        assert cur is opts and not cur.decode_fused_store and cur.gemv_pdl_early_tiles == 3
+        assert cur.sampler_launch.chunk == 2048 and cur.sampler_launch.stats_block == before.sampler_launch.stats_block
+        assert cur.gdn.decode_warps == 2 and cur.gdn.prefill == before.gdn.prefill and not cur.sampler_skip_blocks
+        table = gemv.load_table(cur.gemv_configs)
+        assert table[(24, 3000)] == (1, 4096, 4, 1) and table[(8, 16)] is None
+        assert sampling.triton is None  # the torch sampler for this block's engine
+    assert current_options() == before and sampling.triton is triton
     with pytest.raises(ValueError, match="unknown kernel options"), engines.kernel_options(turbo=True):
         pass
 
@@ -107,6 +101,8 @@ def test_a_bench_runs_its_arms_on_fresh_engines_and_records_a_failed_arm(tiny_mo
         assert res[label]["startup_s"] > 0 and res[label]["kv_pool_tokens"] > 0
     assert res["no_overlap"]["settings"] == {"overlap": False}
     assert res["early0"]["kernel"] == {"gemv_pdl_early_tiles": 0}
+    assert res["early0"]["kernel_options"]["gemv_pdl_early_tiles"] == 0  # the engine's own options took it
+    assert res["default"]["kernel_options"]["gemv_pdl_early_tiles"] == 2
     assert "error" in res["broken"] and "max_running_requests" in res["broken"]["error"]
 
 

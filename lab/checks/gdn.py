@@ -23,6 +23,7 @@ machine without CUDA; otherwise non-zero if any check failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -34,11 +35,12 @@ import torch
 from lab.engines import kernel_options
 from lab.timing import capture, time_replay_us, time_us
 from minisgl.kernels import gdn
+from minisgl.kernels.options import current_options
 
 C, KW = 6144, 4  # conv channels (q, k, v: 2 * 16 * 128 + 16 * 128), kernel width
 HK, HV, D = 16, 16, 128
 DT = torch.bfloat16
-DEFAULT_CONFIG = dict(gdn.GDN_CONFIG)
+DEFAULT_CONFIG = dataclasses.asdict(current_options().gdn)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

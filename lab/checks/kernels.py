@@ -3,9 +3,10 @@
 Decode and extend attention in bf16 with Qwen3 head shapes (Hq 16 / 32, Hkv 8, D 128), page sizes 1 and 16,
 contexts up to 32k, against an fp32 torch reference on the GPU; a CUDA-graph capture/replay of decode; the
 elementwise kernels against their torch references. Timings come from triton.testing.do_bench.
-Decode runs both split merges (DECODE_FUSED_MERGE's A/B: merged by the last stage-1 program, or a second
+Decode runs both split merges (the decode_fused_merge option's A/B: merged by the last stage-1 program, or a second
 launch); each row carries both errors and times (`us`, `rel_err`, `kv_gbps` are the fused path's).
-Decode's K/V store runs both ways too (DECODE_FUSED_STORE's A/B: stored by the decode kernel, or store_kv first),
+Decode's K/V store runs both ways too (the decode_fused_store option's A/B: stored by the decode kernel, or
+store_kv first),
 each captured in a CUDA graph, the fused side's new slots poisoned with NaN before every replay so that a key
 read before its store landed shows up.
 
@@ -34,7 +35,6 @@ from lab.timing import capture
 from minisgl.attention.base import AttentionMetadata
 from minisgl.kernels import elementwise as ew
 from minisgl.kernels.attention import (
-    DECODE_FUSED_MERGE,
     decode_attention,
     decode_merge_counters,
     decode_num_splits,
@@ -42,6 +42,7 @@ from minisgl.kernels.attention import (
     decode_workspace_numel,
     extend_attention,
 )
+from minisgl.kernels.options import current_options
 from minisgl.kvcache.pool import KVCache
 
 DEV = torch.device("cuda")
@@ -231,7 +232,7 @@ def check_decode_store(model: str, page_size: int, bs: int, ctx: int, gen: torch
     scale = d ** -0.5
     splits = decode_num_splits(bs, hkv, MAX_CONTEXT, NUM_SMS)
     row = dict(kernel="decode_store", model=model, page_size=page_size, bs=bs, ctx=ctx, splits=splits,
-               padded_row=pad, default_fused_merge=DECODE_FUSED_MERGE)
+               padded_row=pad, default_fused_merge=current_options().decode_fused_merge)
     ok = True
     for merge, fused_merge in MERGES:
         bufs = {side: (k0.clone(), v0.clone()) for side in ("fused", "store_kv")}
@@ -273,7 +274,7 @@ def check_decode_store(model: str, page_size: int, bs: int, ctx: int, gen: torch
                     f"{merge}_merge_bitwise_equal": bitwise, f"{merge}_merge_same_buffers": same_bufs,
                     f"{merge}_merge_counters_zero": counters_zero})
         ok = ok and not nan and worst < 2e-2 and diff < 1e-2 and same_bufs and counters_zero
-        if fused_merge == DECODE_FUSED_MERGE:  # time the merge the engine runs
+        if fused_merge == current_options().decode_fused_merge:  # time the merge the engine runs
             for side, fn in runs.items():
                 row[f"{side}_us"] = do_bench_cudagraph(fn, rep=50) * 1e3
             row["saves_us"] = row["store_kv_us"] - row["fused_us"]

@@ -9,7 +9,8 @@ are replayed with fresh inputs each time, the new K/V slots poisoned with NaN be
 that read before its predecessor finished would see stale or NaN data: every output (final hidden state, logits,
 sampled and greedy tokens, the stored K/V rows) must be bitwise equal between the two graphs, replay after replay.
 The chain also runs eagerly both ways (outside a graph, PDL launches go straight to the stream) and is compared.
-With PDL on, the GEMV runs with up to 3, with 1 and with no weight tiles loaded before its wait (PDL_EARLY_TILES).
+With PDL on, the GEMV runs with up to 3, with 1 and with no weight tiles loaded before its wait (the
+gemv_pdl_early_tiles option).
 Then the graphs are timed (interleaved rounds, CUDA events around each batch of replays).
 
     python -m lab.checks.pdl --out pdl_check.json [--replays 200] [--layers 8]
@@ -27,11 +28,13 @@ from pathlib import Path
 
 import torch
 
+from lab.engines import kernel_options
 from lab.timing import time_replay_us
 from minisgl.kernels import elementwise as ew
 from minisgl.kernels import gemv as gv
 from minisgl.kernels import pdl
 from minisgl.kernels.attention import decode_attention, decode_num_splits, decode_workspace_numel
+from minisgl.kernels.options import current_options
 from minisgl.kernels.sampling import fused_sample
 
 DEV = torch.device("cuda")
@@ -166,18 +169,21 @@ def compare(outs_a: dict, outs_b: dict, rows_a: list, rows_b: list) -> list[str]
 
 
 def run_case(w: Weights, bs: int, layers: int, seq_lens: list[int], replays: int, early: int) -> dict:
-    gv.PDL_EARLY_TILES = early
+    with kernel_options(gemv_pdl_early_tiles=early):
+        return _run_case(w, bs, layers, seq_lens, replays, early)
+
+
+def _run_case(w: Weights, bs: int, layers: int, seq_lens: list[int], replays: int, early: int) -> dict:
     gen = torch.Generator(device=DEV).manual_seed(bs)
     states, graphs, dots = {}, {}, {}
     for label, on in (("pdl", True), ("no_pdl", False)):
         gen.manual_seed(bs)  # the same pool contents, slot tables and inputs in both
         states[label] = State(bs, layers, seq_lens, gen)
-        pdl.set_enabled(on)
         dot = f"/tmp/pdl_check_bs{bs}_{label}.dot" if early else None
-        graphs[label] = capture(lambda s=states[label]: chain(w, s), dot)
+        with kernel_options(pdl=on):  # the graph keeps the launches made under it
+            graphs[label] = capture(lambda s=states[label]: chain(w, s), dot)
         if dot:
             dots[label] = programmatic_edges(dot)
-    pdl.set_enabled(True)
     active = bool(pdl.pdl_launch(states["pdl"].x))
     mismatches = []
     in_gen = torch.Generator(device=DEV).manual_seed(1000 + bs)
@@ -197,9 +203,9 @@ def run_case(w: Weights, bs: int, layers: int, seq_lens: list[int], replays: int
     # eager, both ways, on the last replay's input
     eager = {}
     for label, on in (("pdl", True), ("no_pdl", False)):
-        pdl.set_enabled(on)
         states[label].poison_new_slots()
-        eager[label] = (chain(w, states[label]), states[label].new_rows())
+        with kernel_options(pdl=on):
+            eager[label] = (chain(w, states[label]), states[label].new_rows())
     torch.cuda.synchronize()
     eager_bad = compare(eager["pdl"][0], eager["no_pdl"][0], eager["pdl"][1], eager["no_pdl"][1])
     # timing: interleaved rounds of `iters` replays each
@@ -208,7 +214,6 @@ def run_case(w: Weights, bs: int, layers: int, seq_lens: list[int], replays: int
         for label, (g, _) in graphs.items():
             times[label].append(time_replay_us(g, iters=1, warmups=0, per=100))
     us = {label: statistics.median(t) for label, t in times.items()}
-    pdl.set_enabled(True)
     return {"bs": bs, "layers": layers, "seq_lens": seq_lens, "splits": states["pdl"].splits, "early_weights": early,
             "pdl_active": active, "replays": replays, "graph_mismatches": mismatches[:20],
             "graph_replays_mismatched": len(mismatches), "eager_mismatches": eager_bad,
@@ -224,20 +229,16 @@ def main() -> int:
     a = ap.parse_args()
     cap = torch.cuda.get_device_capability(DEV)
     res = {"device": torch.cuda.get_device_name(DEV), "capability": list(cap),
-           "triton_supports_pdl": pdl.triton_supports_pdl(), "env_pdl": pdl._ENV_ON, "cases": []}
+           "triton_supports_pdl": pdl.triton_supports_pdl(), "default_pdl": current_options().pdl, "cases": []}
     gen = torch.Generator(device=DEV).manual_seed(0)
     w = Weights(a.layers, gen)
-    res["gemv_table"] = gv.load_device_table(torch.cuda.get_device_name(DEV))  # the engine's GEMV tiles
-    default_early = gv.PDL_EARLY_TILES
-    try:
-        for bs, seq_lens in ((1, [700]), (4, [300, 1100, 2500, 4000])):
-            for early in (gv.MAX_EARLY_TILES, 1, 0):
-                case = run_case(w, bs, a.layers, seq_lens, a.replays, early)
-                res["cases"].append(case)
-                print({k: v for k, v in case.items() if k != "graph_mismatches"}, flush=True)
-                torch.cuda.empty_cache()
-    finally:
-        gv.PDL_EARLY_TILES = default_early
+    res["gemv_table"] = {f"{n},{k}": v for (n, k), v in gv.device_table(torch.cuda.get_device_name(DEV)).items()}
+    for bs, seq_lens in ((1, [700]), (4, [300, 1100, 2500, 4000])):
+        for early in (gv.MAX_EARLY_TILES, 1, 0):
+            case = run_case(w, bs, a.layers, seq_lens, a.replays, early)
+            res["cases"].append(case)
+            print({k: v for k, v in case.items() if k != "graph_mismatches"}, flush=True)
+            torch.cuda.empty_cache()
     res["ok"] = all(c["ok"] for c in res["cases"])
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))

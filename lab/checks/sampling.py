@@ -10,14 +10,14 @@ B in 1/64/256/512 with a per-row mix of temperatures (0 included), top-k, top-p 
   differing rows (0 expected; a rare difference can only come from a probability mass or a log rounded
   differently by the GPU's fused multiply-add and libdevice, at a threshold's exact boundary);
 - a row's token does not depend on its batch (each row alone, and a shuffled sub-batch): must be exact;
-- the kernels' exact shortcuts (SKIP_BLOCKS, TOP_K_BOUND) off draw the same tokens: must be exact;
+- the kernels' exact shortcuts (sampler_skip_blocks, sampler_top_k_bound) off draw the same tokens: must be exact;
 - a CUDA-graph replay with refreshed inputs draws what the eager call draws: must be exact;
 - the engine on the embedded tiny model: 24 seeded requests (greedy, temperature, top-k, top-p, min-p) draw
   the same tokens with the decode graph (sampler inside), without it, and without overlap; alone as in a batch.
 Times (CUDA graph replay, CUDA events, median), on a bf16 tensor (as the engine's LM head gives it), on bf16
 values widened to fp32, and once on fp32: the sort path (the reference), the fused sampler with cuts
 (top-k 50 + top-p 0.95 at T 0.6: the W1 variant), the same with top-p only (both also with the exact
-shortcuts SKIP_BLOCKS/TOP_K_BOUND off: the A/B of issue 10), the fused one-pass sampler
+shortcuts sampler_skip_blocks/sampler_top_k_bound off: the A/B of issue 10), the fused one-pass sampler
 without cuts, the with-cuts graph on a batch without cuts (what a temperature-only batch pays inside the
 decode graph's sampling variant), and greedy argmax.
 
@@ -61,8 +61,8 @@ def reference_sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 
 def fused(logits: torch.Tensor, st: SamplingTensors, shortcuts: bool = True) -> torch.Tensor:
-    """The fused sampler; `shortcuts=False` turns its exact shortcuts (SKIP_BLOCKS, TOP_K_BOUND) off for this
-    call (a graph captured through it keeps them off)."""
+    """The fused sampler; `shortcuts=False` turns its exact shortcuts (sampler_skip_blocks, sampler_top_k_bound)
+    off for this call (a graph captured through it keeps them off)."""
     from lab.engines import kernel_options
     from minisgl.kernels import sampling
     with kernel_options(sampler_skip_blocks=shortcuts, sampler_top_k_bound=shortcuts):

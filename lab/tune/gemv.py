@@ -7,8 +7,9 @@ cuBLAS (`F.linear`) and the GEMV under each candidate (BLOCK_N, BLOCK_K, warps).
 of a CUDA graph that calls the op on enough distinct weight copies to stream past the L2 cache, as a decode step
 streams its layers, divided by the calls. Correctness: every shape's pick against F.linear in fp32 on the same
 bf16 inputs. Writes DIR/gpu_gemv_tune.json (everything) and DIR/gemv_configs.json: per shape the tiles and the
-row counts where the GEMV beat cuBLAS (`pick`), else null (the engine keeps cuBLAS there). Point
-MINISGL_GEMV_CONFIGS at that file, or copy it to minisgl/kernels/gemv_tuned/<device name>.json, to use it;
+row counts where the GEMV beat cuBLAS (`pick`), else null (the engine keeps cuBLAS there). Give that file to an
+engine (`--gemv-configs FILE`, the kernel option `gemv_configs`), or copy it to
+minisgl/kernels/gemv_tuned/<device name>.json, to use it;
 `--repick` redoes the picks from a tune's JSON on any machine.
 """
 
@@ -19,6 +20,7 @@ import itertools
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -131,9 +133,8 @@ def main(out_dir: str | Path = ".", models: tuple[str, ...] = tuple(MODELS), wid
         # every candidate at one row, the best four also at two and four rows
         one: dict[tuple, float] = {}
         for cfg in candidates(k, wide):
-            gv.GEMV_CONFIGS[(n, k)] = (*cfg, gv.GEMV_MAX_ROWS)
             try:
-                one[cfg] = time_op(gv.gemv, xs[1], weights)
+                one[cfg] = time_op(partial(gv.gemv, tiles=cfg), xs[1], weights)
             except Exception as exc:  # noqa: BLE001 - a tile that fails to compile just drops out
                 row.setdefault("errors", []).append(f"{cfg}: {exc!r}"[:300])
                 one[cfg] = float("inf")
@@ -141,27 +142,23 @@ def main(out_dir: str | Path = ".", models: tuple[str, ...] = tuple(MODELS), wid
         finalists = sorted(one, key=one.get)[:4]
         totals = {}
         for cfg in finalists:
-            gv.GEMV_CONFIGS[(n, k)] = (*cfg, gv.GEMV_MAX_ROWS)
-            ts = {r: (one[cfg] if r == 1 else time_op(gv.gemv, xs[r], weights)) for r in ROWS}
+            ts = {r: (one[cfg] if r == 1 else time_op(partial(gv.gemv, tiles=cfg), xs[r], weights)) for r in ROWS}
             row["gemv_us"][",".join(map(str, cfg))] = {r: round(t, 2) for r, t in ts.items()}
             totals[cfg] = sum(ts.values())
         best = min(totals, key=totals.get)
-        gv.GEMV_CONFIGS.pop((n, k), None)
-        default = gv.gemv_config(n, k)
+        default = gv.gemv_config(n, k)  # the kernel's own choice for a shape no table names
         row["default"], row["default_us_1_row"] = list(default), one.get(default)
         row["best"], row["best_total_us"] = list(best), round(totals[best], 2)
         row["cublas_total_us"] = round(sum(row["cublas_us"].values()), 2)
         row["best_1_row_tb_s"] = round(n * k * 2 / (one[best] * 1e-6) / 1e12, 2)
         row["cublas_1_row_tb_s"] = round(n * k * 2 / (row["cublas_us"][1] * 1e-6) / 1e12, 2)
         # correctness of the pick: against F.linear in fp32 on the same bf16 inputs
-        gv.GEMV_CONFIGS[(n, k)] = (*best, gv.GEMV_MAX_ROWS)
         errs = []
         for r in (1, 2, 3, 4):
             x = torch.randn(r, k, generator=gen, device=DEVICE).bfloat16()
             ref = F.linear(x.float(), weights[0].float())
-            got = gv.gemv(x, weights[0]).float()
+            got = gv.gemv(x, weights[0], tiles=best).float()
             errs.append(((got - ref).abs().max() / ref.abs().max()).item())
-        gv.GEMV_CONFIGS.pop((n, k), None)
         row["max_rel_err"] = max(errs)
         row["ok"] = row["max_rel_err"] < 1e-2
         row["seconds"] = round(time.time() - t0, 1)

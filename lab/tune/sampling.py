@@ -1,18 +1,20 @@
-"""Time the fused sampler's launch shapes on a CUDA GPU and pick one (minisgl/kernels/sampling.py, LAUNCH).
+"""Time the fused sampler's launch shapes on a CUDA GPU and pick one (KernelOptions.sampler_launch).
 
-    python -m lab.tune.sampling --out DIR [--apply]
+    python -m lab.tune.sampling --out DIR
 
 One shape serves every batch size (a row's token must not depend on its batch), so the pick minimises the
 summed time over the batch sizes and settings that matter: W1's top-k 50 + top-p 0.95, top-p alone, min-p,
 temperature only, at batch 1, 64, 256 and 512, on bf16 logits as the LM head gives them. The default is also
-timed with the kernels' exact shortcuts (SKIP_BLOCKS, TOP_K_BOUND) off: the A/B of issue 10. Each time is the median
-replay of the sampler captured in a CUDA graph, as the engine runs it. Writes DIR/gpu_sampling_tune.json as it
-goes; `--apply` (or `main(..., apply=True)`) leaves the pick in LAUNCH for the rest of the process.
+timed with the kernels' exact shortcuts (sampler_skip_blocks, sampler_top_k_bound) off: the A/B of issue 10.
+Each time is the median replay of the sampler captured in a CUDA graph, as the engine runs it. Writes
+DIR/gpu_sampling_tune.json as it goes. Use the pick with the kernel option `sampler_launch` (an engine's, or
+`lab.engines.kernel_options`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -50,31 +52,32 @@ def candidates() -> list[dict]:
     return out
 
 
-def main(out_dir: str | Path = ".", apply: bool = False) -> dict:
+def main(out_dir: str | Path = ".") -> dict:
     from minisgl.kernels import sampling as fused
+    from minisgl.kernels.options import current_options
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "gpu_sampling_tune.json"
     res: dict = {"device": torch.cuda.get_device_name(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "default": dict(fused.LAUNCH), "batches": BATCHES, "rows": [], "errors": []}
+                 "default": dataclasses.asdict(current_options().sampler_launch), "batches": BATCHES, "rows": [],
+                 "errors": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = {}
     for b in BATCHES:
         x = torch.randn(b, VOCAB, generator=gen, device="cuda") * 2.5
         x[:, ::97] += 6  # a few hundred likely tokens per row, like a real model's head
         logits[b] = x.bfloat16()
-    original = dict(fused.LAUNCH)
+    original = dataclasses.asdict(current_options().sampler_launch)
 
     def run(cfg: dict, label: str, inputs: dict = logits) -> dict:
-        fused.LAUNCH.clear()
-        fused.LAUNCH.update(cfg)
         row = {"label": label, "launch": cfg, "us": {}}
         for b in BATCHES:
             for case, (k, p, mp) in CASES.items():
                 st = _settings(b, k, p, mp)
                 try:
                     draw = partial(fused.fused_sample, inputs[b], **st)
-                    row["us"][f"{case}_b{b}"] = round(time_graph(draw, iters=20), 1)
+                    with kernel_options(sampler_launch=cfg):  # the captured graph keeps these shapes
+                        row["us"][f"{case}_b{b}"] = round(time_graph(draw, iters=20), 1)
                 except Exception:  # noqa: BLE001 - a shape that fails to compile just drops out
                     res["errors"].append(f"{label} {case} b{b}: {traceback.format_exc()[-600:]}")
                     row["us"][f"{case}_b{b}"] = None
@@ -96,9 +99,6 @@ def main(out_dir: str | Path = ".", apply: bool = False) -> dict:
     best = min(ok, key=lambda r: r["total_us"])
     res["pick"] = {"label": best["label"], "launch": best["launch"], "total_us": best["total_us"],
                    "default_total_us": base["total_us"]}
-    fused.LAUNCH.clear()
-    fused.LAUNCH.update(best["launch"] if apply else original)
-    res["applied"] = apply
     path.write_text(json.dumps(res, indent=1))
     print("pick", res["pick"], flush=True)
     return res
@@ -107,9 +107,8 @@ def main(out_dir: str | Path = ".", apply: bool = False) -> dict:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--apply", action="store_true")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_sampling_tune: no CUDA device, nothing to time")
         sys.exit(0)
-    main(a.out, a.apply)
+    main(a.out)
