@@ -100,6 +100,10 @@ def test_freshness_follows_the_engine_files_a_figure_depends_on(history):
     assert not unknown.ok and not unknown.unknown  # a full history: an unknown commit fails, it is not skipped
 
 
+def test_the_hybrid_only_files_exist():
+    assert [p for p in freshness.HYBRID_ONLY if not (REPO / p).is_file()] == []
+
+
 def test_freshness_cannot_tell_in_a_shallow_clone(history, monkeypatch, tmp_path):
     repo, commit = history
     old = commit("minisgl/engine.py", "v1")
