@@ -76,6 +76,9 @@ class Step:
         """None when the step can run on this machine, else why not."""
         return None
 
+    def prepare(self) -> None:
+        """Make what the step needs on this machine, before `ready` is asked."""
+
 
 @dataclass(frozen=True)
 class Lab(Step):
@@ -149,6 +152,27 @@ class Serving(Step):
         return [sys.executable, "-m", "lab.lease", "serve-bench", "--out", out, "--loads", ",".join(self.loads)]
 
 
+@dataclass(frozen=True)
+class OwnClient(Step):
+    """`python -m minisgl.bench.serving`: it starts minisgl's server on the serving model folder (the kit writes
+    it), drives it at SGLang's loads, stops it, then runs the all-at-once load offline. `flags` go to the server
+    (e.g. an A/B of a serve flag; `label` names the run: ours_<label>.json)."""
+
+    label: str = "default"
+    flags: tuple[str, ...] = ()
+
+    def prepare(self) -> None:
+        write_serve_model()
+
+    def ready(self) -> str | None:
+        return None if (Path(SERVE_MODEL) / "config.json").is_file() else f"could not write {SERVE_MODEL}"
+
+    def argv(self, out: str) -> list[str]:
+        return [sys.executable, "-m", "minisgl.bench.serving", "--model", SERVE_MODEL, "--label", self.label,
+                "--rates", "8,24,48,inf", "--offline", "--out", os.path.join(out, f"ours_{self.label}.json"), "--",
+                "--load-format", "dummy", *self.flags]
+
+
 # --- calls ---------------------------------------------------------------------------------------------------
 
 
@@ -196,6 +220,12 @@ CALLS: dict[str, Call] = {
         "bench_serving client at 8, 24, 48 requests/s and 512 at once (the latency-vs-rate curve of issue 24)",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("serving", 420, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),)),
+    "serving_ours": Call(
+        "optional: minisgl's server under minisgl's own client (minisgl.bench.serving: the same loads, the "
+        "server's CPU seconds), then the same all-at-once requests offline (the server/offline ratio; notebook "
+        "11 plots ours_*.json)",
+        carry=(KIT,),
+        steps=(OwnClient("serving_ours", 300, ("ours_default.json",)),)),
 }
 
 
@@ -238,6 +268,7 @@ def stage_wheels(half: str) -> str:
 
 
 def run_step(step: Step, out: str, remaining: float) -> str:
+    step.prepare()
     why = step.ready()
     if why:
         return f"SKIPPED {step.name}: {why}"
@@ -299,6 +330,12 @@ LOADS = {"rate8": ("8", 300, 256, 0.5), "rate24": ("24", 300, 256, 0.5), "rate48
          "burst": ("inf", 512, 512, 0.25)}
 
 
+def write_serve_model() -> None:
+    """The serving model folder, once per machine (the kit's serving.sh: no wheels needed for it)."""
+    if not (Path(SERVE_MODEL) / "config.json").is_file():
+        subprocess.run(["bash", f"{KIT}/serving.sh", WHEEL_DIR, "model", SERVE_MODEL], cwd=REPO, check=False)
+
+
 def wait_healthy(proc: subprocess.Popen, port: int, limit_s: float = 300) -> float | None:
     import urllib.request
     t0 = time.perf_counter()
@@ -317,8 +354,7 @@ def serve_bench(out: str, loads: list[str]) -> None:
     each load (one JSON line each in $OUT/serving_<server>.jsonl), stop the group. $OUT/serving.json: commands,
     start-up times, return codes."""
     kit = ["bash", f"{KIT}/serving.sh", WHEEL_DIR]
-    if not (Path(SERVE_MODEL) / "config.json").is_file():
-        subprocess.run([*kit, "model", SERVE_MODEL], cwd=REPO, check=True)
+    write_serve_model()
     summary: dict = {"loads": {k: LOADS[k] for k in loads}, "servers": {}}
     for port, (server, command) in enumerate(SERVERS.items(), start=30001):
         argv = [a.format(port=port) for a in command]
@@ -405,7 +441,7 @@ def plan() -> int:
         carried = base + sum(path_bytes(REPO / c) for c in call.carry)
         files = sum(len(s.files) for s in call.steps) + 1
         minutes = call.seconds / 60
-        total += call.seconds if name != "serving" else 0
+        total += call.seconds if name in ("call1", "call2", "call3") else 0
         print(f"## {name}: {call.about}\n"
               f"run(command={json.dumps(command)}, carry={json.dumps(list(call.carry))}, timeout_s=540)\n"
               f"  ~{minutes:.1f} min ({', '.join(f'{s.name} ~{s.seconds} s' for s in call.steps)}); carries "

@@ -184,6 +184,10 @@ class EngineConfig:
     max_prefill_tokens: int = _opt(16384, "--max-prefill-tokens",
                                    "prefill tokens per step at most, chunked or not (a longer prompt that "
                                    "cannot be cut runs alone)")
+    mixed_prefill_tokens: int = _opt(0, "--mixed-prefill-tokens",
+                                     "chunked prefill: prefill tokens at most in a step that also decodes (0 = "
+                                     "the prefill budget, as in a step that does not); smaller keeps the token "
+                                     "gaps of running streams steady while prompts arrive, at some prompt speed")
     # the switches of the ablation table (chunked prefill is chunked_prefill_size <= 0)
     radix_cache: bool = _opt(True, "--disable-radix-cache", "no prefix reuse (the naive cache)", disable=True)
     overlap: bool = _opt(True, "--disable-overlap-schedule", "resolve each step before scheduling the next",
@@ -256,6 +260,7 @@ class EngineConfig:
         integer("max_running_requests", 0, "must be an integer >= 1, or 0/unset for auto", optional=True)
         integer("chunked_prefill_size", None, "must be an integer (<= 0: chunked prefill off)")
         integer("max_prefill_tokens", 1, "must be an integer >= 1")
+        integer("mixed_prefill_tokens", 0, "must be an integer >= 0 (0 = off)")
         integer("cuda_graph_max_bs", 1, "must be an integer >= 1")
         integer("prefill_graph_max_tokens", 0, "must be an integer >= 0 (0 = off)")
         integer("prefill_graph_max_reqs", 1, "must be an integer >= 1")
