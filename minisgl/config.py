@@ -235,7 +235,8 @@ class EngineConfig:
         what depends on the machine or the model (no GPU, a broken checkpoint) is found when the engine starts."""
         def need(ok: bool, name: str, problem: str) -> None:
             if not ok:
-                raise ConfigError(name, f"{problem}, got {getattr(self, name)!r}")
+                flags = next(f.metadata.get("flags") for f in dataclasses.fields(self) if f.name == name)
+                raise ConfigError(name, f"{problem}, got {getattr(self, name)!r}", "/".join(flags or ()) or None)
 
         def integer(name: str, low: int | None, problem: str, optional: bool = False) -> None:
             value = getattr(self, name)
