@@ -211,6 +211,11 @@ class EngineConfig:
                                   "step as a few padded ops, torch_loop every step one request at a time)",
                                   choices=("auto", "torch", "torch_loop", "triton", "flashinfer"))
     tp_size: int = _opt(1, "--tp-size", "tensor parallelism: ranks (one GPU each; gloo processes on a CPU)")
+    cpu_threads: int = _opt(0, "--cpu-threads", "torch threads of an engine on the CPU; 0 = auto: one fewer than "
+                            "the cores this process may use (at least 1; split between tensor-parallel ranks), or "
+                            "torch's own count when OMP_NUM_THREADS is set. Idle, a tiny model runs as fast on 1 "
+                            "thread as on 2; beside a busy process, all-core threads wait on each other (bench: "
+                            "lab/checks/cpu_threads_bench.py)")
     # how minisgl's kernels run (the class above; its flags are generated with these)
     kernels: KernelOptions = field(default_factory=default_kernel_options)
     progress: bool = False  # a progress bar in LLM.generate (no flag: `bench --quiet` sets it)
@@ -266,6 +271,7 @@ class EngineConfig:
         integer("prefill_graph_max_tokens", 0, "must be an integer >= 0 (0 = off)")
         integer("prefill_graph_max_reqs", 1, "must be an integer >= 1")
         integer("tp_size", 1, "must be an integer >= 1")
+        integer("cpu_threads", 0, "must be an integer >= 0 (0 = auto)")
         need(isinstance(self.state_snapshot_memory_fraction, (int, float))
              and 0 <= self.state_snapshot_memory_fraction < 1, "state_snapshot_memory_fraction", "must be in [0, 1)")
         integer("state_snapshots", 0, "must be an integer >= 0", optional=True)
