@@ -43,6 +43,8 @@ EXERCISES: dict[str, list[str]] = {
                   "minisgl.kvcache.state_pool:StatePool.alloc_snapshot",
                   "minisgl.kvcache.state_pool:StatePool.free_snapshot",
                   "minisgl.kvcache.state_pool:StatePool.start", "minisgl.kvcache.state_pool:StatePool.save"],
+    "nb11-collect": ["minisgl.server.step_outputs:collect_outputs"],
+    "nb11-fanout": ["minisgl.server.step_outputs:fan_out"],
     "nb12-penalties": ["minisgl.engine.logits_processing:apply_penalties"],
     "nb12-entries": ["minisgl.engine.logits_processing:penalty_row_entries"],
     "nb12-logprobs": ["minisgl.engine.logits_processing:token_logprobs"],
@@ -172,6 +174,27 @@ def state_bytes_per_slot(num_layers, conv_channels, conv_kernel, num_heads, key_
     from minisgl.kvcache.state_pool import StatePool
 
     return StatePool.bytes_per_slot(num_layers, conv_channels, conv_kernel, num_heads, key_dim, value_dim, dtype)
+
+
+# --- 11 serving ---------------------------------------------------------------------------------------------
+
+def step_outputs(step: int):
+    """An empty per-step message (StepOutputs) and the Finish class."""
+    from minisgl.server.step_outputs import Finish, StepOutputs
+
+    return StepOutputs(step), Finish
+
+
+def collect_outputs(step: int, live: dict, sent: dict, per_token: tuple = ()):
+    from minisgl.server.step_outputs import collect_outputs as f
+
+    return f(step, live, sent, per_token)
+
+
+def fan_out(msg, handles: dict) -> int:
+    from minisgl.server.step_outputs import fan_out as f
+
+    return f(msg, handles)
 
 
 # --- the whole engine ---------------------------------------------------------------------------------------

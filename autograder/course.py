@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,12 +39,17 @@ EXPORT_MARK = "#| export "
 HEADER = "# generated from notebooks/{nb} by autograder/course.py export — edit the notebook, not this file\n"
 SOLUTION_LINES = ("### BEGIN SOLUTION", "### END SOLUTION")
 STUB = 'raise NotImplementedError("exercise: see the notebook")'  # keep in sync with nbgrader_config.py
+STUB_PREFIX = 'raise NotImplementedError("exercise: see the notebook'  # a stub in the package goes on (stub_for)
 # What a release holds besides the notebooks (paths relative to the repository; directories recursively):
 # the package, the embedded model, the graders, and the measured reports the GPU notebooks show on a CPU.
-RELEASE_PATHS = ["README.md", "pyproject.toml", "environment.yml", "assets", "minisgl", "autograder", "reports"]
+RELEASE_PATHS = ["pyproject.toml", "environment.yml", "assets", "minisgl", "autograder", "reports"]
 RELEASE_SKIP = re.compile(r"(^|/)(__pycache__|\.ipynb_checkpoints)(/|$)|\.pyc$|"
-                          r"^autograder/(release|submitted|autograded|feedback|source)(/|$)|^autograder/gradebook\.db$|"
+                          r"^autograder/(release|submitted|autograded|feedback|source|student)(/|$)|"
+                          r"^autograder/gradebook\.db$|"
                           r"^reports/.*\.log$")  # run logs quote source lines in their tracebacks
+# Files of the release's root written for students (autograder/student/): their README (the repository's speaks
+# to instructors), a pytest.ini that reports progress (autograder/progress.py) and JupyterLab's settings.
+STUDENT_FILES = ["README.md", "pytest.ini", "jupyter_lab_config.py"]
 
 
 # --- export / check / clean -------------------------------------------------------------------------------
@@ -61,7 +67,8 @@ def notebook_paths(nb_dir: Path = NOTEBOOKS, names=None) -> list[Path]:
 
 
 def export_cells(nb_path: Path) -> dict[str, list[tuple[str, str]]]:
-    """module path -> (cell marker, source) of its export cells, in order, export line removed."""
+    """module path -> (cell marker, source) of its export cells, in order, export line removed. An exercise
+    stub in a cell (a release, or an exercise not done yet) names its notebook and exercise (`stub_for`)."""
     nb = nbformat.read(nb_path, as_version=4)
     cells: dict[str, list[tuple[str, str]]] = {}
     for index, cell in enumerate(nb.cells):
@@ -71,8 +78,18 @@ def export_cells(nb_path: Path) -> dict[str, list[tuple[str, str]]]:
         module = first[len(EXPORT_MARK):].strip()
         if not re.fullmatch(r"minisgl/[\w/]+\.py", module):
             raise ValueError(f"{nb_path.name}: bad export target {module!r}")
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id", f"cell {index}")
+        rest = "\n".join(ln[:len(ln) - len(ln.lstrip())] + stub_for(nb_path.name, grade_id) if ln.strip() == STUB
+                         else ln for ln in rest.split("\n"))
         cells.setdefault(module, []).append((cell_marker(nb_path.name, index, cell.get("id")), rest))
     return cells
+
+
+def stub_for(nb_name: str, grade_id: str) -> str:
+    """The stub line as the package holds it: a later notebook that reaches it says where to go. Its message
+    begins as the notebook's own stub's does (gate.STUB_ERROR)."""
+    return (f'raise NotImplementedError("exercise: see the notebook {nb_name}, exercise {grade_id}: solve it '
+            f'there and run that notebook\'s export cell (its last cell)")')
 
 
 def cell_marker(nb_name: str, index: int, cell_id: str | None) -> str:
@@ -170,13 +187,19 @@ def _nbgrader(step: str, course: Path, student: str | None = None, env=None, log
     cfg = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config()
     cfg.CourseDirectory.root = str(course)
     api = NbGraderAPI(config=cfg)
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
+    # nbgrader runs `alembic` from PATH: a virtual environment's python run without activating it has that
+    # environment's bin/ off PATH, so put it first
+    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]), **(env or {})}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        if step == "generate_assignment":
-            res = api.generate_assignment(ASSIGNMENT, force=True)
-        else:
-            res = getattr(api, step)(ASSIGNMENT, student, force=True)
+        with warnings.catch_warnings():
+            # nbgrader's gradebook adds objects SQLAlchemy's autoflush warns about; the grades are unaffected
+            warnings.filterwarnings("ignore", message=".*not in session.*")
+            if step == "generate_assignment":
+                res = api.generate_assignment(ASSIGNMENT, force=True)
+            else:
+                res = getattr(api, step)(ASSIGNMENT, student, force=True)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -218,7 +241,8 @@ def release(out: Path, work: Path, log=None) -> Path:
     out/notebooks/  nbgrader generate_assignment: solutions replaced by stubs, hidden tests removed
     out/minisgl/    the package: plain modules copied, generated modules exported from the *released*
                     notebooks, so every exercise is a stub that raises NotImplementedError
-    out/...         README, pyproject, assets, autograder (the graders; never the source notebooks)
+    out/...         pyproject, assets, autograder (the graders; never the source notebooks), reports
+    out/README.md, pytest.ini, jupyter_lab_config.py   for students (autograder/student/)
     """
     out, work = Path(out), Path(work)
     course = stage_course(work)
@@ -232,6 +256,8 @@ def release(out: Path, work: Path, log=None) -> Path:
         if src.is_file():
             (out / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, out / rel)
+    for name in STUDENT_FILES:
+        shutil.copy2(REPO / "autograder" / "student" / name, out / name)
     shutil.copytree(course / "release" / ASSIGNMENT, out / "notebooks")
     ref_modules = set(generate(NOTEBOOKS))
     rel_modules = set(generate(out / "notebooks"))
@@ -420,10 +446,12 @@ class RoundTrip:
         return bad
 
 
-def autograde_in_subprocess(course: Path, student: str, submission: Path, base: Path, work: Path) -> Grades:
-    """`autograde` in a child process (so two can run at once: each has its own course copy and PYTHONPATH)."""
+def autograde_in_subprocess(course: Path, student: str, submission: Path, base: Path, work: Path,
+                            env: dict | None = None) -> Grades:
+    """`autograde` in a child process (so two can run at once: each has its own course copy and PYTHONPATH);
+    its stderr goes to work/autograde-STUDENT.log."""
     out = _run([sys.executable, str(Path(__file__).resolve()), "grade-staged", str(course), str(submission),
-                "--student", student, "--base", str(base), "--work", str(work)], cwd=REPO)
+                "--student", student, "--base", str(base), "--work", str(work)], cwd=REPO, env=env)
     data = json.loads(out.stdout.strip().splitlines()[-1])
     with open(Path(work) / f"autograde-{student}.log", "w") as f:
         f.write(out.stderr)
@@ -440,12 +468,12 @@ def roundtrip(work: Path, log=None, timeout: int = 300) -> RoundTrip:
     """The release checked as a student walks it, in one release:
 
     - release; no solution or hidden-test text in it; its package imports with every exercise a stub;
-    - the untouched release is autograded (zero on every graded cell; feedback without hidden tests), in a
-      child process on a snapshot, while
+    - the untouched release is autograded (zero on every graded cell; feedback without hidden tests), and
+      the release's notebooks filled with the reference solutions (as a student typed them) too (full marks
+      on every graded cell, no cell raising, feedback without hidden tests), each in a child process on a
+      snapshot, while
     - the release gate walks the release (`gate.walk`): notebook k with 0..k-1 filled and exported fails only
-      with its own exercise's stub; filled, it runs clean and exports;
-    - the walked release's notebooks (the reference solutions, as a student typed them) are autograded: full
-      marks on every graded cell, no cell raising, feedback without hidden tests.
+      with its own exercise's stub (and Run All stops only there); filled, it runs clean and exports.
     """
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gate as release_gate
@@ -458,7 +486,7 @@ def roundtrip(work: Path, log=None, timeout: int = 300) -> RoundTrip:
     secrets = secret_lines()
     leaks = find_leaks(out, secrets)
     import_check(out)
-    stubs = sum(text.count(STUB) for text in generate(out / "notebooks").values())
+    stubs = sum(text.count(STUB_PREFIX) for text in generate(out / "notebooks").values())
     untouched = work / "release-untouched"  # the gate changes `out`; the untouched grade needs it as released
     if untouched.exists():
         shutil.rmtree(untouched)
@@ -469,16 +497,28 @@ def roundtrip(work: Path, log=None, timeout: int = 300) -> RoundTrip:
         if courses[student].exists():
             shutil.rmtree(courses[student])
         shutil.copytree(course, courses[student])
+    # The reference grade needs the notebooks as a student who finished them typed them: the release's,
+    # filled with the reference solutions (what the gate fills them with, in `out`, as it walks). A copy filled
+    # up front lets both autogrades run beside the walk instead of after it.
+    reference = work / "release-reference-notebooks"
+    if reference.exists():
+        shutil.rmtree(reference)
+    shutil.copytree(out / "notebooks", reference)
+    for nb in notebook_paths(reference):
+        release_gate.fill(nb, NOTEBOOKS / nb.name)
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(autograde_in_subprocess, courses["untouched"], "untouched", untouched / "notebooks",
-                              untouched, work)
+    # graded as from a virtual environment's python that is not activated: no `alembic` on PATH (nbgrader runs it)
+    env = dict(os.environ, PATH=os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                                                 if p and not (Path(p) / "alembic").exists()))
+    with ThreadPoolExecutor(2) as pool:
+        pending = {"untouched": pool.submit(autograde_in_subprocess, courses["untouched"], "untouched",
+                                            untouched / "notebooks", untouched, work, env),
+                   "reference": pool.submit(autograde_in_subprocess, courses["reference"], "reference", reference,
+                                            untouched, work, env)}
         walked = release_gate.walk(out, NOTEBOOKS, notebook_paths(out / "notebooks"), module_owners(), timeout, log)
         t["gate"] = time.perf_counter()
-        grades = {"reference": autograde_in_subprocess(courses["reference"], "reference", out / "notebooks", out,
-                                                       work)}
-        grades["untouched"] = pending.result()
+        grades = {student: job.result() for student, job in pending.items()}
     t["autograde"] = time.perf_counter()
     passing = passing_graded_cells(courses["untouched"] / "autograded" / "untouched" / ASSIGNMENT)
     hidden = secret_lines(kinds=("HIDDEN TESTS",))
@@ -509,6 +549,7 @@ def main(argv=None) -> int:
     p.add_argument("submission", help="folder with the NN_*.ipynb to grade (and coursekit.py)")
     p.add_argument("--student", default="student")
     p.add_argument("--work")
+    p.add_argument("--feedback", help="where the feedback pages go (default: feedback-STUDENT in this folder)")
     p = sub.add_parser("grade-staged", help="(internal) autograde in an already released, staged course")
     p.add_argument("course")
     p.add_argument("submission")
@@ -554,8 +595,12 @@ def main(argv=None) -> int:
             out = work / "release"
             course = release(out, work)
             g = autograde(course, args.student, Path(args.submission).resolve(), out, work)
+            feedback = Path(args.feedback or f"feedback-{args.student}").resolve()
+            if feedback.exists():
+                shutil.rmtree(feedback)
+            shutil.copytree(g.feedback, feedback)  # the staged course (unless --work) goes with the temp dir
             print(g.summary())
-            print(f"feedback: {g.feedback}")
+            print(f"feedback (one page per notebook, opens offline): {feedback}")
             return 0
         if args.cmd == "roundtrip":
             with open(work / "roundtrip.log", "w") as log:

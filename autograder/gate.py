@@ -7,11 +7,14 @@ raised by *this* notebook's code (an exercise cell, or a demo cell that calls th
 a NameError for a name that an earlier failing cell of the notebook would have defined. Anything else is a
 problem a student would hit without having done anything wrong: an ImportError, any other exception, or a
 stub raised from the package (a module of an earlier notebook that did not export, or of a later notebook
-that this one must not need yet). Then notebook k is filled with the reference solution and runs again:
+that this one must not need yet). Run All (stop at the first error) on it must stop only in an exercise or
+graded cell of its own, on the stub: the first error of the run above is where Run All stops; the tour
+(RUNS_TO_THE_END) must not stop at all. A graded cell fails when nbgrader scores it 0: an error, or output
+on stderr. Then notebook k is filled with the reference solution and runs again:
 every cell must pass, and its last cell (`coursekit.export_this`) writes the student's modules into the
 release package for notebook k+1. `course.py roundtrip` then autogrades the filled notebooks (full marks).
 
-Used by `course.py roundtrip` (and so by tests/test_course.py) and by scripts/h200_course.py (`execute`).
+Used by `course.py roundtrip` (and so by tests/test_course.py) and by lab/course/h200.py (`execute`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,16 @@ from pathlib import Path
 
 import nbformat
 
-STUB_ERROR = ("NotImplementedError", "exercise: see the notebook")
+STUB_ERROR = ("NotImplementedError", "exercise: see the notebook")  # every stub's message begins so
+# Notebooks that Run All must take to their end even before their exercise is done: the tour is the first
+# thing a student runs, and what it shows below its warm-up exercise is the point of it.
+RUNS_TO_THE_END = ("00_tour.ipynb",)
+
+
+def is_stub_error(ename: str, evalue: str) -> bool:
+    """An exercise stub raised: the notebook's own (`exercise: see the notebook`) or a package module's, whose
+    message goes on to name the notebook and exercise (course.py export)."""
+    return ename == STUB_ERROR[0] and evalue.startswith(STUB_ERROR[1])
 
 
 def kernel_spec_dir(python: str = sys.executable) -> Path:
@@ -64,6 +76,18 @@ class Run:
     errors: list[CellError] = field(default_factory=list)
     timed_out: str = ""
     graded: list[str] = field(default_factory=list)  # grade_ids of the notebook's graded cells
+    stderr: dict[int, str] = field(default_factory=dict)  # graded cell index -> what it wrote to stderr
+    kinds: dict[int, str] = field(default_factory=dict)  # graded cell index -> cell_kind
+
+    def failed_graded(self) -> set[str]:
+        """grade_ids of the graded cells nbgrader scores 0: an error, or anything written to stderr."""
+        return {e.kind.split(" ", 1)[1] for e in self.errors if e.kind.startswith("graded")} | \
+            {self.kinds[i].split(" ", 1)[1] for i in self.stderr}
+
+    def run_all_stop(self) -> CellError | None:
+        """Where Run All (stop at the first error) stops: the first error; None when it runs to the end. The
+        cells before it ran exactly as in this run (errors allowed), so this is Run All's outcome."""
+        return min(self.errors, key=lambda e: e.index, default=None)
 
 
 def cell_kind(cell) -> str:
@@ -109,6 +133,13 @@ def execute(path: Path, env: dict | None = None, timeout: int = 300, kernel_dir:
         shutil.rmtree(sockets, ignore_errors=True)
     run = Run(path.name, round(time.perf_counter() - t0, 1), timed_out=timed_out)
     run.graded = [c.metadata["nbgrader"]["grade_id"] for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("grade"):
+            run.kinds[i] = cell_kind(cell)
+            err = "".join(o.get("text", "") for o in cell.get("outputs", [])
+                          if o.get("output_type") == "stream" and o.get("name") == "stderr")
+            if err:
+                run.stderr[i] = err
     for i, cell in enumerate(nb.cells):
         for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
             if out.get("output_type") == "error":
@@ -172,7 +203,7 @@ def unexpected(run: Run, owners: dict[str, str]) -> list[str]:
     for e in run.errors:
         if e.ename == "NameError" and e.cause:
             continue
-        if (e.ename, e.evalue) != STUB_ERROR:
+        if not is_stub_error(e.ename, e.evalue):
             bad.append(f"{run.notebook}: {e}")
             continue
         if e.raised_in:  # a stub in the package: fine only if this notebook owns that module
@@ -186,6 +217,28 @@ def unexpected(run: Run, owners: dict[str, str]) -> list[str]:
     return bad
 
 
+def run_all_problems(run: Run, owners: dict[str, str]) -> list[str]:
+    """Run All on the notebook as released (0..k-1 done): it may stop only at its own exercise, in an exercise
+    or graded cell of this notebook raising the stub, never in a demo cell or on another notebook's stub. A
+    notebook in RUNS_TO_THE_END must run to its end."""
+    stop = run.run_all_stop()
+    if stop is None:
+        return []
+    where = f"{run.notebook}: Run All stops at {stop}"
+    if run.notebook in RUNS_TO_THE_END:
+        return [f"{where}: this notebook must run to its end (a graded cell whose exercise is still the stub "
+                f"can say so on stderr and score 0 instead: coursekit.zero_if_stub)"]
+    if stop.kind == "cell":
+        return [f"{where}: not an exercise or graded cell (only those may stop a notebook before its exercises)"]
+    if not is_stub_error(stop.ename, stop.evalue):
+        return [f"{where}: not the exercise stub"]
+    if stop.raised_in:
+        module = stop.raised_in[stop.raised_in.rfind("minisgl/"):] if "minisgl/" in stop.raised_in else stop.raised_in
+        if owners.get(module) != run.notebook:
+            return [f"{where}: raised by the stub in {module}, not this notebook's"]
+    return []
+
+
 @dataclass
 class Gate:
     stubbed: dict[str, Run] = field(default_factory=dict)  # notebook k with 0..k-1 filled
@@ -196,11 +249,13 @@ class Gate:
         bad = []
         for name, run in self.stubbed.items():
             bad += [f"before the exercises, {x}" for x in unexpected(run, self.owners)]
-            failed = {e.kind.split(" ", 1)[1] for e in run.errors if e.kind.startswith("graded")}
+            bad += [f"before the exercises, {x}" for x in run_all_problems(run, self.owners)]
             bad += [f"before the exercises, {name}: graded cell {g} passes on the stubs"
-                    for g in sorted(set(run.graded) - failed)]
+                    for g in sorted(set(run.graded) - run.failed_graded())]
         for name, run in self.filled.items():
             bad += [f"with the solutions, {name}: {e}" for e in run.errors]
+            bad += [f"with the solutions, {name}: graded cell {i} writes to stderr (nbgrader scores it 0): "
+                    f"{text[:200]!r}" for i, text in run.stderr.items()]
             if run.timed_out:
                 bad.append(f"with the solutions, {name}: {run.timed_out}")
         return bad

@@ -9,7 +9,11 @@
 #   <course>/autograded/<student>/course/...               nbgrader autograde
 #   <course>/feedback/<student>/course/*.html              nbgrader generate_feedback (hidden tests scrubbed)
 #   <course>/gradebook.db
+import atexit
 import re
+import shutil
+import tempfile
+from pathlib import Path
 
 from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor, Preprocessor
 from nbgrader.preprocessors import GetGrades
@@ -26,6 +30,13 @@ c.ClearSolutions.code_stub = {"python": '# YOUR CODE HERE\nraise NotImplementedE
 # Autograding runs whole notebooks (a tiny model, some plots): allow minutes per cell, not nbgrader's 30 s.
 c.Execute.timeout = 600
 c.Execute.startup_timeout = 120
+
+# Kernels talk over IPC sockets in a folder of this process, not TCP: no "Kernel is running over TCP without
+# encryption" warning per notebook, and no port race between two autogrades running at once.
+_SOCKETS = tempfile.mkdtemp(prefix="minisgl-nbgrader-ipc-")
+atexit.register(shutil.rmtree, _SOCKETS, True)
+c.KernelManager.transport = "ipc"
+c.KernelManager.ip = str(Path(_SOCKETS) / "kernel")
 
 
 _HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS.*?### END HIDDEN TESTS[ \t]*\n?", re.S | re.M)
@@ -46,4 +57,31 @@ class ScrubHiddenTests(Preprocessor):
         return cell, resources
 
 
-c.GenerateFeedback.preprocessors = [GetGrades, ScrubHiddenTests, CSSHTMLHeaderPreprocessor]
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+class EmbedPlotly(Preprocessor):
+    """Feedback opens offline: every plotly figure is drawn from its JSON by plotly.js embedded in the page
+    (once, with the first figure), not loaded from a CDN as the notebook's renderer does it."""
+
+    enabled = Bool(True)
+
+    def preprocess(self, nb, resources):
+        import plotly.io as pio
+
+        first = True
+        for cell in nb.cells:
+            for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+                data = out.get("data", {})
+                if PLOTLY_MIME in data:
+                    fig = dict(data[PLOTLY_MIME])
+                    config = fig.pop("config", None)
+                    data["text/html"] = pio.to_html(fig, config=config, include_plotlyjs=first, full_html=False,
+                                                    include_mathjax=False, validate=False)
+                    first = False
+                elif "cdn.plot.ly" in data.get("text/html", ""):  # the renderer's loader of plotly.js
+                    data["text/html"] = ""
+        return nb, resources
+
+
+c.GenerateFeedback.preprocessors = [GetGrades, ScrubHiddenTests, EmbedPlotly, CSSHTMLHeaderPreprocessor]

@@ -1,6 +1,6 @@
 """Structured output: a grammar per request (xgrammar), a token mask per step, built on the host.
 
-Why xgrammar: `scripts/grammar_mask_bench.py` (reports/cpu/grammar/) timed the three libraries made for this on
+Why xgrammar: `lab/checks/grammar_mask_bench.py` (reports/cpu/grammar/) timed the three libraries made for this on
 the embedded model's vocabulary and on one of Qwen3's size (151,936 tokens): xgrammar fills a JSON-schema mask
 in a median of ~4-9 us per token at 151k tokens with compiles of ~0.1 s; llguidance's median was ~90 us with
 spikes of tens of ms; outlines-core took 33 s to compile the free JSON-object grammar.

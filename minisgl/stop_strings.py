@@ -1,8 +1,9 @@
 """Stop strings, in one place: the engine-side check (does the decoded tail hold a stop string?) and the
 text-side cuts (where the first one starts, how much of a tail could still grow into one).
 
-Used by `LLM.generate` (check + trim), the HTTP server (check on the engine thread) and the streaming
-detokenizer (`TextStream`: emit up to the first stop string, hold back a partial one).
+Used by `LLM.generate` (check + trim), the HTTP server's front process (`StopStringScanner`: the same check on
+the tokens as they arrive from the engine process) and the streaming detokenizer (`TextStream`: emit up to the
+first stop string, hold back a partial one).
 """
 
 from __future__ import annotations
@@ -59,3 +60,20 @@ def make_stop_check(tokenizer, stops: Sequence[str]) -> Callable | None:
         tail = tokenizer.decode(req.output_ids[-window:], skip_special_tokens=True)
         return any(s in tail for s in stops)
     return check
+
+
+class StopStringScanner:
+    """`make_stop_check`'s test, run on a request's tokens as they arrive (the server's front process), so the
+    output ends at the very token where `LLM.generate` would have stopped."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]) -> None:
+        self._check = make_stop_check(tokenizer, stops)
+        self.output_ids: list[int] = []  # the check reads `.output_ids`, as it does on a Req
+
+    def feed(self, new_ids: Sequence[int]) -> int:
+        """Add tokens; the index in `new_ids` of the first one after which a stop string shows, or -1."""
+        for i, token in enumerate(new_ids):
+            self.output_ids.append(token)
+            if self._check(self):
+                return i
+        return -1

@@ -1,10 +1,14 @@
-"""Small helpers the course notebooks use: `setup()`, `HAS_GPU`, `tiny_model()`, `tiny_checkpoint()`, `export_this()`.
+"""Small helpers the course notebooks use: `setup()`, `HAS_GPU`, `tiny_model()`, `tiny_checkpoint()`,
+`export_this()`, `zero_if_stub()`.
 
 This file ships with the student release. It holds no exercise and no solution.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import importlib
 import os
 import random
 import subprocess
@@ -38,6 +42,7 @@ def setup(seed: int = 0, threads: int = 1) -> None:
         pio.renderers.default = "plotly_mimetype+notebook_connected"
     except ImportError:  # plotly is in the `course` extra
         pass
+    _remember_cells()
 
 
 def repo_root() -> Path:
@@ -50,7 +55,7 @@ def repo_root() -> Path:
 
 
 def h200_sections() -> dict[str, dict]:
-    """The H200 measurements in reports/h200/: for each section of scripts/h200_run.py, its newest result
+    """The H200 measurements in reports/h200/: for each section of lab/run.py, its newest result
     across the results files, as {"result": ..., "file": ..., "environment": ...} (as the report reads them)."""
     from minisgl.bench.runner import newest_sections
 
@@ -154,9 +159,49 @@ def tiny_checkpoint(arch: str, seed: int = 0) -> str:
     return str(path)
 
 
+# --- exporting a notebook into the package ------------------------------------------------------------------
+# What the kernel ran, by cell id (JupyterLab and VS Code send each cell's id with its code), so that an export
+# can tell when the saved notebook is not what the student ran: `export_this` reads the file, not the editor.
+_RAN: dict[str, str] = {}
+STUB_MESSAGE = "exercise: see the notebook"  # how every exercise stub's NotImplementedError message begins
+
+
+def _remember_cells() -> None:
+    try:
+        shell = get_ipython()  # noqa: F821 (defined inside IPython only)
+    except NameError:
+        return
+    if _remember not in shell.events.callbacks["pre_run_cell"]:
+        shell.events.register("pre_run_cell", _remember)
+
+
+def _remember(info) -> None:
+    cell_id = getattr(info, "cell_id", None)
+    if cell_id and info.raw_cell is not None:
+        _RAN[cell_id] = info.raw_cell
+
+
+def unsaved_cells(nb_path: Path) -> list[str]:
+    """The export cells whose saved source differs from what this kernel last ran for the same cell:
+    `cell N (`first line`)`. Empty when they agree, or when the front end sends no cell ids."""
+    import nbformat
+
+    bad = []
+    for i, cell in enumerate(nbformat.read(nb_path, as_version=4).cells):
+        ran = _RAN.get(cell.get("id") or "")
+        if cell.cell_type == "code" and cell.source.startswith("#| export ") and ran is not None \
+                and ran.rstrip() != cell.source.rstrip():
+            first = next((ln for ln in cell.source.splitlines()[1:] if ln.strip()), "")
+            bad.append(f"cell {i} (`{first.strip()[:60]}`)")
+    return bad
+
+
 def export_this(notebook: str) -> None:
-    """Write this notebook's `#| export` cells into the package (`python autograder/course.py export NB`),
-    so the next notebooks import your code. Save the notebook first (Ctrl+S): the export reads the file."""
+    """Write this notebook's `#| export` cells into the package (`python autograder/course.py export NB`), so
+    the next notebooks import your code, and reload what this kernel had imported of the package.
+
+    The export reads the saved file: if an export cell you ran differs from its saved version (unsaved edits),
+    it refuses and says which cell, rather than export what you did not run."""
     name = notebook if notebook.endswith(".ipynb") else notebook + ".ipynb"
     nb = Path.cwd() / name
     course = None if ROOT is None else ROOT / "autograder" / "course.py"
@@ -166,15 +211,121 @@ def export_this(notebook: str) -> None:
     if course is None or not course.exists() or not nb.exists() or nb.parent != ROOT / "notebooks":
         print(f"export of {name} skipped: not running inside a minisgl checkout's notebooks/ folder")
         return
+    unsaved = unsaved_cells(nb)
+    if unsaved:
+        raise RuntimeError(
+            f"nothing exported: the saved {name} differs from what you ran in {', '.join(unsaved)}. Save the "
+            f"notebook (Ctrl+S), or run those cells again if you changed them after running, then run this cell.")
+    before = {m: _text(ROOT / m) for m in _exported_modules(nb)}
     out = subprocess.run([sys.executable, str(course), "export", name], capture_output=True, text=True)
     print(out.stdout + out.stderr, end="")
     if out.returncode:
         raise RuntimeError(f"export failed (exit {out.returncode})")
+    changed = [m for m, text in before.items() if _text(ROOT / m) != text]
+    reloaded, rebound = reload_package(changed)
+    if reloaded:
+        print(f"reloaded in this kernel: {', '.join(reloaded)}"
+              + (f"; these names now refer to the new code: {', '.join(rebound)}" if rebound else "")
+              + ". Objects made before the export (an engine, a cache) still run the old code: make them again.")
+
+
+def _text(path: Path) -> str | None:
+    return path.read_text() if path.exists() else None
+
+
+def _exported_modules(nb_path: Path) -> list[str]:
+    import nbformat
+
+    return [c.source.partition("\n")[0][len("#| export "):].strip() for c in nbformat.read(nb_path, as_version=4).cells
+            if c.cell_type == "code" and c.source.startswith("#| export ")]
+
+
+def _imported_names(module) -> set[str]:
+    """Every `minisgl...` module name the source of `module` imports (anywhere in it, lazily or not)."""
+    try:
+        tree = ast.parse(Path(module.__file__).read_text())
+    except (OSError, SyntaxError, TypeError):
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return {n for n in names if n == "minisgl" or n.startswith("minisgl.")}
+
+
+def reload_package(changed: list[str]) -> tuple[list[str], list[str]]:
+    """After an export rewrote `changed` (paths `minisgl/...py`): re-import every loaded `minisgl` module that is
+    one of them or imports one (transitively), so the next cell runs the new code, and point the names of
+    this kernel's namespace that came from those modules (`from minisgl.x import Y`) at the new objects.
+    Returns (the modules re-imported, the names rebound)."""
+    names = {m[:-3].replace("/", ".").removesuffix(".__init__") for m in changed}
+    loaded = {n: m for n, m in sys.modules.items() if (n == "minisgl" or n.startswith("minisgl.")) and m is not None}
+    imports = {n: _imported_names(m) for n, m in loaded.items()}
+    stale = names & loaded.keys()
+    while True:  # a module that imports a stale one is stale too
+        more = {n for n in loaded if n not in stale and imports[n] & stale}
+        if not more:
+            break
+        stale |= more
+    if not stale:
+        return [], []
+    old = {n: sys.modules.pop(n) for n in stale}
+    importlib.invalidate_caches()
+    for n in sorted(stale, key=lambda n: n.count(".")):  # packages first; each import pulls in what it needs
+        if n not in sys.modules:
+            importlib.import_module(n)
+    for n in list(sys.modules):  # a re-imported package must still hold its submodules as attributes
+        parent, _, child = n.rpartition(".")
+        if parent in stale and n.startswith("minisgl.") and sys.modules.get(parent) is not None:
+            setattr(sys.modules[parent], child, sys.modules[n])
+    return sorted(stale), _rebind(old)
+
+
+def _rebind(old: dict) -> list[str]:
+    """Names in the IPython user namespace that are an old module, or an object defined in one: the new one."""
+    try:
+        user_ns = get_ipython().user_ns  # noqa: F821
+    except NameError:
+        return []
+    rebound = []
+    for name, value in list(user_ns.items()):
+        if name.startswith("_"):
+            continue
+        new = None
+        if any(value is m for m in old.values()):
+            new = sys.modules.get(value.__name__)
+        else:
+            mod, qual = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+            if isinstance(mod, str) and mod in old and isinstance(qual, str) and mod in sys.modules:
+                new = sys.modules[mod]
+                for part in qual.split("."):
+                    new = getattr(new, part, None)
+        if new is not None and new is not value:
+            user_ns[name] = new
+            rebound.append(name)
+    return rebound
+
+
+@contextlib.contextmanager
+def zero_if_stub(exercise: str):
+    """For a graded cell that Run All must pass over while `exercise` is still the stub (the tour's warm-up):
+    the stub's NotImplementedError becomes a line on stderr, which nbgrader scores as 0 points, instead of an
+    error that stops the notebook there. Any other error (a wrong answer) still raises."""
+    try:
+        yield
+    except NotImplementedError as e:
+        if not str(e).startswith(STUB_MESSAGE):
+            raise
+        print(f"{exercise} is still the exercise stub: this test scores 0 points. Write it in the cell above, run "
+              f"that cell, then this one.", file=sys.stderr)
 
 
 # --- the tour's recording ---------------------------------------------------------------------------------
 # The tour (00) drives the finished engine. In a fresh release the package is all exercise stubs, so the
-# tour falls back to a run of the reference engine recorded by scripts/record_tour.py (data only: texts,
+# tour falls back to a run of the reference engine recorded by lab/course/record_tour.py (data only: texts,
 # token ids, per-step batch composition inputs and timings), and says so.
 
 TOUR_TRACE = "assets/tour_trace.json"

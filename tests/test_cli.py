@@ -24,20 +24,23 @@ ALL_FLAGS = ["--prefill-graph-max-tokens", "512", "--prefill-graph-max-reqs", "4
              "--dtype", "float32", "--device", "cpu", "--load-format", "dummy", "--random-seed", "3",
              "--context-length", "256", "--page-size", "4", "--num-pages", "100", "--kv-memory-fraction", "0.5",
              "--kv-cache-tokens", "4096", "--max-running-requests", "8", "--chunked-prefill-size", "0",
-             "--max-prefill-tokens", "64", "--disable-radix-cache", "--disable-overlap-schedule",
+             "--max-prefill-tokens", "64", "--mixed-prefill-tokens", "32", "--disable-radix-cache",
+             "--disable-overlap-schedule",
              "--disable-cuda-graph", "--cuda-graph-max-bs", "16", "--disable-cuda-graph-split", "--disable-gemv",
              "--disable-pdl", "--disable-decode-fused-store", "--enable-decode-fused-merge",
              "--disable-mixed-decode-split", "--gemv-configs", "t.json", "--gemv-pdl-early-tiles", "1",
              "--disable-sampler-skip-blocks", "--disable-sampler-top-k-bound",
-             "--attention-backend", "torch", "--state-snapshots", "5", "--state-snapshot-memory-fraction", "0.1"]
+             "--attention-backend", "torch", "--state-snapshots", "5", "--state-snapshot-memory-fraction", "0.1",
+             "--cpu-threads", "3"]
 ALL_KWARGS = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, max_model_len=256, page_size=4,
                   num_pages=100, kv_memory_fraction=0.5, kv_cache_tokens=4096, max_running_requests=8,
-                  chunked_prefill_size=0, max_prefill_tokens=64, radix_cache=False, overlap=False, cuda_graph=False,
+                  chunked_prefill_size=0, max_prefill_tokens=64, mixed_prefill_tokens=32, radix_cache=False,
+                  overlap=False, cuda_graph=False,
                   cuda_graph_max_bs=16, cuda_graph_split=False, gemv=False, pdl=False, decode_fused_store=False,
                   decode_fused_merge=True, mixed_decode_split=False, gemv_configs="t.json", gemv_pdl_early_tiles=1,
                   sampler_skip_blocks=False, sampler_top_k_bound=False, attention_backend="torch",
                   prefill_graph_max_tokens=512, prefill_graph_max_reqs=4, tp_size=2, state_snapshots=5,
-                  state_snapshot_memory_fraction=0.1)
+                  state_snapshot_memory_fraction=0.1, cpu_threads=3)
 
 
 # KernelOptions' launch tables are set from Python by the tuning scripts; triton_on_cpu is for tests
@@ -190,3 +193,32 @@ def test_real_process_errors(module, flags, status, words, qwen3_tok_path, tmp_p
     assert run.returncode == status, run.stderr
     prog = "minisgl serve" if "serve" in module or module[-1] == "minisgl.server" else "minisgl generate"
     assert words in _one_line_error(run.stderr, prog)
+
+
+def test_cpu_threads_default_leaves_a_core_free(monkeypatch):
+    """--cpu-threads 0 (auto): one fewer than the usable cores, split between TP ranks, at least 1; an explicit
+    OMP_NUM_THREADS is kept (torch applied it at start-up); a positive value is taken as given."""
+    import torch
+
+    from minisgl.engine.model_runner import cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cores, tp, want in ((2, 1, 1), (1, 1, 1), (16, 1, 15), (16, 2, 7), (2, 2, 1)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert cpu_threads(EngineConfig("m", tp_size=tp)) == want, (cores, tp)
+    assert cpu_threads(EngineConfig("m", cpu_threads=3)) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert cpu_threads(EngineConfig("m")) == torch.get_num_threads()
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineConfig("m", cpu_threads=-1).validate()
+
+
+def test_cpu_engine_sets_its_threads(qwen3_path, make_llm):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        make_llm(qwen3_path, device="cpu", cpu_threads=2, kv_cache_tokens=256)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

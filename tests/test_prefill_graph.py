@@ -180,17 +180,12 @@ def test_graph_pool_of_decode_runner():
 
 
 def test_gpu_check_script_smoke_on_cpu(tmp_path):
-    """scripts/gpu_prefill_check.py end to end on a CPU (uncaptured twin, small model, tiny W2)."""
-    import importlib.util
+    """lab/checks/prefill_graphs.py end to end on a CPU (uncaptured twin, small model, tiny W2)."""
     import json
-    import os
 
-    from helpers import REPO, TINY_QWEN3_ASSET
+    from helpers import TINY_QWEN3_ASSET
 
-    spec = importlib.util.spec_from_file_location("gpu_prefill_check",
-                                                  os.path.join(REPO, "scripts", "gpu_prefill_check.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from lab.checks import prefill_graphs as script
     cases = {"1x7": ([7], {}), "decode+prefill": ([3, 4, 70], {"chunked_prefill_size": 32})}
     res = script.main(str(tmp_path), model=TINY_QWEN3_ASSET, cases=cases, w2=True, w2_scale=0.02)
     assert res["ok"] and not res["errors"]

@@ -321,3 +321,32 @@ def test_one_table_write_per_position_when_a_chunk_joins_a_cached_prefix(page_si
     engine._resolve(engine._launch(batch))
     engine.run()
     assert a.output_ids == b.output_ids == hf_greedy(qwen3_path, [prompt])[0]
+
+
+# --- a smaller prefill budget in steps that decode (mixed_prefill_tokens) ----------------------------------
+@OVERLAP
+def test_mixed_prefill_tokens_bounds_prefill_in_decoding_steps(overlap, qwen3_path, make_llm):
+    """With mixed_prefill_tokens=16 a step that decodes carries at most 16 prompt tokens, a step without decode
+    rows still the full chunk (64); the tokens are the same as without the bound."""
+    short, long = [5, 6, 7], [(11 * i) % 400 + 3 for i in range(150)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+    ref = make_llm(qwen3_path, overlap=overlap, chunked_prefill_size=64).generate([short, long], params)
+    llm = make_llm(qwen3_path, overlap=overlap, chunked_prefill_size=64, mixed_prefill_tokens=16)
+    steps = []
+    forward = llm.engine.runner.forward
+
+    def record(batch):
+        prefill = sum(n for r, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)
+                      if start < len(r.input_ids))
+        steps.append((prefill, len(batch.reqs) - sum(start < len(r.input_ids)
+                                                     for r, start in zip(batch.reqs, batch.prefix_lens))))
+        return forward(batch)
+    llm.engine.runner.forward = record
+    outs = llm.generate([short, long], params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert steps[0] == (64, 0), steps[:3]  # nothing decodes yet: the whole chunk (3 + 61 tokens)
+    mixed = [p for p, decodes in steps if decodes and p]
+    assert mixed and max(mixed) <= 16, steps
+    assert sum(p for p, _ in steps) == len(short) + len(long)
+    assert_all_pages_back(llm)

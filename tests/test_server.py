@@ -494,9 +494,9 @@ def test_signal_mid_stream_exits_cleanly(model_path, sig):
             proc.wait()
 
 
-# --- the engine thread on its own ----------------------------------------------------------------------
+# --- the engine loop on its own ------------------------------------------------------------------------
 class _FakeEngine:
-    """Just enough of Engine for EngineWorker: each step gives every request a token; step `fail_at_step`
+    """Just enough of Engine for EngineLoop: each step gives every request a token; step `fail_at_step`
     raises, the way a bug in the engine would."""
 
     def __init__(self, fail_at_step: int) -> None:
@@ -511,7 +511,7 @@ class _FakeEngine:
     def has_work(self):
         return bool(self.reqs)
 
-    def add_request(self, ids, params, stop_check=None):
+    def add_request(self, ids, params):
         from types import SimpleNamespace
         if not ids:
             raise ValueError("the prompt is empty")
@@ -525,6 +525,7 @@ class _FakeEngine:
 
     def step(self):
         self.steps += 1
+        self.stats["steps"] = self.steps
         if self.steps >= self.fail_at_step:
             raise RuntimeError("simulated engine bug")
         for r in self.reqs:
@@ -533,35 +534,46 @@ class _FakeEngine:
 
 
 def test_engine_failure_fails_requests_instead_of_hanging():
+    """The loop and the client over a real pipe (the loop on a thread here): a refused request gets an "invalid"
+    error, a step that raises fails the open request with the error ("internal") and ends the loop with
+    status 1, and the client refuses later requests at once ("unavailable")."""
     import asyncio
+    import threading
+    from multiprocessing import Pipe
 
     from minisgl import SamplingParams
-    from minisgl.server.worker import EngineWorker, RequestHandle
+    from minisgl.server.engine_client import EngineClient, RequestHandle
+    from minisgl.server.engine_process import EngineLoop
 
-    worker = EngineWorker(_FakeEngine(fail_at_step=3))
-    worker.start()
+    ours, theirs = Pipe(duplex=True)
+    exit_code = []
+    loop_thread = threading.Thread(target=lambda: exit_code.append(
+        EngineLoop(_FakeEngine(fail_at_step=3), theirs, heartbeat_s=0.05).run()), daemon=True)
+    loop_thread.start()
+    client = EngineClient(config=None, watchdog_timeout=5.0, heartbeat_s=0.05)
+    client.conn, client.healthy = ours, True
 
-    async def run():
-        bad = RequestHandle([], SamplingParams())
-        worker.submit(bad)
-        bad_events = [d async for d in bad.events()]
-        good = RequestHandle([1, 2], SamplingParams())
-        worker.submit(good)
-        events = await asyncio.wait_for(_collect(good), timeout=10)
-        late = RequestHandle([1], SamplingParams())
-        worker.submit(late)  # the engine is dead: refused at once
-        late_events = await asyncio.wait_for(_collect(late), timeout=10)
-        return bad_events, events, late_events
-
-    async def _collect(h):
+    async def collect(h):
         return [d async for d in h.events()]
 
+    async def run():
+        await client.attach()
+        bad = RequestHandle([], SamplingParams())
+        client.submit(bad)
+        bad_events = await asyncio.wait_for(collect(bad), timeout=10)
+        good = RequestHandle([1, 2], SamplingParams())
+        client.submit(good)
+        events = await asyncio.wait_for(collect(good), timeout=10)
+        late = RequestHandle([1], SamplingParams())
+        client.submit(late)  # the engine is gone: refused at once
+        late_events = await asyncio.wait_for(collect(late), timeout=10)
+        return bad_events, events, late_events
+
     bad_events, events, late_events = asyncio.run(run())
-    assert bad_events[-1].error_kind == "invalid" and "empty" in bad_events[-1].error
+    assert bad_events[-1].finish.kind == "invalid" and "empty" in bad_events[-1].error
     assert sum(len(d.token_ids) for d in events) == 2  # two steps worked, the third raised
-    assert events[-1].error_kind == "internal" and "simulated engine bug" in events[-1].error
-    assert late_events[-1].error is not None
-    assert not worker.healthy
-    assert worker.stats().result(timeout=5)["healthy"] is False
-    worker.stop()
-    assert not worker.alive
+    assert events[-1].finish.kind == "internal" and "simulated engine bug" in events[-1].error
+    assert late_events[-1].finish.kind == "unavailable" and "simulated engine bug" in late_events[-1].error
+    assert not client.healthy and client.fatal_error is not None
+    loop_thread.join(5)
+    assert exit_code == [1]

@@ -27,20 +27,26 @@ from minisgl.server.app import (
     to_api_error,
 )
 from minisgl.server.detokenizer import MAX_HELD_TOKENS, TextStream
+from minisgl.server.engine_process import EngineInfo
 from minisgl.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from minisgl.server.step_outputs import Finish
 from minisgl.server.testing import build_tokenizer, tiny_model_path
-from minisgl.server.worker import Delta
 from minisgl.stop_strings import make_stop_check
 
 KV_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
-def state(tmp_path_factory):
+def engine(tmp_path_factory):
     path = tiny_model_path(tmp_path_factory.getbasetemp() / "server-tests")
-    engine = Engine(make_config(path, kv_cache_tokens=KV_TOKENS))
+    return Engine(make_config(path, kv_cache_tokens=KV_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def state(engine):
+    """The front's state without an engine process: only the engine's limits, as it reports them at start."""
     tok = load_tokenizer(engine.runner.model_path)
-    s = ServerState(worker=SimpleNamespace(engine=engine), tokenizer=tok, stop_tokenizer=tok, model_name="tiny")
+    s = ServerState(engine=SimpleNamespace(info=EngineInfo.of(engine)), tokenizer=tok, model_name="tiny")
     yield s
     s.executor.shutdown()
 
@@ -55,22 +61,25 @@ def chat(**kw) -> ChatCompletionRequest:
 
 
 # --- typed errors ----------------------------------------------------------------------------------------
-def test_check_request_names_the_parameter(state):
-    engine, ctx, vocab = state.engine, state.max_model_len, state.engine.model_config.vocab_size
+def test_check_request_names_the_parameter(state, engine):
+    """The engine's check, and the front's (EngineInfo, from the limits alone), refuse alike."""
+    ctx, vocab = state.max_model_len, engine.model_config.vocab_size
     ok = SamplingParams(max_tokens=4)
     cases = [([], ok, "prompt", None), ([vocab], ok, "prompt", None), ([1] * ctx, ok, "prompt",
              "context_length_exceeded"), ([1] * 10, SamplingParams(max_tokens=ctx), "max_tokens",
              "context_length_exceeded"), ([1] * 10, SamplingParams(max_tokens=KV_TOKENS), "max_tokens",
              "context_length_exceeded")]
-    for ids, params, param, code in cases:
-        with pytest.raises(RequestError) as info:
-            engine.check_request(ids, params)
-        assert (info.value.param, info.value.code) == (param, code), (ids[:3], params, info.value)
-        assert isinstance(info.value, ValueError)  # callers that catch ValueError keep working
+    for check in (engine.check_request, state.info.check_request):
+        for ids, params, param, code in cases:
+            with pytest.raises(RequestError) as info:
+                check(ids, params)
+            assert (info.value.param, info.value.code) == (param, code), (ids[:3], params, info.value)
+            assert isinstance(info.value, ValueError)  # callers that catch ValueError keep working
+        check([1, 2], SamplingParams(max_tokens=4))  # and a good one passes
 
 
 def test_llm_keeps_the_parameter_and_names_the_request(state):
-    llm = LLM(state.engine.runner.model_path, kv_cache_tokens=KV_TOKENS)
+    llm = LLM(state.info.model_path, kv_cache_tokens=KV_TOKENS)
     with pytest.raises(RequestError, match=r"^request 1: the prompt is empty") as info:
         llm.generate([[1, 2], []], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2)])
     assert info.value.param == "prompt"
@@ -82,10 +91,12 @@ def test_engine_errors_map_to_openai_bodies_without_reading_the_message():
     err = to_api_error(RequestError("x", "max_tokens"), "messages", "max_completion_tokens")
     assert err.param == "max_completion_tokens"
     assert to_api_error(RequestError("x", "top_p")).param == "top_p"
-    body = engine_error(Delta([], "error", "too long", "invalid", "prompt", "context_length_exceeded")).body()
+    body = engine_error(Finish("error", "too long", "invalid", "prompt", "context_length_exceeded")).body()
     assert body == {"error": {"message": "too long", "type": "invalid_request_error", "param": "prompt",
                               "code": "context_length_exceeded"}}
-    assert engine_error(Delta([], "error", "boom", "internal")).status == 500
+    assert engine_error(Finish("error", "boom", "internal")).status == 500
+    gone = engine_error(Finish("error", "the engine process was killed", "unavailable", code="engine_unavailable"))
+    assert (gone.status, gone.code) == (503, "engine_unavailable")
 
 
 def test_sampling_params_for_names_the_endpoint_parameters(state):

@@ -213,7 +213,7 @@ def environment() -> dict:
 
 
 def newest_sections(folder) -> dict[str, dict]:
-    """For each section of the results files in `folder` (scripts/h200_run.py's JSON), its newest result across
+    """For each section of the results files in `folder` (lab/run.py's JSON), its newest result across
     the files: {section: {"result": ..., "file": file name, "environment": that file's environment}}."""
     from pathlib import Path
 

@@ -11,6 +11,7 @@ has seen it yet (the overlap loop), and the scheduler writes only what the devic
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -25,11 +26,26 @@ from minisgl.engine.prefill_graph import pad_extend_step
 from minisgl.engine.runtimes import make_runtime
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_bytes
+from minisgl.environment import omp_threads_set
 from minisgl.kernels.options import use_options
 from minisgl.kvcache import KVCache, ReqToTokenPool
 from minisgl.loader import DTYPES, load_model
 from minisgl.models.registry import runtime_name
 from minisgl.scheduler import Batch
+
+
+def cpu_threads(config: EngineConfig) -> int:
+    """Torch threads for an engine on the CPU: `config.cpu_threads`, or for 0 (auto) one fewer than the cores
+    this process may use, shared by the tensor-parallel ranks, at least 1. With every core busy, torch's
+    threads wait at each op for one that a busy neighbour (another process, the tokenizer, a rank) holds: on 2
+    cores beside one busy process that cost 3x (lab/checks/cpu_threads_bench.py). An explicit OMP_NUM_THREADS is
+    the user's choice, which torch already applied: auto keeps it."""
+    if config.cpu_threads > 0:
+        return config.cpu_threads
+    if omp_threads_set():
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, (cores - 1) // config.tp_size)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -103,6 +119,8 @@ class ModelRunner:
     def _setup(self, config: EngineConfig, rank: int, tp_link: tuple | None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":  # before the weights load: their conversion runs on these threads too
+            torch.set_num_threads(cpu_threads(config))
         if config.tp_size > 1:  # --- tensor parallelism: join (rank 0: start) the group; a GPU per rank ---
             from minisgl.distributed import TensorParallel
             # ranks 1..N-1 run a runner of this class each (`loop`); the group never imports the engine

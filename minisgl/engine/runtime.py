@@ -94,5 +94,6 @@ class ModelRuntime:
                        req_pool: ReqToTokenPool) -> tuple[PrefixCache, Scheduler]:
         cache = (RadixCache if config.radix_cache else NaiveCache)(allocator, config.page_size)
         scheduler = Scheduler(allocator, req_pool, cache, config.page_size, config.max_running_requests,
-                              config.prefill_budget, chunked=config.chunked_prefill)
+                              config.prefill_budget, chunked=config.chunked_prefill,
+                              mixed_chunk_size=config.mixed_prefill_tokens)
         return cache, scheduler

@@ -183,5 +183,6 @@ def make_hybrid_scheduler(config, allocator: PageAllocator, req_pool: ReqToToken
     else:
         cache = NaiveCache(allocator, config.page_size)
     scheduler = HybridScheduler(allocator, req_pool, cache, config.page_size, config.max_running_requests,
-                                config.prefill_budget, chunked=config.chunked_prefill)
+                                config.prefill_budget, chunked=config.chunked_prefill,
+                                mixed_chunk_size=config.mixed_prefill_tokens)
     return cache, scheduler

@@ -230,7 +230,8 @@ class SchedulerAdmission:
 # --- notebooks/05_scheduler.ipynb, cell 35 (id c05-035) ---
 class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
     def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, cache: PrefixCache,
-                 page_size: int, max_running: int, chunk_size: int, chunked: bool = True) -> None:
+                 page_size: int, max_running: int, chunk_size: int, chunked: bool = True,
+                 mixed_chunk_size: int = 0) -> None:
         self.allocator, self.req_pool, self.cache = allocator, req_pool, cache
         self.page_size = page_size
         self.max_running = max_running
@@ -238,6 +239,9 @@ class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
         # prompt larger than the budget runs as the only prefill of its step.
         self.chunk_size = chunk_size
         self.chunked = chunked
+        # Chunked: at most this many prefill tokens in a step that also decodes (0: chunk_size). A server under
+        # steady arrivals may trade prompt speed for steadier token gaps of the requests already streaming.
+        self.mixed_chunk_size = mixed_chunk_size
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.step_id = 0
@@ -271,8 +275,11 @@ class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
             r.pages += self.allocator.alloc(self._pages_for(r, 1))
             plan.append((r, 1))
 
-        # 2. continue prefills under way, then admit new requests, within the token budget
+        # 2. continue prefills under way, then admit new requests, within the token budget (a step that decodes
+        # starts with part of it counted as spent when mixed_chunk_size is smaller)
         prefill_tokens = 0
+        if decodes and self.chunked and 0 < self.mixed_chunk_size < self.chunk_size:
+            prefill_tokens = self.chunk_size - self.mixed_chunk_size
         for r in prefills:
             n = self._prefill_len(r.num_tokens - r.kv_len, prefill_tokens)
             if n <= 0 or not self._ensure_free(self._pages_for(r, n)):

@@ -1,5 +1,9 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health.
 
+This is the front process: HTTP, JSON, tokenization, incremental detokenization and stop strings. The engine
+runs in a process of its own (`engine_process`), reached through `EngineClient`, so none of this work competes
+with the step loop for a GIL.
+
 Every request is checked before the engine sees it (JSON, schema, model name, prompt size, context length,
 sampling ranges), so a bad request is a 4xx with an OpenAI-style error body and never reaches the engine
 thread. A request the engine accepts is streamed back as its tokens resolve; a client that goes away has its
@@ -40,6 +44,7 @@ from starlette.requests import ClientDisconnect
 from minisgl.errors import RequestError
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.detokenizer import TextStream
+from minisgl.server.engine_client import EngineClient, RequestHandle
 from minisgl.server.logprobs import chat_logprobs, completion_logprobs
 from minisgl.server.protocol import (
     APIError,
@@ -50,8 +55,8 @@ from minisgl.server.protocol import (
     structured_output_of,
     validation_error,
 )
-from minisgl.server.worker import Delta, EngineWorker, RequestHandle
-from minisgl.stop_strings import make_stop_check
+from minisgl.server.step_outputs import Finish
+from minisgl.stop_strings import StopStringScanner
 
 logger = logging.getLogger("minisgl.server")
 
@@ -71,9 +76,8 @@ def max_chars_per_token(tokenizer) -> int:
 
 @dataclass
 class ServerState:
-    worker: EngineWorker
+    engine: EngineClient  # the engine process (tests: anything with `info`, `submit`, `healthy`, ...)
     tokenizer: Any  # read-only use on the event loop and the executor's threads; None: token ids only
-    stop_tokenizer: Any  # a second copy, used on the engine thread for stop strings
     model_name: str
     model_aliases: frozenset = frozenset()
     created: int = field(default_factory=lambda: int(time.time()))
@@ -88,12 +92,13 @@ class ServerState:
             self.max_prompt_chars = self.max_model_len * max_chars_per_token(self.tokenizer)
 
     @property
-    def engine(self):
-        return self.worker.engine  # read-only use on this side: limits and check_request (pure)
+    def info(self):
+        """The engine's limits (EngineInfo): context length, KV capacity, vocabulary, check_request."""
+        return self.engine.info
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.info.max_model_len
 
     async def run_blocking(self, fn: Callable, *args):
         """fn(*args) on the tokenizer threads, so the event loop keeps serving meanwhile (inline once the pool
@@ -178,7 +183,7 @@ def sampling_params_for(state: ServerState, req, ids: list[int], max_tokens: int
     if n >= ctx:
         raise APIError(400, f"this model's maximum context length is {ctx} tokens, but the prompt has "
                             f"{n} tokens", param=prompt_param, code="context_length_exceeded")
-    room = min(ctx, state.engine.runner.kv_capacity_tokens) - n
+    room = min(ctx, state.info.kv_capacity_tokens) - n
     if max_tokens is None:
         max_tokens = room if default_max is None else max(1, min(default_max, room))
     elif max_tokens > ctx - n:
@@ -191,7 +196,7 @@ def sampling_params_for(state: ServerState, req, ids: list[int], max_tokens: int
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop=tuple(req.stop or ()),
                                 logprobs=logprobs, structured_output=structured_output_of(req.response_format),
                                 **{name: v for name, v in given.items() if v is not None})
-        state.engine.check_request(ids, params)
+        state.info.check_request(ids, params)
     except RequestError as e:
         err = to_api_error(e, prompt_param, max_tokens_param)
         if err.param == "logprobs" and isinstance(req, ChatCompletionRequest):
@@ -208,13 +213,13 @@ async def checked_params(state: ServerState, req, *args, **kw) -> SamplingParams
     return await state.run_blocking(functools.partial(sampling_params_for, state, req, *args, **kw))
 
 
-def engine_error(delta: Delta) -> APIError:
-    """The error a Delta carries (the engine refused or failed the request) as an APIError."""
-    if delta.error_kind == "invalid":
-        return APIError(400, delta.error, param=delta.error_param, code=delta.error_code)
-    if delta.error_kind == "unavailable":
-        return APIError(503, delta.error, type="server_error", code="unavailable")
-    return APIError(500, delta.error or "internal error", type="server_error", code="internal_error")
+def engine_error(finish: Finish) -> APIError:
+    """A failed request's Finish (the engine refused it, failed it, or is gone) as an APIError."""
+    if finish.kind == "invalid":
+        return APIError(400, finish.error, param=finish.param, code=finish.code)
+    if finish.kind == "unavailable":
+        return APIError(503, finish.error, type="server_error", code=finish.code or "unavailable")
+    return APIError(500, finish.error or "internal error", type="server_error", code="internal_error")
 
 
 # --- text <-> tokens (blocking: run them with state.run_blocking) ---------------------------------------
@@ -331,23 +336,33 @@ async def _watch_disconnect(request: Request, cancel: Callable[[], None]) -> Non
             return
 
 
-async def generate(state: ServerState, handle: RequestHandle, ts):
+async def generate(state: ServerState, handle: RequestHandle, ts, stops: StopStringScanner | None = None):
     """Run one (submitted) request: yields (text piece, None, token ids, logprob entries) as text settles or
-    tokens with logprobs arrive, then (tail, finish_reason, [], []) once."""
+    tokens with logprobs arrive, then (tail, finish_reason, [], []) once.
+
+    Stop strings are found here, not in the engine: `stops` runs the offline engine's per-token check on the
+    tokens as they arrive, and the output ends at the token where it first fires (the same tokens, text and
+    usage as `LLM.generate`); the engine, told to stop, may have run a step or two further, which is dropped."""
     reason = None
     try:
         async for delta in handle.events():
             if delta.error is not None:
-                raise engine_error(delta)
-            piece = ts.push(delta.token_ids)
-            if piece or delta.logprobs:
-                yield piece, None, delta.token_ids, delta.logprobs or []
-            if ts.stopped:  # a stop string: end here (and stop the engine if its own check has not yet)
-                handle.cancel()
+                raise engine_error(delta.finish)
+            ids = delta.token_ids
+            entries = (delta.extras or {}).get("output_logprobs") or []
+            if stops is not None and ids:
+                hit = stops.feed(ids)
+                if hit >= 0:
+                    ids, entries, reason = ids[:hit + 1], entries[:hit + 1], "stop"
+            piece = ts.push(ids)
+            if piece or entries:
+                yield piece, None, ids, entries
+            if reason is not None or ts.stopped:  # a stop string: end here, and stop the engine
+                handle.cancel("stop")
                 reason = "stop"
                 break
-            if delta.finish_reason is not None:
-                reason = delta.finish_reason
+            if delta.finish is not None:
+                reason = delta.finish.reason
                 break
         tail = await state.run_blocking(ts.finish)  # decodes the whole output once
         if ts.stopped:
@@ -367,9 +382,9 @@ class Choice:
     logprobs: list = field(default_factory=list)
 
 
-async def _gather(state: ServerState, handle: RequestHandle, ts, choice: Choice) -> None:
+async def _gather(state: ServerState, handle: RequestHandle, ts, stops, choice: Choice) -> None:
     parts = []
-    async for piece, finish, token_ids, entries in generate(state, handle, ts):
+    async for piece, finish, token_ids, entries in generate(state, handle, ts, stops):
         parts.append(piece)
         choice.token_ids += token_ids
         choice.logprobs += entries
@@ -379,13 +394,17 @@ async def _gather(state: ServerState, handle: RequestHandle, ts, choice: Choice)
 
 async def respond(state: ServerState, request: Request, req, ids: list[int], params: SamplingParams, chunk, full,
                   first: Callable[[int], dict] | None = None):
-    """Submit the request's `params.n` streams and answer them: one JSON body, or server-sent events when
-    req.stream. chunk(index, text, reason, token_ids, logprob entries) -> one event; full(choices, usage)."""
+    """Submit the request's `params.n` streams (one engine group: the prompt is prefilled once) and answer
+    them: one JSON body, or server-sent events when req.stream, the choices' events interleaved as they come.
+    chunk(index, text, reason, token_ids, logprob entries) -> one event; full(choices, usage) -> the body."""
+    def scanner():
+        return StopStringScanner(state.tokenizer, params.stop) if params.stop else None
+
     try:
-        stop_check = make_stop_check(state.stop_tokenizer, params.stop)
+        stops = [scanner() for _ in range(params.n)]
     except RequestError as e:
         raise to_api_error(e) from None
-    handles = [RequestHandle(ids, params, stop_check) for _ in range(params.n)]
+    handles = [RequestHandle(ids, params) for _ in range(params.n)]
     streams = [TextStream(state.tokenizer, params.stop) if state.tokenizer is not None else _NoTokenizerStream()
                for _ in handles]
 
@@ -398,10 +417,11 @@ async def respond(state: ServerState, request: Request, req, ids: list[int], par
 
     if not req.stream:
         watcher = asyncio.ensure_future(_watch_disconnect(request, cancel_all))
-        state.worker.submit(handles)
+        state.engine.submit(handles)
         choices = [Choice() for _ in handles]
         try:
-            await asyncio.gather(*(_gather(state, h, ts, c) for h, ts, c in zip(handles, streams, choices)))
+            await asyncio.gather(*(_gather(state, h, ts, sc, c) for h, ts, sc, c in zip(handles, streams, stops,
+                                                                                        choices)))
         finally:
             watcher.cancel()
             cancel_all()
@@ -412,9 +432,9 @@ async def respond(state: ServerState, request: Request, req, ids: list[int], par
     async def events():
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, handle: RequestHandle, ts) -> None:
+        async def pump(i: int) -> None:
             try:
-                async for item in generate(state, handle, ts):
+                async for item in generate(state, handles[i], streams[i], stops[i]):
                     await queue.put((i, item, None))
             except APIError as e:
                 await queue.put((i, None, e))
@@ -426,8 +446,8 @@ async def respond(state: ServerState, request: Request, req, ids: list[int], par
             if first is not None:
                 for i in range(len(handles)):
                     yield _sse(first(i))
-            state.worker.submit(handles)
-            tasks = [asyncio.ensure_future(pump(i, h, ts)) for i, (h, ts) in enumerate(zip(handles, streams))]
+            state.engine.submit(handles)
+            tasks = [asyncio.ensure_future(pump(i)) for i in range(len(handles))]
             open_streams = len(tasks)
             while open_streams:
                 i, item, error = await queue.get()
@@ -457,8 +477,7 @@ async def respond(state: ServerState, request: Request, req, ids: list[int], par
 
 async def read_request(state: ServerState, request: Request, schema):
     """Read, parse and check the body; a large one is parsed on the tokenizer threads."""
-    if state.shutting_down:
-        raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+    check_available(state)
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise _body_too_large()  # before reading it
@@ -540,12 +559,19 @@ async def chat_completions(state: ServerState, request: Request):
                          first=lambda i: chunk(i, None, None, [], [], role=True))
 
 
-def health(state: ServerState) -> dict:
-    if not state.worker.alive or not state.worker.healthy:
-        raise APIError(503, state.worker.fatal_error or "the engine is not running", "server_error",
+def check_available(state: ServerState) -> None:
+    """APIError(503) when the engine is gone (killed, crashed, frozen) or the server is shutting down: before
+    any work, so a streaming request is refused with a status too, not with a 200 and an error event."""
+    engine = state.engine
+    if not engine.healthy or engine.fatal_error is not None:
+        raise APIError(503, engine.fatal_error or "the engine is not running", "server_error",
                        code="engine_unavailable")
-    if state.shutting_down:
+    if state.shutting_down or engine.refusing:
         raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+
+
+def health(state: ServerState) -> dict:
+    check_available(state)
     return {"status": "ok"}
 
 
@@ -600,9 +626,10 @@ async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
+        await state.engine.attach()
         yield
         state.shutting_down = True
-        await asyncio.to_thread(state.worker.stop)
+        await state.engine.shutdown()
         state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan)
@@ -626,9 +653,10 @@ def create_app(state: ServerState) -> FastAPI:
         return model_card(state)
 
     @app.get("/v1/internal/stats")
-    async def _internal_stats():
-        """Debugging and tests only: KV page accounting and request counters, read on the engine thread."""
-        stats = await asyncio.wrap_future(state.worker.stats())
+    async def _internal_stats(request: Request):
+        """Debugging and tests only: KV page accounting and request counters, read in the engine process
+        (`?check=1`: also check the prefix cache's invariants when idle)."""
+        stats = await asyncio.wrap_future(state.engine.stats(check=request.query_params.get("check") == "1"))
         return {**stats, "bad_requests": state.bad_requests}
 
     @app.post("/v1/completions")
