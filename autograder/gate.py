@@ -14,7 +14,7 @@ on stderr. Then notebook k is filled with the reference solution and runs again:
 every cell must pass, and its last cell (`coursekit.export_this`) writes the student's modules into the
 release package for notebook k+1. `course.py roundtrip` then autogrades the filled notebooks (full marks).
 
-Used by `course.py roundtrip` (and so by tests/test_course.py) and by scripts/h200_course.py (`execute`).
+Used by `course.py roundtrip` (and so by tests/test_course.py) and by lab/course/h200.py (`execute`).
 """
 
 from __future__ import annotations

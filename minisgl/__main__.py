@@ -16,13 +16,9 @@ import argparse
 import dataclasses
 import json
 import sys
-import traceback
-from collections.abc import Callable
 
-from minisgl.config import EngineConfig, add_engine_args, engine_kwargs_from_args
-from minisgl.errors import ConfigError, RequestError
-
-USAGE_ERROR, RUNTIME_ERROR = 2, 1
+from minisgl.config import add_engine_args, engine_kwargs_from_args
+from minisgl.errors import add_traceback_flag, run_command
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -52,39 +48,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
         write_json(a.out, data)
         print(f"wrote {a.out}")
     return 0
-
-
-def one_line(error: BaseException) -> str:
-    """An exception as one line: its message with line breaks folded (a library's message may span several),
-    prefixed by its type when the type says something the message does not (a KeyError's message is a key)."""
-    message = " ".join(str(error).split())
-    if isinstance(error, ConfigError):
-        flags = next((f.metadata.get("flags") for f in dataclasses.fields(EngineConfig) if f.name == error.field),
-                     None)
-        message = f"{'/'.join(flags)} {' '.join(error.problem.split())}" if flags else message
-    elif not isinstance(error, (ValueError, OSError, ImportError, RuntimeError)) or not message:
-        message = f"{type(error).__name__}: {message}" if message else type(error).__name__
-    return message
-
-
-def run_command(prog: str, func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """func(args), its errors as one line on stderr (`prog: error: ...`) and an exit status: 2 for a setting
-    out of range or a refused request (ConfigError, RequestError), 1 for anything else that went wrong; the
-    traceback too with --traceback."""
-    try:
-        return func(args)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # the command line's last word: every error becomes one line
-        if getattr(args, "traceback", False):
-            traceback.print_exc()
-        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
-        return USAGE_ERROR if isinstance(e, (ConfigError, RequestError)) else RUNTIME_ERROR
-
-
-def add_traceback_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--traceback", action="store_true",
-                        help="on an error, print the whole traceback, not only its one-line message")
 
 
 def main(argv: list[str] | None = None) -> int:

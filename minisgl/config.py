@@ -36,7 +36,7 @@ def _opt(default, flag: str | tuple[str, ...], help: str, *, disable: bool = Fal
 class SamplerLaunch:
     """Launch shapes of the fused sampler (kernels/sampling.py). The same for every batch size on purpose: a row's
     top-p weight is summed in an order set by the chunk and block sizes, and a row's token must never depend on
-    the batch it is in. scripts/gpu_sampling_tune.py times the alternatives; the defaults are its pick on an H200.
+    the batch it is in. lab/tune/sampling.py times the alternatives; the defaults are its pick on an H200.
     The stats block divides the chunk; the search and draw blocks divide the stats block."""
 
     chunk: int = 4096
@@ -49,7 +49,7 @@ class SamplerLaunch:
 
 @dataclass(frozen=True)
 class GdnLaunch:
-    """Launch settings of the Gated DeltaNet kernels (kernels/gdn.py; scripts/gpu_gdn_check.py sweeps them).
+    """Launch settings of the Gated DeltaNet kernels (kernels/gdn.py; lab/checks/gdn.py sweeps them).
 
     conv_*: channel block / token block / warps of the conv kernels; decode_block_v (0: by batch size) /
     decode_warps: the recurrent kernel on a decode step; prefill: "chunked" or "recurrent"; prepare_warps,
@@ -60,7 +60,7 @@ class GdnLaunch:
     compiles in (its rows find their sequence in cu_seqlens). A compile-time constant, so each distinct value is
     a Triton compile. 0 = exactly the steps the batch needs, ceil(log2 N): a new compile the first time a step
     holds 17+, 33+, 65+, 129+, 257+ sequences (about 2 s each for sm_90 on a 2-core CPU,
-    scripts/w1_host_study.py), which W1's timed run hit five times (its warm-up and the prefill graphs reach
+    reports/cpu/w1_host_study.json), which W1's timed run hit five times (its warm-up and the prefill graphs reach
     N = 16). A fixed count (default 16: N up to 65,536) is one variant for every batch; the extra steps are
     no-ops (`lo < hi` is false once the search converged, and their loads are masked), a few integer ops per row.
     A batch needing more steps than this takes the exact count."""
@@ -105,7 +105,7 @@ class KernelOptions:
                                     "chunks instead of the decode kernel (attention/triton_backend.py)",
                                     disable=True)
     gemv_configs: str | None = _opt(None, "--gemv-configs",
-                                    "the GEMV's tile table, a JSON file as scripts/gpu_gemv_tune.py writes it "
+                                    "the GEMV's tile table, a JSON file as lab/tune/gemv.py writes it "
                                     "(default: the GPU's table in kernels/gemv_tuned/, if any)")
     gemv_pdl_early_tiles: int = _opt(2, "--gemv-pdl-early-tiles",
                                      "weight tiles the GEMV loads before its PDL wait, 0-3 (kernels/gemv.py)")
@@ -215,7 +215,7 @@ class EngineConfig:
                             "the cores this process may use (at least 1; split between tensor-parallel ranks), or "
                             "torch's own count when OMP_NUM_THREADS is set. Idle, a tiny model runs as fast on 1 "
                             "thread as on 2; beside a busy process, all-core threads wait on each other (bench: "
-                            "scripts/cpu_threads_bench.py)")
+                            "lab/checks/cpu_threads_bench.py)")
     # how minisgl's kernels run (the class above; its flags are generated with these)
     kernels: KernelOptions = field(default_factory=default_kernel_options)
     progress: bool = False  # a progress bar in LLM.generate (no flag: `bench --quiet` sets it)
@@ -240,7 +240,8 @@ class EngineConfig:
         what depends on the machine or the model (no GPU, a broken checkpoint) is found when the engine starts."""
         def need(ok: bool, name: str, problem: str) -> None:
             if not ok:
-                raise ConfigError(name, f"{problem}, got {getattr(self, name)!r}")
+                flags = next(f.metadata.get("flags") for f in dataclasses.fields(self) if f.name == name)
+                raise ConfigError(name, f"{problem}, got {getattr(self, name)!r}", "/".join(flags or ()) or None)
 
         def integer(name: str, low: int | None, problem: str, optional: bool = False) -> None:
             value = getattr(self, name)

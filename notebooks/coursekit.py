@@ -55,7 +55,7 @@ def repo_root() -> Path:
 
 
 def h200_sections() -> dict[str, dict]:
-    """The H200 measurements in reports/h200/: for each section of scripts/h200_run.py, its newest result
+    """The H200 measurements in reports/h200/: for each section of lab/run.py, its newest result
     across the results files, as {"result": ..., "file": ..., "environment": ...} (as the report reads them)."""
     from minisgl.bench.runner import newest_sections
 
@@ -325,7 +325,7 @@ def zero_if_stub(exercise: str):
 
 # --- the tour's recording ---------------------------------------------------------------------------------
 # The tour (00) drives the finished engine. In a fresh release the package is all exercise stubs, so the
-# tour falls back to a run of the reference engine recorded by scripts/record_tour.py (data only: texts,
+# tour falls back to a run of the reference engine recorded by lab/course/record_tour.py (data only: texts,
 # token ids, per-step batch composition inputs and timings), and says so.
 
 TOUR_TRACE = "assets/tour_trace.json"

@@ -244,8 +244,8 @@ def test_release_speaks_to_students(roundtrip):
 
 
 def test_tour_recording_is_current():
-    """assets/tour_trace.json was recorded from this tour on this model (else: python scripts/record_tour.py)."""
-    out = subprocess.run([sys.executable, "scripts/record_tour.py", "--check"], cwd=REPO, capture_output=True,
+    """assets/tour_trace.json was recorded from this tour on this model (else: python -m lab.course.record_tour)."""
+    out = subprocess.run([sys.executable, "-m", "lab.course.record_tour", "--check"], cwd=REPO, capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -81,7 +81,7 @@ def test_config_override_is_used(force_triton, tmp_path):
 
 @pytest.mark.parametrize("silu_mul", [False, True])
 def test_one_k_tile_wider_than_k(force_triton, silu_mul):
-    # the wide tiles of scripts/gpu_gemv_tune.py --wide: one masked K step covers the whole row (3000 of 4096)
+    # the wide tiles of lab/tune/gemv.py --wide: one masked K step covers the whole row (3000 of 4096)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, 2 * 3000 if silu_mul else 3000, generator=gen)
     w = torch.randn(24, 3000, generator=gen)

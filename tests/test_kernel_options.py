@@ -4,7 +4,7 @@ running under their own, with the tokens Hugging Face gives.
 
 The Triton part runs the kernels under the Triton interpreter (skipped where Triton is not installed); the
 CUDA-graph side (each captured graph keeps its engine's options) is checked on a GPU by
-scripts/gpu_refactor_check.py."""
+lab/checks/engine_options.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (minisgl/kernels/pdl.py): the switch, when launches get it, the engine flag, the
-kernels' USE_PDL paths under the Triton interpreter, and the sm_90 PTX order check (scripts/pdl_ptx_check.py).
+kernels' USE_PDL paths under the Triton interpreter, and the sm_90 PTX order check (lab/checks/pdl_ptx.py).
 
-Nothing here needs a GPU: the real PDL launches are checked on an H200 by `scripts/h200_run.py pdl_check`."""
+Nothing here needs a GPU: the real PDL launches are checked on an H200 by `python -m lab.run --sections pdl_check`."""
 
 from __future__ import annotations
 
@@ -229,7 +229,7 @@ def test_every_decode_kernel_waits_before_global_memory_in_its_ptx():
     if not _pdl().triton_supports_pdl():
         pytest.skip("this Triton has no launch_pdl")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MINISGL_PDL")}
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "pdl_ptx_check.py")], env=env, cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "lab.checks.pdl_ptx"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "0 with problems" in out.stdout

@@ -180,17 +180,12 @@ def test_graph_pool_of_decode_runner():
 
 
 def test_gpu_check_script_smoke_on_cpu(tmp_path):
-    """scripts/gpu_prefill_check.py end to end on a CPU (uncaptured twin, small model, tiny W2)."""
-    import importlib.util
+    """lab/checks/prefill_graphs.py end to end on a CPU (uncaptured twin, small model, tiny W2)."""
     import json
-    import os
 
-    from helpers import REPO, TINY_QWEN3_ASSET
+    from helpers import TINY_QWEN3_ASSET
 
-    spec = importlib.util.spec_from_file_location("gpu_prefill_check",
-                                                  os.path.join(REPO, "scripts", "gpu_prefill_check.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from lab.checks import prefill_graphs as script
     cases = {"1x7": ([7], {}), "decode+prefill": ([3, 4, 70], {"chunked_prefill_size": 32})}
     res = script.main(str(tmp_path), model=TINY_QWEN3_ASSET, cases=cases, w2=True, w2_scale=0.02)
     assert res["ok"] and not res["errors"]
@@ -205,3 +200,23 @@ def test_build_caps_requests_at_max_running(qwen3_path, make_llm):
     graphs = pg.build_prefill_graphs(llm.engine.runner, 64, 16, capture=False)
     assert graphs.token_buckets == [16, 32, 64] and graphs.request_buckets == [1, 3]
     assert graphs.shapes == [(16, 1), (16, 3), (32, 1), (32, 3), (64, 1), (64, 3)] and not graphs.graphs
+
+
+def test_processed_steps_through_the_padded_forward(qwen3_path, make_llm):
+    """Penalties and logprobs on steps the prefill graphs serve: the processing reads the graph's shared logits
+    buffer (its first rows), and the tokens and logprobs equal the eager engine's."""
+    from minisgl import SamplingParams
+
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=10, ignore_eos=True,
+                             repetition_penalty=1.3 if i % 3 else 1.0, logprobs=2 if i % 2 else None)
+              for i in range(len(PROMPTS))]
+    eager = make_llm(qwen3_path, dtype="float32", chunked_prefill_size=7).generate(PROMPTS, params)
+    llm = make_llm(qwen3_path, dtype="float32", chunked_prefill_size=7)
+    graphs = attach_graph_shaped_runner(llm, max_tokens=256, max_reqs=8)
+    outs = llm.generate(PROMPTS, params)
+    assert graphs.replays > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    for o, e in zip(outs, eager):
+        if e.logprobs is not None:
+            assert all(abs(a - b) < 1e-4 for (a, _), (b, _) in zip(o.logprobs, e.logprobs))
+    assert_all_pages_back(llm)

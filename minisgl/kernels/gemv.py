@@ -54,12 +54,12 @@ __all__ = ["GEMV_MAX_ROWS", "GemvLinear", "GemvMLP", "device_table", "gemv", "ge
 GEMV_MAX_ROWS = 4
 # A tile table: (BLOCK_N, BLOCK_K, num_warps, max_rows) by weight shape (N, K): the tiles, and up to how many rows
 # the GEMV beat cuBLAS; None where it never did (use_gemv then keeps the nn.Linear). Read from the JSON that
-# scripts/gpu_gemv_tune.py writes ({"N,K": [bn, bk, warps, rows] or null}); shapes not in it take gemv_config's
+# lab/tune/gemv.py writes ({"N,K": [bn, bk, warps, rows] or null}); shapes not in it take gemv_config's
 # rule up to GEMV_MAX_ROWS rows.
 GemvTable = Mapping[tuple[int, int], "tuple[int, int, int, int] | None"]
 NO_TABLE: GemvTable = MappingProxyType({})
 
-# Tables measured by scripts/gpu_gemv_tune.py, one per GPU model: gemv_tuned/<device name>.json.
+# Tables measured by lab/tune/gemv.py, one per GPU model: gemv_tuned/<device name>.json.
 TUNED_DIR = Path(__file__).parent / "gemv_tuned"
 
 

@@ -89,7 +89,7 @@ def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
     for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
                         ("--max-connections", args.max_connections)):
         if not value > 0:  # NaN too
-            raise ConfigError(flag, f"must be > 0, got {value}")
+            raise ConfigError(flag.removeprefix("--").replace("-", "_"), f"must be > 0, got {value}", flag)
     return ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
 
 
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m minisgl.server ...`: the same flags as `python -m minisgl serve ...`, the same errors."""
-    from minisgl.__main__ import add_traceback_flag, run_command
+    from minisgl.errors import add_traceback_flag, run_command
     parser = build_parser()
     add_traceback_flag(parser)
     return run_command("minisgl serve", run_serve, parser.parse_args(argv))

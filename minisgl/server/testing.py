@@ -1,6 +1,6 @@
 """A small model for the server's tests: the shipped demo model when it is there, else a random one.
 
-`assets/tiny-qwen3/` (trained by scripts/train_tiny_model.py) counts as present once its TRAINING.json
+`assets/tiny-qwen3/` (trained by lab/tinymodel/train.py) counts as present once its TRAINING.json
 exists, the file that script writes last. Otherwise `build_random_model(folder)` writes a tiny Qwen3 with
 seeded random weights and a byte-level BPE tokenizer (with a ChatML chat template) trained on a few
 sentences in several scripts, so multi-byte UTF-8 characters are split across tokens. The weights are

@@ -1,0 +1,295 @@
+"""Check, without a GPU, that every decode-path Triton kernel waits before touching global memory under PDL.
+
+Each public wrapper (RMSNorm variants, RoPE, K/V store, SiLU-and-mul, sigmoid-mul, decode and extend attention,
+the GEMV, the fused sampler) is called on small CPU tensors with MINISGL_FORCE_TRITON=1 but *without* the
+interpreter, its kernels replaced by recorders: that yields each launch's arguments exactly as the wrapper builds
+them. Every recorded kernel is then compiled for sm_90 with USE_PDL=True and launch_pdl=True (Triton compiles to
+PTX on any machine) and its PTX read: `griddepcontrol.wait` must sit in the entry block, before the first branch
+or block label, and no global memory instruction (ld/st/atom/red/cp.async on .global, or a generic ld/st/atom)
+may come before it; two control kernels that break the rule must be flagged. That is the rule of kernels/pdl.py
+checked on what the compiler emits, not on the source. The GEMV with the early
+weight load (EARLY_W, 1-3 tiles) may load before the wait (its first weight tiles) but not store or use atomics;
+its strict variant (EARLY_W 0) is held to the full rule. Every `*_kernel` of the four modules must take USE_PDL and be
+among the compiled ones (a new kernel left out of this check fails it).
+
+    python -m lab.checks.pdl_ptx [--json out.json]
+
+Exits non-zero if a kernel breaks the rule; tests/test_pdl.py runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # real JIT functions: they are compiled, not interpreted
+os.environ["MINISGL_FORCE_TRITON"] = "1"  # CPU tensors take the Triton launch (which is recorded, not run)
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from minisgl.kernels import attention as att
+from minisgl.kernels import elementwise as ew
+from minisgl.kernels import gemv as gv
+from minisgl.kernels import sampling as smp
+from minisgl.kernels.pdl import pdl_enter
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+_COMPILE_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+class _Recorder:
+    """Stands in for a JIT kernel: `kernel[grid](*args, **kw)` records the call instead of launching it."""
+
+    def __init__(self, kernel, calls: list) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((self.kernel, args, kw))
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value)}")
+
+
+def compile_ptx(kernel, args: tuple, kw: dict, **constexpr_overrides) -> str:
+    """The sm_90 PTX of `kernel` for a recorded call, launch_pdl on and the given constexprs overridden."""
+    names = [p.name for p in kernel.params]
+    values = dict(zip(names, args))
+    values.update({k: v for k, v in kw.items() if k in names})
+    values.update(constexpr_overrides)
+    signature, constexprs = {}, {}
+    for p in kernel.params:
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = values[p.name]
+        else:
+            signature[p.name] = _arg_type(values[p.name])
+    options = {k: v for k, v in kw.items() if k in _COMPILE_OPTIONS}
+    options["launch_pdl"] = True
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def _is_global_access(opcode: str) -> bool:
+    if not opcode.startswith(("ld.", "ldu.", "st.", "atom.", "red.", "cp.", "prefetch.", "multimem.")):
+        return False
+    if ".global" in opcode:
+        return True
+    return not any(space in opcode for space in (".param", ".shared", ".local", ".const"))
+
+
+def check_ptx(ptx: str, allow_loads_before_wait: bool = False) -> list[str]:
+    """Problems with the order of `griddepcontrol.wait` and global accesses in the kernel's PTX ([] if none)."""
+    lines = ptx.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "{") + 1
+    before = []
+    for line in lines[start:]:
+        s = line.strip()
+        if not s or s.startswith(("//", ".reg", ".loc", ".file", ".shared", ".local")):
+            continue
+        if s.startswith("$L__BB"):  # a basic block (the $L__func_begin / $L__tmp labels are debug info)
+            return [f"a block label ({s}) before griddepcontrol.wait: the wait is not in the entry block"]
+        if s.endswith(":") or s in ("{", "}"):
+            continue
+        instr = re.sub(r"^@!?%\w+\s+", "", s)  # drop a predicate guard
+        opcode = instr.split()[0].rstrip(";")
+        if opcode.startswith("griddepcontrol.wait"):
+            break
+        if opcode.startswith("bra") or opcode.startswith("ret") or opcode.startswith("exit"):
+            return [f"control flow ({s}) before griddepcontrol.wait"]
+        before.append((opcode, s))
+    else:
+        return ["no griddepcontrol.wait"]
+    problems = []
+    for opcode, s in before:
+        if _is_global_access(opcode):
+            if allow_loads_before_wait and opcode.startswith(("ld.global", "ldu.global")):
+                continue
+            problems.append(f"global access before griddepcontrol.wait: {s}")
+    if allow_loads_before_wait and not any(op.startswith("ld.global") for op, _ in before):
+        problems.append("EARLY_W: expected the first weight tile's load before griddepcontrol.wait, found none")
+    if "griddepcontrol.launch_dependents" not in ptx:
+        problems.append("no griddepcontrol.launch_dependents")
+    return problems
+
+
+def _record(module, names: list[str], fn, calls: list) -> None:
+    saved = {n: getattr(module, n) for n in names}
+    try:
+        for n, k in saved.items():
+            setattr(module, n, _Recorder(k, calls))
+        fn()
+    finally:
+        for n, k in saved.items():
+            setattr(module, n, k)
+
+
+def record_launches() -> list[tuple]:
+    """(kernel, args, kwargs) of every Triton launch of the decode-path wrappers on small bf16 inputs."""
+    gen = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+
+    def rnd(*shape, dtype=bf):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    calls: list = []
+    t, hq, hkv, d = 2, 16, 8, 128
+    hidden = 1024
+    x, res, w = rnd(t, hidden), rnd(t, hidden), rnd(hidden)
+    qkv = rnd(t, (hq + 2 * hkv) * d)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    pos = torch.tensor([5, 9])
+    cos_sin = torch.randn(64, d, generator=gen)
+    cos_sin_partial = torch.randn(64, d // 4, generator=gen)
+    num_slots = 256
+    k_buf, v_buf = rnd(num_slots, hkv, d), rnd(num_slots, hkv, d)
+    loc = torch.tensor([17, 40])
+
+    def elementwise():
+        ew.rms_norm(x, w, 1e-6)
+        ew.fused_add_rms_norm(x, res, w, 1e-6)
+        ew.fused_add_rms_norm(x, res, w, 1e-6, zero_centred=True)
+        ew.rms_norm(q, rnd(d), 1e-6)  # per-head norm over a strided view
+        ew.gated_rms_norm(rnd(t, 4, d), rnd(t, 4, d), rnd(d), 1e-6)
+        ew.sigmoid_mul(rnd(t, hq * d), rnd(t, hq, d))
+        ew.silu_and_mul(rnd(t, 2 * 3072))
+        ew.apply_rope(q, k, pos, cos_sin)
+        ew.norm_and_rope(q, k, pos, cos_sin, rnd(d), rnd(d), 1e-6)
+        ew.norm_and_rope(q, k, pos, cos_sin_partial, rnd(d), rnd(d), 1e-6, zero_centred=True,
+                         q_out=torch.empty(t, hq, d, dtype=bf))
+        ew.store_kv(k_buf, v_buf, loc, k, v)
+
+    _record(ew, ["_rms_norm_kernel", "_gated_rms_norm_kernel", "_sigmoid_mul_kernel", "_silu_and_mul_kernel",
+                 "_rope_kernel", "_store_kv_kernel"], elementwise, calls)
+
+    req_to_token = torch.arange(4 * 128, dtype=torch.int32).view(4, 128)
+    rows = torch.tensor([0, 2])
+    seq_lens = torch.tensor([70, 3], dtype=torch.int32)
+    out = torch.empty(t, hq, d, dtype=bf)
+    qd = rnd(t, hq, d)
+
+    def attention():
+        for fused_merge in (False, True):
+            att.decode_attention(qd, k_buf, v_buf, req_to_token, rows, seq_lens, out, d ** -0.5, num_splits=4,
+                                 fused_merge=fused_merge, new_kv=(k, v, loc))
+        att.decode_attention(qd, k_buf, v_buf, req_to_token, rows, seq_lens, out, d ** -0.5, num_splits=1)
+        # the extend kernel with the tiles it gets on an H200 (the CPU path picks small interpreter tiles)
+        saved = att._extend_blocks
+        att._extend_blocks = lambda *a, **kw: (128, 128, 8, 3)
+        try:
+            att.extend_attention(rnd(5, hq, d), k_buf, v_buf, req_to_token, rows, torch.tensor([3, 0]),
+                                 torch.tensor([2, 3]), torch.tensor([0, 2]), rnd(5, hq, d), d ** -0.5, 3)
+        finally:
+            att._extend_blocks = saved
+
+    _record(att, ["_decode_stage1_kernel", "_decode_stage2_kernel", "_extend_kernel"], attention, calls)
+
+    def gemv():
+        gv.gemv(rnd(1, hidden), rnd(3 * hidden, hidden))
+        gv.gemv(rnd(4, hidden), rnd(512, hidden), rnd(512))
+        gv.gemv(rnd(1, 2 * 3072), rnd(hidden, 3072), silu_mul=True)
+
+    _record(gv, ["_gemv_kernel"], gemv, calls)
+
+    vocab = 5000
+    logits = rnd(2, vocab)
+    temps, top_ks, top_ps = torch.tensor([0.7, 0.0]), torch.tensor([50, vocab]), torch.tensor([0.9, 1.0])
+    seeds, steps = torch.tensor([1, 2]), torch.tensor([3, 4])
+
+    def sampling():
+        smp.fused_sample(logits, temps, top_ks, top_ps, torch.tensor([0.05, 0.0]), seeds, steps, cuts=True)
+        smp.fused_sample(logits, temps, top_ks, top_ps, None, seeds, steps, cuts=False)
+
+    _record(smp, ["_stats_kernel", "_init_kernel", "_search_kernel", "_narrow_kernel", "_draw_kernel"], sampling,
+            calls)
+    return calls
+
+
+@triton.jit
+def _control_load_first(X, Y, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs)  # a global load before the wait: the check must flag it
+    if USE_PDL:
+        pdl_enter()
+    tl.store(Y + offs, x)
+
+
+@triton.jit
+def _control_no_wait(X, Y, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, tl.load(X + offs))
+
+
+def controls() -> list[str]:
+    """The checker itself: kernels that break the rule must be flagged (returns what went wrong, [] if fine)."""
+    x = torch.zeros(128, dtype=torch.bfloat16)
+    failures = []
+    for kernel in (_control_load_first, _control_no_wait):
+        ptx = compile_ptx(kernel, (x, x), {"BLOCK": 128, "num_warps": 4}, USE_PDL=True)
+        if not check_ptx(ptx):
+            failures.append(f"control {kernel.__name__} passed the check but breaks the rule")
+    return failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the per-kernel results here")
+    args = parser.parse_args()
+    results, seen = [], set()
+    for kernel, a, kw in record_launches():
+        variants = [{}]
+        if "EARLY_W" in [p.name for p in kernel.params]:
+            variants = [{"EARLY_W": 3}, {"EARLY_W": 1}, {"EARLY_W": 0}]
+        for overrides in variants:
+            key = (kernel.__name__, repr([(k, v) for k, v in kw.items() if k not in ("USE_PDL", "EARLY_W")]),
+                   tuple(_arg_type(v) if not isinstance(v, torch.Tensor) else str(v.dtype) for v in a),
+                   repr(overrides))
+            if key in seen:
+                continue
+            seen.add(key)
+            ptx = compile_ptx(kernel, a, kw, USE_PDL=True, **overrides)
+            problems = check_ptx(ptx, allow_loads_before_wait=overrides.get("EARLY_W", 0) > 0)
+            consts = {k: v for k, v in kw.items() if k.isupper() and k != "USE_PDL"} | overrides
+            results.append({"kernel": kernel.__name__, "constexprs": {k: str(v) for k, v in consts.items()},
+                            "problems": problems})
+            print(("ok  " if not problems else "BAD ") + kernel.__name__, consts, *problems, sep="  ")
+    bad_controls = controls()
+    compiled = {r["kernel"] for r in results}
+    for module in (ew, att, gv, smp):
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel"):
+                if "USE_PDL" not in [p.name for p in obj.params]:
+                    bad_controls.append(f"{module.__name__}.{name} takes no USE_PDL")
+                elif name not in compiled:
+                    bad_controls.append(f"{module.__name__}.{name} is not exercised by record_launches")
+    for failure in bad_controls:
+        print("BAD ", failure)
+    kernels = {r["kernel"] for r in results}
+    print(f"{len(results)} compiled variants of {len(kernels)} kernels; "
+          f"{sum(bool(r['problems']) for r in results)} with problems")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 1 if bad_controls or any(r["problems"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

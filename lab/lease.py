@@ -1,0 +1,488 @@
+"""A lease on the H200 machine: a few device calls, one command each, JSON under $OUT.
+
+Here (the CPU machine), before the lease:
+
+    python -m lab.lease split-wheels .sglang-whl     # SGLang's wheels in two halves that each fit beside the tree
+    python -m lab.lease plan                          # every call: its exact command, carry list and minutes
+
+On the device, each call is one command (the plan prints them with the commit filled in):
+
+    python3 -m lab.lease call1 --commit SHA          # minisgl Qwen3-0.6B: ceilings, headline + ablation, sweep
+    python3 -m lab.lease call2 --commit SHA          # SGLang Qwen3-0.6B and Qwen3.5; minisgl Qwen3.5; HF 0.6B
+    python3 -m lab.lease call3 --commit SHA          # Qwen3-8B both engines, HF 8B, the profiler diagnosis
+    python3 -m lab.lease serving --commit SHA        # optional: online serving, both servers (issue 24)
+
+SGLang's wheels (~50 MB) and the tree (~37 MB) do not fit in one call's 64 MiB, so call1 carries half `a` and
+call2 half `b`: each call copies the half it carries into /tmp/sglwhl on the machine, and once every wheel of
+the manifest is there the kit's run_sglang.sh unpacks them into /tmp/site. Calls 2 and 3 must therefore land on
+the machine call 1 warmed (a call within 30 s of the last one's end). If one lands on a fresh machine, its SGLang
+steps are skipped with a message naming the missing half, its minisgl steps still run, and `--steps` re-runs
+what was skipped (e.g. `python3 -m lab.lease call2 --steps sglang06,sglang35` carrying both halves' missing one).
+
+Each step's output goes to /tmp/lease-logs/<step>.log, packed into $OUT/logs_<call>.tgz at the end; a step that
+would run past the call's budget is skipped (said in the output), and one that overruns is stopped, so the
+JSON of every step that finished comes back. The device returns at most 8 files a call: each call writes at most
+six JSON files and the logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lab import REPO
+
+LOGS = Path("/tmp/lease-logs")
+WHEELS = Path("/tmp/sglwhl")  # the carried halves, gathered on the machine across calls
+SITE = Path("/tmp/site")  # where the kit's run_sglang.sh unpacks them (its stamp: /tmp/site/.sglang-kit)
+KIT = ".sglang-kit"
+WHEEL_DIR = ".sglang-whl"
+MANIFEST = "MANIFEST.json"
+CARRY_LIMIT = 64 << 20  # what one call may bring: tracked + untracked files + carried paths
+CALL_LIMIT_S = 600  # the device's limit for one command
+CALL_BUDGET_S = 520  # what a call plans to use: it must end, logs packed, before its timeout_s (540)
+
+
+# --- steps ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing a call does: a command with its log, an estimate of its seconds (from earlier leases' JSON:
+    each section's `seconds`, SGLang's `engine_start_s` and `wall_s`) and the JSON files it writes."""
+
+    name: str
+    seconds: int
+    files: tuple[str, ...] = ()
+
+    def argv(self, out: str) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def ready(self) -> str | None:
+        """None when the step can run on this machine, else why not."""
+        return None
+
+    def prepare(self) -> None:
+        """Make what the step needs on this machine, before `ready` is asked."""
+
+
+@dataclass(frozen=True)
+class Lab(Step):
+    """`python -m lab.run` with some sections, into one JSON file."""
+
+    sections: tuple[str, ...] = ()
+
+    def argv(self, out: str) -> list[str]:
+        return [sys.executable, "-m", "lab.run", "--out", out, "--file", self.files[0],
+                "--sections", ",".join(self.sections)]
+
+
+@dataclass(frozen=True)
+class Timeline(Step):
+    """`python -m lab.timeline`: the batch-1 decode step of a model, profiled."""
+
+    model: str = "qwen3-0.6b"
+    label: str = ""
+
+    def argv(self, out: str) -> list[str]:
+        return [sys.executable, "-m", "lab.timeline", "--out", out, "--model", self.model, "--label", self.label]
+
+
+def kit_env() -> dict[str, str]:
+    """The environment the kit's run_sglang.sh gives SGLang (its unpacked wheels, its stubs, the CUDA libraries of
+    the machine's torch), with this repository on the path for the shared workloads."""
+    nv = sorted({d for sp in site.getsitepackages() for pat in ("nvidia/*/lib", "nvidia/*/*/lib", "nvidia/cu13/lib")
+                 for d in glob.glob(os.path.join(sp, pat)) if glob.glob(d + "/lib*.so*")})
+    return {"PYTHONPATH": os.pathsep.join([str(SITE), str(REPO / KIT / "sgstub"), str(REPO)]),
+            "LD_LIBRARY_PATH": os.pathsep.join([*nv, os.environ.get("LD_LIBRARY_PATH", "")]),
+            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+            "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
+            "TVM_FFI_CACHE_DIR": os.environ.get("TVM_FFI_CACHE_DIR", "/tmp/jitcache"),
+            "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR", "/tmp/tritoncache")}
+
+
+@dataclass(frozen=True)
+class SGLang(Step):
+    """lab.sglang on one model under the kit's wheels (skipped when they are not all on this machine)."""
+
+    model: str = "qwen3-0.6b"
+    sections: tuple[str, ...] = ()
+
+    def argv(self, out: str) -> list[str]:
+        return [sys.executable, "-m", "lab.sglang", "--model", self.model, "--sections", ",".join(self.sections),
+                "--out", os.path.join(out, self.files[0])]
+
+    def env(self) -> dict[str, str]:
+        return kit_env()
+
+    def ready(self) -> str | None:
+        return None if (SITE / ".sglang-kit").is_file() else wheels_missing()
+
+
+@dataclass(frozen=True)
+class Serving(Step):
+    """Online serving, both servers one after the other (issue 24): SGLang's `bench_serving` client (the kit's
+    serving.sh) against `python -m minisgl serve` and against SGLang's server, at each request rate. The servers'
+    command lines are SERVERS below: the one place to change when minisgl's server gains flags."""
+
+    loads: tuple[str, ...] = ("rate8", "rate24", "rate48", "burst")  # names of LOADS below
+
+    def ready(self) -> str | None:
+        if not (SITE / ".sglang-kit").is_file():
+            return wheels_missing()
+        if not (REPO / WHEEL_DIR / "serve").is_dir():
+            return f"{WHEEL_DIR}/serve is not carried (SGLang's HTTP server and client need it)"
+        return None
+
+    def argv(self, out: str) -> list[str]:
+        return [sys.executable, "-m", "lab.lease", "serve-bench", "--out", out, "--loads", ",".join(self.loads)]
+
+
+@dataclass(frozen=True)
+class OwnClient(Step):
+    """`python -m minisgl.bench.serving`: it starts minisgl's server on the serving model folder (the kit writes
+    it), drives it at SGLang's loads, stops it, then runs the all-at-once load offline. `flags` go to the server
+    (e.g. an A/B of a serve flag; `label` names the run: ours_<label>.json)."""
+
+    label: str = "default"
+    flags: tuple[str, ...] = ()
+
+    def prepare(self) -> None:
+        write_serve_model()
+
+    def ready(self) -> str | None:
+        return None if (Path(SERVE_MODEL) / "config.json").is_file() else f"could not write {SERVE_MODEL}"
+
+    def argv(self, out: str) -> list[str]:
+        return [sys.executable, "-m", "minisgl.bench.serving", "--model", SERVE_MODEL, "--label", self.label,
+                "--rates", "8,24,48,inf", "--offline", "--out", os.path.join(out, f"ours_{self.label}.json"), "--",
+                "--load-format", "dummy", *self.flags]
+
+
+# --- calls ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    about: str
+    carry: tuple[str, ...]
+    steps: tuple[Step, ...]
+    stage: str | None = None  # the wheel half this call carries and stages
+    budget_s: int = CALL_BUDGET_S
+
+    @property
+    def seconds(self) -> int:
+        return sum(s.seconds for s in self.steps) + 20  # + python and CUDA start, staging, packing the logs
+
+
+# Estimates (seconds) from the JSON of runs 4 and 10-13: bench06 = the run4 ablation's arms (167 s) plus the
+# four newer arms (~15 s each) and W1 top-k/top-p; the first engine of a process starts in ~35 s (Triton
+# compiles), later ones in 3-10 s; SGLang's engine starts in 60-80 s cold (30 s with warm compile caches).
+CALLS: dict[str, Call] = {
+    "call1": Call(
+        "minisgl Qwen3-0.6B at this commit: the card's ceilings, the headline workloads and the ablation table "
+        "(each switch off in turn), the batch-mix sweep",
+        carry=(KIT, f"{WHEEL_DIR}/a"), stage="a",
+        steps=(Lab("minisgl06", 380, ("qwen3_06.json",), ("ceilings", "bench06", "sweep06")),)),
+    "call2": Call(
+        "SGLang beside us on Qwen3-0.6B (W1, W1 top-k/top-p, W2, W3, W4, the sweep) and Qwen3.5-0.8B (W1, W2); "
+        "minisgl on Qwen3.5-0.8B; transformers on Qwen3-0.6B",
+        carry=(KIT, f"{WHEEL_DIR}/b"), stage="b",
+        steps=(SGLang("sglang06", 210, ("sglang_06.json",), "qwen3-0.6b", ("w1", "w1_topkp", "w2", "w3", "w4",
+                                                                          "sweep")),
+               Lab("minisgl35", 90, ("qwen35_hf06.json",), ("qwen35", "hf06")),
+               SGLang("sglang35", 100, ("sglang_35.json",), "qwen3.5-0.8b", ("w1", "w2")))),
+    "call3": Call(
+        "Qwen3-8B: SGLang beside us (W1, W1 top-k/top-p, W2), minisgl's headline and ablations, transformers; the "
+        "profiler diagnosis (W1 slices with each switch, batch-1/64 decode, the batch-1 step's timeline)",
+        carry=(KIT,),
+        steps=(SGLang("sglang8", 100, ("sglang_8.json",), "qwen3-8b", ("w1", "w1_topkp", "w2")),
+               Lab("minisgl8", 180, ("qwen3_8b.json",), ("bench8", "hf8")),
+               Lab("diagnosis", 80, ("diagnosis.json",), ("profile", "profile8")),
+               Timeline("timeline06", 30, ("decode_timeline_06.json",), "qwen3-0.6b", "06"),
+               Timeline("timeline8", 40, ("decode_timeline_8b.json",), "qwen3-8b", "8b"))),
+    "serving": Call(
+        "optional, after call3 on the same machine: online serving, minisgl's server and SGLang's, SGLang's "
+        "bench_serving client at 8, 24, 48 requests/s and 512 at once (the latency-vs-rate curve of issue 24)",
+        carry=(KIT, f"{WHEEL_DIR}/serve"),
+        steps=(Serving("serving", 420, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),)),
+    "serving_ours": Call(
+        "optional: minisgl's server under minisgl's own client (minisgl.bench.serving: the same loads, the "
+        "server's CPU seconds), then the same all-at-once requests offline (the server/offline ratio; notebook "
+        "11 plots ours_*.json)",
+        carry=(KIT,),
+        steps=(OwnClient("serving_ours", 300, ("ours_default.json",)),)),
+}
+
+
+# --- on the device -------------------------------------------------------------------------------------------
+
+
+def missing_halves() -> list[str] | None:
+    """The wheel halves not yet staged on this machine; None when none was (no manifest)."""
+    manifest = WHEELS / MANIFEST
+    if not manifest.is_file():
+        return None
+    halves = json.loads(manifest.read_text())
+    return [half for half, names in halves.items() if not all((WHEELS / n).is_file() for n in names)]
+
+
+def wheels_missing() -> str:
+    missing = missing_halves()
+    if missing is None:
+        return f"no SGLang wheels on this machine ({WHEELS} is empty: a fresh machine, or no half carried yet)"
+    return (f"SGLang's wheel half {'/'.join(missing) or '(none)'} is not on this machine: carry "
+            f"{', '.join(f'{WHEEL_DIR}/{h}' for h in missing)} in a call on it")
+
+
+def stage_wheels(half: str) -> str:
+    """Copy the carried half into WHEELS; once every half of the manifest is there, unpack them with the kit."""
+    src = REPO / WHEEL_DIR / half
+    if not src.is_dir():
+        return f"{WHEEL_DIR}/{half} is not carried: SGLang steps will wait for it"
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if not (WHEELS / f.name).exists():
+            shutil.copy2(f, WHEELS / f.name)
+    if (SITE / ".sglang-kit").is_file():
+        return "SGLang's wheels were already unpacked on this machine"
+    if missing_halves() != []:
+        return f"staged half {half}; {wheels_missing()}"
+    rc = subprocess.run(["bash", str(REPO / KIT / "run_sglang.sh"), str(WHEELS), "--", "--help"],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT).returncode
+    return f"staged half {half}; unpacked every wheel into {SITE} (kit's run_sglang.sh, rc {rc})"
+
+
+def run_step(step: Step, out: str, remaining: float) -> str:
+    step.prepare()
+    why = step.ready()
+    if why:
+        return f"SKIPPED {step.name}: {why}"
+    if step.seconds > remaining:
+        return f"SKIPPED {step.name}: needs ~{step.seconds} s, {remaining:.0f} s left in this call's budget"
+    log = LOGS / f"{step.name}.log"
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(step.argv(out), cwd=REPO, env={**os.environ, **step.env()}, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the step's own process group: its children too
+            proc.wait()
+            rc = "stopped at the call's budget"
+    tail = log.read_text(errors="replace").strip().splitlines()[-2:]
+    return f"{step.name}: rc {rc}, {time.perf_counter() - t0:.0f} s (estimate {step.seconds}) | " + " | ".join(
+        line[:240] for line in tail)
+
+
+def run_call(name: str, out: str, commit: str | None, only: set[str] | None = None) -> None:
+    call = CALLS[name]
+    t_start = time.perf_counter()
+    LOGS.mkdir(parents=True, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
+    if commit:  # the device's copy of the tree has no .git: the results say which commit they measured
+        os.environ["MINISGL_GIT_COMMIT"], os.environ["MINISGL_GIT_DIRTY"] = commit, "0"
+    elif not (REPO / ".git").exists():
+        raise SystemExit("no .git here: pass --commit SHA (python -m lab.lease plan prints it)")
+    print(f"{name}: {call.about}", flush=True)
+    try:
+        if call.stage:
+            print(stage_wheels(call.stage), flush=True)
+        for step in call.steps:
+            if only and step.name not in only:
+                continue
+            remaining = call.budget_s - (time.perf_counter() - t_start)
+            print(f"[{time.strftime('%H:%M:%S')}] " + run_step(step, out, remaining), flush=True)
+    finally:
+        with tarfile.open(os.path.join(out, f"logs_{name}.tgz"), "w:gz") as tar:
+            tar.add(LOGS, arcname="lease-logs")
+        print(f"{name}: {time.perf_counter() - t_start:.0f} s", flush=True)
+
+
+# The serving call (issue 24): both servers on one model folder (the kit's serving.sh writes it: Qwen3-0.6B body,
+# the embedded model's 4k tokenizer, dummy weights), SGLang's bench_serving client against each, the same loads.
+# SERVERS is the one place to change when minisgl's server gains flags.
+SERVE_MODEL = "/tmp/serving-model"
+SERVERS = {
+    "minisgl": [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODEL, "--load-format", "dummy",
+                "--host", "127.0.0.1", "--port", "{port}"],
+    "sglang": ["bash", f"{KIT}/serving.sh", WHEEL_DIR, "sglang-server", "--", "--model-path", SERVE_MODEL,
+               "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
+               "--sampling-backend", "pytorch", "--grammar-backend", "none", "--host", "127.0.0.1", "--port", "{port}"],
+}
+# name: (request rate, requests, output tokens, range ratio); 1,024 input tokens each (random ids, seed 1)
+LOADS = {"rate8": ("8", 300, 256, 0.5), "rate24": ("24", 300, 256, 0.5), "rate48": ("48", 300, 256, 0.5),
+         "burst": ("inf", 512, 512, 0.25)}
+
+
+def write_serve_model() -> None:
+    """The serving model folder, once per machine (the kit's serving.sh: no wheels needed for it)."""
+    if not (Path(SERVE_MODEL) / "config.json").is_file():
+        subprocess.run(["bash", f"{KIT}/serving.sh", WHEEL_DIR, "model", SERVE_MODEL], cwd=REPO, check=False)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, limit_s: float = 300) -> float | None:
+    import urllib.request
+    t0 = time.perf_counter()
+    while proc.poll() is None and time.perf_counter() - t0 < limit_s:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except OSError:
+            time.sleep(0.5)
+    return None
+
+
+def serve_bench(out: str, loads: list[str]) -> None:
+    """Each server in turn: start it in its own process group, wait for /health, run SGLang's bench_serving at
+    each load (one JSON line each in $OUT/serving_<server>.jsonl), stop the group. $OUT/serving.json: commands,
+    start-up times, return codes."""
+    kit = ["bash", f"{KIT}/serving.sh", WHEEL_DIR]
+    write_serve_model()
+    summary: dict = {"loads": {k: LOADS[k] for k in loads}, "servers": {}}
+    for port, (server, command) in enumerate(SERVERS.items(), start=30001):
+        argv = [a.format(port=port) for a in command]
+        log = open(LOGS / f"server_{server}.log", "w")
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        ready = wait_healthy(proc, port)
+        runs = []
+        for name in loads if ready is not None else []:
+            rate, prompts, out_len, ratio = LOADS[name]
+            bench = [*kit, "bench", "--", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+                     "--model", SERVE_MODEL, "--tokenizer", SERVE_MODEL, "--dataset-name", "random-ids",
+                     "--random-input-len", "1024", "--random-output-len", str(out_len), "--random-range-ratio",
+                     str(ratio), "--num-prompts", str(prompts), "--request-rate", rate, "--seed", "1",
+                     "--output-file", os.path.join(out, f"serving_{server}.jsonl")]
+            rc = subprocess.run(bench, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+            runs.append({"load": name, "returncode": rc})
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        summary["servers"][server] = {"command": argv, "ready_s": ready, "runs": runs}
+        print(server, summary["servers"][server], flush=True)
+    with open(os.path.join(out, "serving.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+# --- here, before the lease ------------------------------------------------------------------------------------
+
+
+def tree_bytes(root: Path = REPO) -> int:
+    """What every call carries besides its carry list: tracked files and untracked ones git does not ignore."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    return sum((root / n).stat().st_size for n in names if n and (root / n).is_file())
+
+
+def path_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def split_wheels(folder: Path, halves: tuple[str, ...] = ("a", "b"), root: Path = REPO) -> dict[str, list[str]]:
+    """Copy the wheels at the top of `folder` (the kit's prepare_wheels.sh output) into folder/a, folder/b, ...,
+    largest first into the lightest half, and write the manifest (every half's names) into each half."""
+    wheels = sorted((f for f in folder.iterdir() if f.is_file() and f.name != MANIFEST),
+                    key=lambda f: -f.stat().st_size)
+    if not wheels:
+        raise SystemExit(f"no wheels at the top of {folder} (bash ../shared/sglang-kit/prepare_wheels.sh {folder})")
+    plan: dict[str, list[Path]] = {h: [] for h in halves}
+    for f in wheels:
+        lightest = min(halves, key=lambda h: sum(x.stat().st_size for x in plan[h]))
+        plan[lightest].append(f)
+    manifest = {h: sorted(f.name for f in fs) for h, fs in plan.items()}
+    room = CARRY_LIMIT - tree_bytes(root) - path_bytes(root / KIT)
+    for h, fs in plan.items():
+        d = folder / h
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        for f in fs:
+            if f.stat().st_dev == d.stat().st_dev:
+                os.link(f, d / f.name)  # no second copy of 25 MB on this disk
+            else:
+                shutil.copy2(f, d / f.name)
+        (d / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        size = path_bytes(d)
+        print(f"{d}: {len(fs)} files, {size / 2**20:.1f} MiB ({'fits' if size <= room else 'DOES NOT FIT'} beside "
+              f"the tree: {room / 2**20:.1f} MiB of room)")
+    return manifest
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+
+def plan() -> int:
+    """Print each call's `run` arguments and checks; exit 1 when something would not fit or the tree is dirty."""
+    commit, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    problems = [f"the tree has uncommitted changes (a lease measures a commit):\n{dirty}"] if dirty else []
+    base = tree_bytes()
+    print(f"commit {commit}; the tree that travels: {base / 2**20:.1f} MiB of {CARRY_LIMIT >> 20} MiB\n")
+    total = 0
+    for name, call in CALLS.items():
+        command = f"python3 -m lab.lease {name} --commit {commit}"
+        carried = base + sum(path_bytes(REPO / c) for c in call.carry)
+        files = sum(len(s.files) for s in call.steps) + 1
+        minutes = call.seconds / 60
+        total += call.seconds if name in ("call1", "call2", "call3") else 0
+        print(f"## {name}: {call.about}\n"
+              f"run(command={json.dumps(command)}, carry={json.dumps(list(call.carry))}, timeout_s=540)\n"
+              f"  ~{minutes:.1f} min ({', '.join(f'{s.name} ~{s.seconds} s' for s in call.steps)}); carries "
+              f"{carried / 2**20:.1f} MiB; brings back {files} files\n")
+        missing = [c for c in call.carry if not (REPO / c).exists()]
+        if missing:
+            problems.append(f"{name}: {', '.join(missing)} not here (see the module docstring)")
+        if carried > CARRY_LIMIT:
+            problems.append(f"{name} carries {carried / 2**20:.1f} MiB, over {CARRY_LIMIT >> 20} MiB")
+        if call.seconds > call.budget_s or files > 8 or len(command) > 2000 or len(call.carry) > 8:
+            problems.append(f"{name}: over a limit (seconds {call.seconds}, files {files})")
+    print(f"calls 1-3: ~{total / 60:.1f} min of commands, plus ~1.5 min for the machine's start; run them back to "
+          "back (a machine idle for 30 s is given back, and calls 2-3 need the wheels call 1 staged)")
+    for p in problems:
+        print("PROBLEM:", p)
+    return 1 if problems else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=[*CALLS, "plan", "split-wheels", "serve-bench"])
+    ap.add_argument("folder", nargs="?", default=WHEEL_DIR, help="split-wheels: the wheels' folder")
+    ap.add_argument("--commit", help="the commit the device's tree is (it has no .git)")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="where the JSON goes (default $OUT)")
+    ap.add_argument("--steps", help="run only these steps of the call (comma-separated)")
+    ap.add_argument("--loads", default=",".join(LOADS), help=f"serve-bench: of {', '.join(LOADS)}")
+    a = ap.parse_args(argv)
+    if a.what == "plan":
+        return plan()
+    if a.what == "split-wheels":
+        split_wheels(REPO / a.folder)
+        return 0
+    if not a.out:
+        ap.error("--out or $OUT is required")
+    if a.what == "serve-bench":
+        LOGS.mkdir(parents=True, exist_ok=True)
+        serve_bench(a.out, a.loads.split(","))
+        return 0
+    run_call(a.what, a.out, a.commit, set(a.steps.split(",")) if a.steps else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

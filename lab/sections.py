@@ -1,0 +1,501 @@
+"""The named sections `python -m lab.run --sections ...` can run, as one table (SECTIONS).
+
+Most sections are a `Bench`: arms on one model, each a fresh engine with its settings (EngineConfig fields) and
+kernel options (lab.engines), running some of the standard workloads. The ablation table is such a section, and
+so is every A/B of a kernel switch. The rest are functions: the card's ceilings, the sweep, the profiler
+diagnosis, the GPU self-checks (lab.checks, in a child process each) and transformers beside us (lab.hf).
+
+Sections dropped from here are listed with the commit that last had them in reports/h200/HISTORY.md; their JSON
+stays in reports/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lab import REPO
+from lab.engines import KERNEL_OPTIONS, free_gpu, log, with_engine
+from lab.hf import hf_peer, parity
+from lab.timing import time_us
+from minisgl import SamplingParams
+from minisgl.bench.runner import RUNNERS, flush_prefix_cache, run_sweep, run_throughput, warm_up
+from minisgl.bench.workloads import WORKLOADS, Workload, sweep_cells, sweep_workload
+from minisgl.kernels.options import use_options
+
+# --- benches: arms on one model ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One engine of a bench: its label in the JSON, the workloads it runs, its settings and kernel options.
+    `requests` runs only the first N requests of a workload (an eager arm's W2 takes 30x longer per token)."""
+
+    label: str
+    workloads: tuple[str, ...]
+    settings: dict = field(default_factory=dict)
+    kernel: dict = field(default_factory=dict)
+    requests: dict = field(default_factory=dict)
+    about: str = ""  # what this arm changes, for the reader of the report
+
+    def __post_init__(self):
+        unknown = set(self.kernel) - set(KERNEL_OPTIONS)
+        if unknown or set(self.requests) - set(self.workloads):
+            raise ValueError(f"arm {self.label}: unknown kernel options {unknown} or requests of workloads it "
+                             "does not run")
+
+
+@dataclass(frozen=True)
+class Bench:
+    """A section: each arm on a fresh engine, in order; `rounds` > 1 runs them that many times interleaved,
+    labelled `<arm>_<round>`."""
+
+    model: str
+    arms: tuple[Arm, ...]
+    rounds: int = 1
+
+    def __call__(self) -> dict:
+        res = {}
+        for r in range(self.rounds):
+            for arm in self.arms:
+                res[f"{arm.label}_{r}" if self.rounds > 1 else arm.label] = run_arm(self.model, arm)
+        return res
+
+
+def workload(name: str, vocab: int, requests: int | None = None) -> Workload:
+    """A standard workload (minisgl.bench.workloads), or its first `requests` requests. Ids beyond a small model's
+    vocabulary wrap around (the real models' vocabularies hold every id the workloads draw)."""
+    w = WORKLOADS[name](vocab=min(vocab, 10000))
+    if requests is not None:
+        w = Workload(w.name, w.prompts[:requests], w.params[:requests], w.late_prompts, w.late_params)
+    if vocab < 10000:
+        w = Workload(w.name, [[t % vocab for t in p] for p in w.prompts], w.params,
+                     [[t % vocab for t in p] for p in w.late_prompts], w.late_params)
+    return w
+
+
+def kernel_record(llm) -> dict:
+    """The engine's kernel options as it resolved them (environment defaults included), for the JSON."""
+    return dataclasses.asdict(llm.config.kernels)
+
+
+def run_arm(model: str, arm: Arm) -> dict:
+    t0 = time.perf_counter()
+
+    def body(llm) -> dict:
+        runner = llm.engine.runner
+        out = {"settings": arm.settings, "kernel": arm.kernel, "startup_s": time.perf_counter() - t0,
+               "kv_pool_tokens": runner.kv_capacity_tokens, "kernel_options": kernel_record(llm),
+               "gemv_linears": getattr(runner, "gemv_linears", None)}
+        vocab = llm.engine.model_config.vocab_size
+        for name in arm.workloads:
+            out[name] = RUNNERS[name](llm, workload(name, vocab, arm.requests.get(name)))
+            log(model, arm.label, name, {k: v for k, v in out[name].items() if not isinstance(v, (list, dict))})
+        return out
+
+    try:
+        return with_engine(model, body, arm.settings, arm.kernel)
+    except Exception:
+        err = traceback.format_exc()
+        log(model, arm.label, "FAILED", err)
+        return {"settings": arm.settings, "kernel": arm.kernel, "error": err}
+
+
+# The ablation table: each switch off in turn (DESIGN.md: overlap, CUDA Graph, radix cache, chunked prefill), then
+# the later ones. The eager arm's W2 runs 2 of its 8 requests (8 take ~50 s on Qwen3-0.6B, ~65 s on Qwen3-8B).
+EAGER_W2 = {"w2": 2}
+ABLATION = {
+    "default": Arm("default", ("w1", "w1_topkp", "w2", "w3", "w4"), about="every switch on"),
+    "no_overlap": Arm("no_overlap", ("w1", "w2"), {"overlap": False},
+                      about="the host schedules step N+1 only after step N's tokens are back"),
+    "no_cuda_graph": Arm("no_cuda_graph", ("w1", "w2"), {"cuda_graph": False}, requests=EAGER_W2,
+                         about="every step's kernels launched one by one from Python"),
+    "no_radix_cache": Arm("no_radix_cache", ("w1", "w3"), {"radix_cache": False},
+                          about="no reuse of shared prompt prefixes"),
+    "no_chunked_prefill": Arm("no_chunked_prefill", ("w1", "w4"), {"chunked_prefill_size": 0},
+                              about="a long prompt's prefill runs whole, in one step"),
+    "no_gemv": Arm("no_gemv", ("w2",), {"gemv": False}, about="batch-1..4 matmuls on cuBLAS, not minisgl's GEMV"),
+    "no_pdl": Arm("no_pdl", ("w1", "w2"), kernel={"pdl": False},
+                  about="kernels in plain stream order, without programmatic dependent launch"),
+    "no_prefill_graphs": Arm("no_prefill_graphs", ("w1", "w2"), {"prefill_graph_max_tokens": 0},
+                             about="prefill and mixed steps launched eagerly, not replayed as CUDA Graphs"),
+    "no_fused_sampler": Arm("no_fused_sampler", ("w1_topkp",), kernel={"fused_sampler": False},
+                            about="top-k/top-p sampling in torch (a sort per row), not one Triton kernel"),
+}
+ABLATION_06 = tuple(ABLATION.values())
+ABLATION_8 = (Arm("default", ("w1", "w1_topkp", "w2"), about="every switch on"),
+              Arm("no_overlap", ("w1", "w2"), {"overlap": False}, about=ABLATION["no_overlap"].about),
+              Arm("no_cuda_graph", ("w2",), {"cuda_graph": False}, requests=EAGER_W2,
+                  about=ABLATION["no_cuda_graph"].about),
+              ABLATION["no_gemv"], Arm("no_pdl", ("w2",), kernel={"pdl": False},
+                                         about=ABLATION["no_pdl"].about))
+
+# cuBLAS's projections at batch 1 taken by the GEMV (4 or 8 output rows a program, 1024-wide K tiles, one row)
+GEMV_ALL = {"qwen3-0.6b": {"6144,1024": (4, 1024, 4, 1)},
+            "qwen3-8b": {"6144,4096": (4, 1024, 4, 1), "24576,4096": (8, 1024, 4, 1), "4096,12288": (4, 1024, 4, 1)}}
+
+
+def early_tiles(model: str, tiles: tuple[int, ...], rounds: int) -> Bench:
+    """W2 with the GEMV loading n weight tiles before its PDL wait, then the most tiles with cuBLAS's projections
+    on the GEMV too (GEMV_ALL)."""
+    arms = [Arm(f"early{n}", ("w2",), kernel={"gemv_pdl_early_tiles": n}) for n in tiles]
+    arms.append(Arm(f"early{max(tiles)}_all_gemv", ("w2",),
+                    kernel={"gemv_pdl_early_tiles": max(tiles), "gemv_table": GEMV_ALL[model]}))
+    return Bench(model, tuple(arms), rounds)
+
+
+def w2_pair(model: str, on: str, off: str, option: str) -> Bench:
+    return Bench(model, (Arm(on, ("w2",), kernel={option: True}), Arm(off, ("w2",), kernel={option: False})))
+
+
+# --- the card, the sweep, the diagnosis ----------------------------------------------------------------------
+
+
+def ceilings() -> dict:
+    """Device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate, measured now."""
+    def copy_rate(n: int = 2 << 30) -> float:
+        src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+        dst = torch.empty_like(src)
+        return 2 * n / (time_us(lambda: dst.copy_(src), iters=10, warmups=3) * 1e-6)
+
+    def matmul_rate(m: int = 8192) -> float:
+        a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+        return 2 * m ** 3 / (time_us(lambda: a @ b, iters=10, warmups=3) * 1e-6)
+
+    out = {"copy_bytes_per_s": copy_rate(), "bf16_matmul_flops": matmul_rate()}
+    free_gpu()
+    return out
+
+
+def sweep(model: str, **settings) -> dict:
+    """The batch-mix sweep (minisgl.bench.workloads.sweep_cells) on one engine, cell by cell."""
+    t0 = time.perf_counter()
+
+    def body(llm) -> dict:
+        graphs = llm.engine.runner.graph_runner
+        res = {"settings": settings, "startup_s": time.perf_counter() - t0,
+               "kv_pool_tokens": llm.engine.runner.kv_capacity_tokens,
+               # the scheduler's: the resolved value where the config leaves it to the engine (0/None)
+               "max_running_requests": llm.engine.scheduler.max_running,
+               "cuda_graph_batch_sizes": list(graphs.batch_sizes) if graphs is not None else [],
+               "kernel_options": kernel_record(llm), "cells": {}}
+        for cell in sweep_cells():
+            res["cells"].update(run_sweep(llm, [cell]))
+            r = res["cells"][cell.name]
+            log("sweep", cell.name, round(r["output_tok_per_s"]), r["triton_compiles_timed"])
+        return res
+
+    return with_engine(model, body, settings)
+
+
+def sweep_phases(model: str, requests: int = 256, prompt_lo: int = 1024) -> dict:
+    """Where a long-prompt sweep cell's time goes: the greedy and top-k/top-p cells of one mix run normally
+    (greedy, top-k/top-p, greedy: an order effect shows as two greedy figures), then each again with every step
+    synchronised and timed, split into prefill (and mixed) steps and decode steps. Timing serialises the overlap
+    loop, so those runs are slower than the cell's: they show the split, not the throughput."""
+    cells = {c.sampling: c for c in sweep_cells() if c.requests == requests and c.prompt_lo == prompt_lo}
+
+    def body(llm) -> dict:
+        vocab = llm.engine.model_config.vocab_size
+        res = {"cells": {c.sampling: c.name for c in cells.values()}, "runs": []}
+        for sampling in ("greedy", "topkp", "greedy"):
+            flush_prefix_cache(llm)
+            r = run_throughput(llm, sweep_workload(cells[sampling], vocab))
+            res["runs"].append({"sampling": sampling,
+                                **{k: v for k, v in r.items() if not isinstance(v, (list, dict))}})
+            log("sweep_phases", sampling, round(r["output_tok_per_s"]))
+        runner = llm.engine.runner
+        forward = runner.forward
+        for sampling in ("greedy", "topkp"):
+            steps = []
+
+            def timed(batch, _steps=steps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                out = forward(batch)
+                torch.cuda.synchronize()
+                _steps.append((batch.is_decode, batch.size, batch.num_tokens,
+                               sum(batch.prefix_lens) + batch.num_tokens, time.perf_counter() - t0))
+                return out
+
+            w = sweep_workload(cells[sampling], vocab)
+            flush_prefix_cache(llm)
+            runner.forward = timed  # the engine is warm from the runs above
+            try:
+                t0 = time.perf_counter()
+                llm.generate(w.prompts, w.params, progress=False)
+                wall = time.perf_counter() - t0
+            finally:
+                runner.forward = forward
+            decode = [s for s in steps if s[0]]
+            prefill = [s for s in steps if not s[0]]
+            res[f"timed_{sampling}"] = {
+                "wall_s": wall, "prefill_steps": len(prefill), "prefill_s": sum(s[4] for s in prefill),
+                "prefill_tokens": sum(s[2] for s in prefill), "decode_steps": len(decode),
+                "decode_s": sum(s[4] for s in decode), "decode_tokens": sum(s[2] for s in decode),
+                "decode_kv_tokens": sum(s[3] for s in decode),  # K/V tokens the decode steps attend over
+                "steps": [[int(d), b, n, kv, round(dt * 1e3, 3)] for d, b, n, kv, dt in steps],
+                "steps_columns": ["is_decode", "batch_size", "tokens", "kv_tokens", "ms"]}
+        return res
+
+    return with_engine(model, body)
+
+
+def profile_slices(model: str, sizes=(1, 64), steps: int = 30, top: int = 12) -> dict:
+    """Decode steps at several batch sizes of W1's requests (kernel time by kind and by name), then W2 requests'
+    first tokens: three unprofiled, one profiled (host launch time against kernel time)."""
+    from minisgl.bench.profile import profile_request, profile_w1_slice
+    from minisgl.bench.workloads import w2_latency
+
+    def body(llm) -> dict:
+        warm_up(llm)
+        out = {f"decode_bs{n}": profile_w1_slice(llm, num_requests=n, warm_steps=max(8, n // 8), steps=steps,
+                                                 keep_intervals=0, top=top) for n in sizes}
+        prompts = w2_latency().prompts  # each used once: a repeated prompt would be served from the radix cache
+        out["w2_request_unprofiled"] = [profile_request(llm, p, profiled=False) for p in prompts[:3]]
+        out["w2_request"] = profile_request(llm, prompts[3])
+        return out
+
+    return with_engine(model, body)
+
+
+def profile() -> dict:
+    """The diagnosis on Qwen3-0.6B: batch-1/64 decode and the W2 request (profile_slices), then 30 steps of a
+    64-request W1 slice with the defaults, without overlap and without CUDA graphs (the default run keeps its
+    kernel intervals for the timeline chart)."""
+    from minisgl.bench.profile import profile_w1_slice
+    out = {"small_batches": profile_slices("qwen3-0.6b")}
+    for label, settings in (("default", {}), ("no_overlap", {"overlap": False}),
+                            ("no_cuda_graph", {"cuda_graph": False})):
+        keep = 3000 if label == "default" else 0
+        out[label] = with_engine("qwen3-0.6b", lambda llm, keep=keep: profile_w1_slice(llm, keep_intervals=keep),
+                                 settings)
+    return out
+
+
+# --- GPU self-checks ---------------------------------------------------------------------------------------
+
+
+def child_check(module: str, *args: str, quick_json: str | None = None) -> dict:
+    """Run `python -m <module> --out FILE args` in a child process (a crashed kernel cannot take the section
+    runner with it) and return its JSON with the return code."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "check.json")
+        rc = subprocess.run([sys.executable, "-m", module, "--out", path, *args], cwd=REPO).returncode
+        try:
+            with open(path) as f:
+                return {"returncode": rc, **json.load(f)}
+        except OSError as exc:
+            return {"returncode": rc, "error": repr(exc)}
+
+
+def kernels(*flags: str) -> dict:
+    return child_check("lab.checks.kernels", *flags)
+
+
+def pdl_tokens(model: str = "qwen3-0.6b", new_tokens: int = 300) -> dict:
+    """Tokens with PDL on (graphs), on without CUDA graphs, and off: batch 1 (two prompts, each alone: the GEMV
+    path) and batch 8, greedy and seeded top-k/top-p sampling. PDL changes no arithmetic, so every run must give
+    PDL off's tokens exactly."""
+    from minisgl.kernels import pdl
+    rng = random.Random(10)
+    prompts = [[rng.randint(0, 150000) for _ in range(rng.randint(50, 400))] for _ in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    sampled = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=new_tokens, ignore_eos=True,
+                              seed=100 + i) for i in range(len(prompts))]
+
+    def body(llm) -> dict:
+        toks = {"bs1_greedy": [llm.generate([p], greedy, progress=False)[0].token_ids for p in prompts[:2]],
+                "bs8_greedy": [o.token_ids for o in llm.generate(prompts, greedy, progress=False)],
+                "bs8_sampled": [o.token_ids for o in llm.generate(prompts, sampled, progress=False)]}
+        with use_options(llm.config.kernels):  # what a launch of this engine gets
+            active = bool(pdl.pdl_launch(next(llm.engine.runner.model.parameters())))
+        return {"pdl_enabled": llm.config.kernels.pdl, "pdl_active": active,
+                "graph_steps": llm.engine.stats["graph_steps"], "decode_steps": llm.engine.stats["decode_steps"],
+                "tokens": toks}
+
+    runs = {label: with_engine(model, body, settings, kernel, max_model_len=4096, kv_memory_fraction=0.3)
+            for label, settings, kernel in (("no_pdl", {}, {"pdl": False}), ("pdl", {}, {}),
+                                            ("pdl_no_graph", {"cuda_graph": False}, {}))}
+    ref = runs["no_pdl"]["tokens"]
+    out = {}
+    for label, r in runs.items():
+        same = {k: [a == b for a, b in zip(v, ref[k])] for k, v in r["tokens"].items()}
+        first_diff = {k: [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                          for a, b in zip(v, ref[k])] for k, v in r["tokens"].items()}
+        out[label] = {**{k: v for k, v in r.items() if k != "tokens"}, "same_as_no_pdl": same,
+                      "first_divergence": first_diff}
+        log("pdl_tokens", label, {k: v for k, v in out[label].items() if k != "first_divergence"})
+    out["ok"] = (all(all(all(v) for v in o["same_as_no_pdl"].values()) for o in out.values())
+                 and out["pdl"]["pdl_active"] and not out["no_pdl"]["pdl_enabled"])
+    return out
+
+
+def pdl_check() -> dict:
+    """PDL's GPU checks: the kernel chain (lab.checks.pdl), then engine tokens with PDL on and off."""
+    out = {"kernels": child_check("lab.checks.pdl")}
+    out["tokens"] = pdl_tokens()
+    out["ok"] = out["kernels"].get("returncode") == 0 and out["tokens"]["ok"]
+    return out
+
+
+def qwen35_check() -> dict:
+    """Qwen3.5 greedy: CUDA Graph on and off, and prefill graphs on and off, give the same tokens (fp32 and bf16),
+    and a second pass over the same prompts (radix hits restored from state snapshots) gives them again. Some
+    prompts share a prefix (a branch point the prefix cache snapshots on the first pass)."""
+    rng = random.Random(35)
+    prompts = [[rng.randint(0, 9999) for _ in range(rng.randint(100, 300))] for _ in range(6)]
+    prompts += [prompts[0][:160] + [rng.randint(0, 9999) for _ in range(rng.randint(20, 80))] for _ in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+    def body(llm) -> dict:
+        pg = llm.engine.runner.prefill_graph
+        replays = pg.replays if pg is not None else 0
+        first = [o.token_ids for o in llm.generate(prompts, sp, progress=False)]
+        second = llm.generate(prompts, sp, progress=False)
+        return {"tokens": first, "second_pass_same": [o.token_ids for o in second] == first,
+                "second_pass_cached_tokens": sum(o.num_cached_prompt_tokens for o in second),
+                "graph_steps": llm.engine.stats["graph_steps"], "steps": llm.engine.stats["steps"],
+                "prefill_graphs": len(pg.graphs) if pg is not None else 0,
+                "prefill_graph_steps": (pg.replays - replays) if pg is not None else 0,
+                "state_snapshots": llm.engine.runner.state_pool.num_snapshots}
+
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        runs = {label: with_engine("qwen3.5-0.8b", body, settings, dtype=dtype)
+                for label, settings in (("graph", {}), ("no_graph", {"cuda_graph": False}),
+                                        ("no_prefill_graph", {"prefill_graph_max_tokens": 0}))}
+        ref, no_pg = runs["graph"]["tokens"], runs["no_prefill_graph"]["tokens"]
+        out[dtype] = {"graph_equals_no_graph": ref == runs["no_graph"]["tokens"],
+                      "graph_equals_no_prefill_graph": ref == no_pg,
+                      "prompts_equal_no_prefill_graph": sum(a == b for a, b in zip(ref, no_pg)),
+                      **{k: {x: y for x, y in v.items() if x != "tokens"} for k, v in runs.items()}}
+        log("qwen35_check", dtype, out[dtype])
+    return out
+
+
+def wide_gemv_ab(model: str, rounds: int = 2) -> dict:
+    """The decode GEMV tuned again for `model`'s weight shapes with the wide K tiles (lab.tune.gemv --wide), then
+    W2 with three tables, interleaved: `default` (the card's table in the repo), `wide` (the repo's table with the
+    tune's picks where the GEMV beat cuBLAS standalone) and `all_gemv` (every projection on the GEMV with the
+    tune's best tile, at least at one row: under PDL the GEMV streams weights while its predecessor ends, which
+    a standalone time does not show)."""
+    from lab.tune import gemv as tune_gemv
+    from minisgl.kernels import gemv
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tune = tune_gemv.main(tmp, models=(model,), wide=True)
+    repo = {f"{n},{k}": (list(v[:4]) if v is not None else None)
+            for (n, k), v in gemv.device_table(torch.cuda.get_device_name()).items()}
+    wide = dict(repo, **{shape: pick for shape, pick in tune["picks"].items() if pick is not None})
+    all_gemv = dict(repo, **{f"{r['n']},{r['k']}": [*r["best"], max(1, (tune["picks"][f"{r['n']},{r['k']}"]
+                                                                        or [0, 0, 0, 1])[3])]
+                             for r in tune["shapes"]})
+    tables = {"default": repo}
+    for label, table in (("wide", wide), ("all_gemv", all_gemv)):
+        if table not in tables.values():  # an arm the same as an earlier one would only repeat it
+            tables[label] = table
+    arms = tuple(Arm(label, ("w2",), kernel={"gemv_table": table}) for label, table in tables.items())
+    return {"tune": tune, "tables": tables, "runs": Bench(model, arms, rounds)()}
+
+
+def flashinfer_section() -> dict:
+    """The FlashInfer backend: kernel checks and timings against Triton and torch, greedy parity in bf16 next to
+    the Triton backend, then W2 and W1 on Qwen3-0.6B."""
+    fi = {"attention_backend": "flashinfer"}
+    return {"kernels": kernels("--backends-only", "triton,flashinfer"),
+            "parity": parity(("bfloat16",), (("triton", {}), ("flashinfer", fi),
+                                             ("flashinfer_no_cuda_graph", {**fi, "cuda_graph": False}))),
+            "bench": Bench("qwen3-0.6b", (Arm("flashinfer", ("w2", "w1"), fi),))()}
+
+
+def module_check(module: str, **kw) -> Callable[[], dict]:
+    """A check whose module has main(out_dir, ...) -> dict, run in this process."""
+    def run() -> dict:
+        import importlib
+        with tempfile.TemporaryDirectory() as tmp:
+            return importlib.import_module(module).main(tmp, **kw)
+    return run
+
+
+# --- the table -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Section:
+    run: Callable[[], dict]
+    about: str
+
+
+def section(run: Callable[[], dict] | Bench, about: str = "") -> Section:
+    if isinstance(run, Bench):
+        about = about or f"{run.model}: " + ", ".join(f"{a.label} ({'/'.join(a.workloads)})" for a in run.arms) + (
+            f"; {run.rounds} rounds, interleaved" if run.rounds > 1 else "")
+    return Section(run, about)
+
+
+SECTIONS: dict[str, Section] = {
+    # the card
+    "ceilings": section(ceilings, "device-to-device copy bandwidth and bf16 matmul rate, measured now"),
+    # the headline and the ablation table (DESIGN.md), Qwen3-0.6B and Qwen3-8B; Qwen3.5; the sweep
+    "bench06": section(Bench("qwen3-0.6b", ABLATION_06)),
+    "bench8": section(Bench("qwen3-8b", ABLATION_8)),
+    "qwen35": section(Bench("qwen3.5-0.8b", (Arm("default", ("w1", "w2", "w3")),))),
+    "sweep06": section(lambda: sweep("qwen3-0.6b"), "the batch-mix sweep on Qwen3-0.6B, defaults"),
+    # the standard set alone (one engine with defaults), as earlier leases ran it
+    "sample06": section(Bench("qwen3-0.6b", (Arm("default", ("w1", "w1_topkp", "w2")),))),
+    "sample8": section(Bench("qwen3-8b", (Arm("default", ("w1", "w1_topkp", "w2")),))),
+    "w3_06": section(Bench("qwen3-0.6b", (Arm("default", ("w3",)),))),
+    # Hugging Face transformers beside us: W2 on the same weights, greedy parity
+    "hf06": section(lambda: hf_peer("qwen3-0.6b"), "transformers W2 peer on Qwen3-0.6B (1 request, 128 tokens)"),
+    "hf8": section(lambda: hf_peer("qwen3-8b"), "transformers W2 peer on Qwen3-8B (1 request, 128 tokens)"),
+    "parity": section(parity, "greedy tokens against transformers, fp32 and bf16, overlap/CUDA Graph on and off"),
+    # the profiler diagnosis
+    "profile": section(profile, "Qwen3-0.6B: batch-1/64 decode and a W2 request profiled; a 64-request W1 slice "
+                                "with defaults, without overlap, without CUDA graphs"),
+    "profile8": section(lambda: profile_slices("qwen3-8b"), "Qwen3-8B: batch-1/64 decode and a W2 request profiled"),
+    "sweep_phases06": section(lambda: sweep_phases("qwen3-0.6b"),
+                              "the 256-request 1-4k-prompt sweep mix: prefill vs decode step time"),
+    # kernel switches A/B'd on W2 (kernel options: lab.engines)
+    "merge_ab06": section(w2_pair("qwen3-0.6b", "fused_merge", "two_launch_merge", "decode_fused_merge")),
+    "store_ab06": section(w2_pair("qwen3-0.6b", "fused_store", "store_kv", "decode_fused_store")),
+    "pdl_ab06": section(Bench("qwen3-0.6b", (
+        Arm("pdl", ("w2",)), Arm("no_pdl", ("w2",), kernel={"pdl": False}),
+        Arm("pdl_no_early_weights", ("w2",), kernel={"gemv_pdl_early_tiles": 0})), 2)),
+    "pdl_ab8": section(Bench("qwen3-8b", (Arm("pdl", ("w2",)), Arm("no_pdl", ("w2",), kernel={"pdl": False})))),
+    "early_ab06": section(early_tiles("qwen3-0.6b", (1, 3, 2), rounds=2)),
+    "early_ab8": section(early_tiles("qwen3-8b", (1, 3), rounds=1)),
+    "wide_ab06": section(lambda: wide_gemv_ab("qwen3-0.6b"),
+                         "Qwen3-0.6B: the GEMV tuned with wide K tiles, then W2 with three GEMV tables"),
+    "wide_ab8": section(lambda: wide_gemv_ab("qwen3-8b"), "the same on Qwen3-8B"),
+    # GPU self-checks
+    "kernels": section(kernels, "Triton kernels against torch references (lab.checks.kernels)"),
+    "kernels_backends": section(lambda: kernels("--backends-only", "triton"),
+                                "the Triton backend against the torch backend (mixed steps, graph replays)"),
+    "decode_merge": section(lambda: kernels("--decode-merge-only"), "decode split merge: fused vs two launches"),
+    "decode_store": section(lambda: kernels("--decode-store-only"), "decode K/V store: fused vs store_kv first"),
+    "gdn_check": section(lambda: child_check("lab.checks.gdn", "--quick"), "Gated DeltaNet kernels, timed"),
+    "sampling_check": section(module_check("lab.checks.sampling"), "the fused sampler against its reference"),
+    "prefill_check": section(module_check("lab.checks.prefill_graphs"), "prefill graphs against eager steps"),
+    "pdl_check": section(pdl_check, "PDL: a kernel chain captured with PDL on/off, then engine tokens"),
+    "qwen35_check": section(qwen35_check, "Qwen3.5 greedy tokens with graphs on/off and a radix second pass"),
+    "flashinfer": section(flashinfer_section, "the FlashInfer backend: kernel checks, parity, W2 and W1"),
+    "tune_sampling": section(module_check("lab.tune.sampling"), "the fused sampler's launch shapes, timed"),
+}
+
+
+def describe() -> str:
+    """One line per section (for --help)."""
+    return "\n".join(f"  {name:16} {sec.about}" for name, sec in SECTIONS.items())

@@ -1,0 +1,220 @@
+"""The measurement tooling (lab/) on a CPU: the section table, kernel options applied and restored, a bench on the
+tiny model, lab.run's JSON, the lease's plan and its runner (budget, skips, logs), SGLang's wheel halves."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from lab import REPO, engines, lease, models, sections
+from lab import run as lab_run
+from minisgl.bench.runner import RUNNERS
+from minisgl.config import EngineConfig
+
+FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def test_models_table_points_at_real_configs():
+    for m in models.MODELS.values():
+        assert (Path(m.path) / "config.json").is_file()
+    assert models.attention_shape("qwen3-0.6b") == (16, 8, 128)
+    assert models.attention_shape("qwen3-8b") == (32, 8, 128)
+    assert models.model("qwen3.5-0.8b").hybrid and not models.model("qwen3-8b").hybrid
+    with pytest.raises(SystemExit, match="unknown model"):
+        models.model("qwen9")
+
+
+def test_every_bench_arm_is_well_formed():
+    """Each arm's workloads are runnable, its settings are EngineConfig fields and its kernel options known."""
+    benches = [s.run for s in sections.SECTIONS.values() if isinstance(s.run, sections.Bench)]
+    assert len(benches) >= 10
+    for bench in benches:
+        assert bench.model in models.MODELS
+        for arm in bench.arms:
+            assert set(arm.workloads) <= set(RUNNERS), arm
+            assert set(arm.settings) <= FIELDS, arm
+            assert set(arm.kernel) <= set(engines.KERNEL_OPTIONS), arm
+    with pytest.raises(ValueError, match="unknown kernel options"):
+        sections.Arm("x", ("w2",), kernel={"warp_speed": 9})
+    with pytest.raises(ValueError):
+        sections.Arm("x", ("w2",), requests={"w1": 2})  # a subset of a workload the arm does not run
+
+
+def test_ablation_turns_off_the_designs_switches_and_the_newer_ones():
+    arms = {a.label: a for a in sections.SECTIONS["bench06"].run.arms}
+    assert arms["default"].settings == {} and set(arms["default"].workloads) == {"w1", "w1_topkp", "w2", "w3", "w4"}
+    assert arms["no_overlap"].settings == {"overlap": False}
+    assert arms["no_cuda_graph"].settings == {"cuda_graph": False}
+    assert arms["no_radix_cache"].settings == {"radix_cache": False} and "w3" in arms["no_radix_cache"].workloads
+    assert arms["no_chunked_prefill"].settings == {"chunked_prefill_size": 0}
+    assert "w4" in arms["no_chunked_prefill"].workloads
+    assert arms["no_gemv"].settings == {"gemv": False} and arms["no_pdl"].kernel == {"pdl": False}
+    assert arms["no_prefill_graphs"].settings == {"prefill_graph_max_tokens": 0}
+    assert arms["no_fused_sampler"].kernel == {"fused_sampler": False}
+    assert all(a.about for a in arms.values())
+
+
+def test_kernel_options_apply_for_the_block_and_restore_after():
+    from minisgl.kernels import gemv, sampling
+    from minisgl.kernels.options import current_options
+    before, triton = current_options(), sampling.triton
+    with engines.kernel_options(decode_fused_store=False, gemv_pdl_early_tiles=3, sampler_launch={"chunk": 2048},
+                                gdn={"decode_warps": 2}, sampler_skip_blocks=False, fused_sampler=False,
+                                gemv_table={"24,3000": [1, 4096, 4, 1], "8,16": None}) as opts:
+        cur = current_options()
+        assert cur is opts and not cur.decode_fused_store and cur.gemv_pdl_early_tiles == 3
+        assert cur.sampler_launch.chunk == 2048 and cur.sampler_launch.stats_block == before.sampler_launch.stats_block
+        assert cur.gdn.decode_warps == 2 and cur.gdn.prefill == before.gdn.prefill and not cur.sampler_skip_blocks
+        table = gemv.load_table(cur.gemv_configs)
+        assert table[(24, 3000)] == (1, 4096, 4, 1) and table[(8, 16)] is None
+        assert sampling.triton is None  # the torch sampler for this block's engine
+    assert current_options() == before and sampling.triton is triton
+    with pytest.raises(ValueError, match="unknown kernel options"), engines.kernel_options(turbo=True):
+        pass
+
+
+@pytest.fixture
+def tiny_model(monkeypatch):
+    """The lab's model name 'qwen3-0.6b' pointed at the embedded tiny model (real tokenizer, 4k vocabulary)."""
+    from helpers import TINY_QWEN3_ASSET
+    monkeypatch.setattr(engines, "model_path", lambda name: TINY_QWEN3_ASSET)
+    return "qwen3-0.6b"
+
+
+def test_a_bench_runs_its_arms_on_fresh_engines_and_records_a_failed_arm(tiny_model):
+    bench = sections.Bench(tiny_model, (
+        sections.Arm("default", ("w2",), requests={"w2": 1}),
+        sections.Arm("no_overlap", ("w2",), {"overlap": False}, requests={"w2": 1}),
+        sections.Arm("early0", ("w2",), kernel={"gemv_pdl_early_tiles": 0}, requests={"w2": 1}),
+        sections.Arm("broken", ("w2",), {"max_running_requests": -5}, requests={"w2": 1})))
+    res = bench()
+    assert list(res) == ["default", "no_overlap", "early0", "broken"]
+    for label in ("default", "no_overlap", "early0"):
+        w2 = res[label]["w2"]
+        assert w2["requests"] == 1 and w2["tpot_ms_median"] > 0 and w2["ttft_ms_median"] > 0
+        assert res[label]["startup_s"] > 0 and res[label]["kv_pool_tokens"] > 0
+    assert res["no_overlap"]["settings"] == {"overlap": False}
+    assert res["early0"]["kernel"] == {"gemv_pdl_early_tiles": 0}
+    assert res["early0"]["kernel_options"]["gemv_pdl_early_tiles"] == 0  # the engine's own options took it
+    assert res["default"]["kernel_options"]["gemv_pdl_early_tiles"] == 2
+    assert "error" in res["broken"] and "max_running_requests" in res["broken"]["error"]
+
+
+def test_lab_run_writes_each_section_as_it_ends(tmp_path, monkeypatch):
+    def boom():
+        raise RuntimeError("kernel fell over")
+
+    monkeypatch.setitem(sections.SECTIONS, "fake", sections.section(lambda: {"x": 1}, "a fake"))
+    monkeypatch.setitem(sections.SECTIONS, "boom", sections.section(boom, "fails"))
+    monkeypatch.setattr(lab_run, "SECTIONS", sections.SECTIONS)
+    lab_run.run(str(tmp_path), ["fake", "boom"], "f.json")
+    data = json.loads((tmp_path / "f.json").read_text())
+    assert data["sections"]["fake"]["result"] == {"x": 1} and data["sections"]["fake"]["seconds"] >= 0
+    assert "kernel fell over" in data["sections"]["boom"]["error"]
+    assert data["command"] == "python -m lab.run --sections fake,boom" and "git_commit" in data["environment"]
+    with pytest.raises(SystemExit, match="unknown sections"):
+        lab_run.run(str(tmp_path), ["nope"])
+
+
+def test_lease_plan_fits_the_device_limits():
+    """Each call: its steps exist, it plans inside its budget (which ends before the 540 s timeout), brings back
+    at most 8 files, carries at most 8 paths; calls 1-3 fit a 25-minute lease with the machine's start."""
+    from lab import sglang
+    for name, call in lease.CALLS.items():
+        assert call.seconds <= call.budget_s < 540, name
+        assert sum(len(s.files) for s in call.steps) + 1 <= 8 and len(call.carry) <= 8
+        assert len({s.name for s in call.steps}) == len(call.steps)
+        for step in call.steps:
+            if isinstance(step, lease.Lab):
+                assert set(step.sections) <= set(sections.SECTIONS), step
+            if isinstance(step, lease.SGLang):
+                assert set(step.sections) <= set(sglang.SECTIONS) and step.model in models.MODELS
+            if isinstance(step, lease.Serving):
+                assert set(step.loads) <= set(lease.LOADS)
+            assert len(" ".join(step.argv("/tmp/out"))) < 2000
+    assert sum(lease.CALLS[c].seconds for c in ("call1", "call2", "call3")) + 120 <= 25 * 60
+    planned = {s for c in ("call1", "call2", "call3") for st in lease.CALLS[c].steps
+               for s in getattr(st, "sections", ())}
+    assert {"ceilings", "bench06", "bench8", "qwen35", "sweep06", "hf06", "hf8", "profile", "profile8"} <= planned
+
+
+class Script(lease.Step):
+    """A step that runs a line of Python (for the runner's own test)."""
+
+    def __init__(self, name: str, seconds: int, code: str):
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "seconds", seconds)
+        object.__setattr__(self, "files", ())
+        object.__setattr__(self, "code", code)
+
+    def argv(self, out: str) -> list[str]:
+        return [sys.executable, "-c", self.code, out]
+
+
+def test_lease_call_runs_steps_skips_and_stops_them_and_packs_the_logs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(lease, "LOGS", tmp_path / "logs")
+    write = "import sys, pathlib; pathlib.Path(sys.argv[1], 'a.json').write_text('{}'); print('wrote a')"
+    call = lease.Call("test", carry=(), budget_s=4, steps=(
+        Script("first", 1, write),
+        Script("too_long", 60, "print('never')"),
+        Script("overruns", 1, "import time; time.sleep(30)"),
+        Script("after", 1, "print('after')")))
+    monkeypatch.setitem(lease.CALLS, "test", call)
+    out = tmp_path / "out"
+    lease.run_call("test", str(out), commit="0" * 40)
+    printed = capsys.readouterr().out
+    assert (out / "a.json").is_file() and "first: rc 0" in printed and "wrote a" in printed
+    assert "SKIPPED too_long: needs ~60 s" in printed
+    assert "overruns: rc stopped at the call's budget" in printed
+    assert "SKIPPED after" in printed  # nothing left of the budget
+    with tarfile.open(out / "logs_test.tgz") as tar:
+        assert "lease-logs/first.log" in tar.getnames()
+    assert os.environ["MINISGL_GIT_COMMIT"] == "0" * 40
+
+
+def test_wheel_halves_are_split_staged_and_unpacked_once_complete(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / lease.WHEEL_DIR).mkdir(parents=True)
+    for name, size in (("big.whl", 9000), ("mid.whl", 5000), ("small.tar.gz", 4000), ("tiny.whl", 100)):
+        (repo / lease.WHEEL_DIR / name).write_bytes(b"x" * size)
+    manifest = lease.split_wheels(repo / lease.WHEEL_DIR, root=REPO)
+    assert sorted(manifest["a"] + manifest["b"]) == ["big.whl", "mid.whl", "small.tar.gz", "tiny.whl"]
+    sizes = {h: sum((repo / lease.WHEEL_DIR / h / n).stat().st_size for n in names) for h, names in manifest.items()}
+    assert abs(sizes["a"] - sizes["b"]) <= 100  # largest first into the lighter half: 9,100 and 9,000 bytes
+    assert json.loads((repo / lease.WHEEL_DIR / "b" / lease.MANIFEST).read_text()) == manifest
+    # the kit's installer, faked: it stamps /tmp/site once every wheel is there
+    kit = repo / lease.KIT
+    kit.mkdir()
+    (kit / "run_sglang.sh").write_text('mkdir -p "$SITE" && touch "$SITE/.sglang-kit"\n')
+    site = tmp_path / "site"
+    monkeypatch.setenv("SITE", str(site))
+    monkeypatch.setattr(lease, "REPO", repo)
+    monkeypatch.setattr(lease, "WHEELS", tmp_path / "wheels")
+    monkeypatch.setattr(lease, "SITE", site)
+    step = lease.SGLang("s", 10, ("s.json",), "qwen3-0.6b", ("w1",))
+    assert "no SGLang wheels" in step.ready()
+    assert "half b is not on this machine" in lease.stage_wheels("a")
+    assert "carry .sglang-whl/b" in step.ready()
+    assert "unpacked every wheel" in lease.stage_wheels("b")
+    assert step.ready() is None and (site / ".sglang-kit").is_file()
+    assert "already unpacked" in lease.stage_wheels("a")
+
+
+def test_sglang_gets_minisgls_sampling_settings():
+    from lab.sglang import sampling_dict
+    from minisgl.bench.workloads import w1_top_k_p, w2_latency
+    d = sampling_dict(w1_top_k_p().params[0])
+    assert d["top_k"] == 50 and d["top_p"] == 0.95 and d["temperature"] == 0.6 and d["ignore_eos"]
+    g = sampling_dict(w2_latency().params[0])
+    assert g["top_k"] == -1 and g["temperature"] == 0 and g["max_new_tokens"] == 256
+
+
+def test_no_sys_path_insert_in_the_lab():
+    offenders = [str(p.relative_to(REPO)) for p in (REPO / "lab").rglob("*.py") if "sys.path.insert" in p.read_text()]
+    assert offenders == []
