@@ -15,7 +15,8 @@ wins over it. The variables:
 | `MINISGL_GEMV_PDL_EARLY_TILES=N` | `gemv_pdl_early_tiles=N` |
 | `MINISGL_FORCE_TRITON=1` | `triton_on_cpu=True` (tests, under `TRITON_INTERPRET=1`) |
 
-Besides those: `MINISGL_TEST_MODEL` (the server tests' model), `MINISGL_GIT_COMMIT` / `MINISGL_GIT_DIRTY`
+Besides those: `OMP_NUM_THREADS` (whether the user chose torch's CPU threads: `--cpu-threads` auto keeps it),
+`MINISGL_TEST_MODEL` (the server tests' model), `MINISGL_GIT_COMMIT` / `MINISGL_GIT_DIRTY`
 (the commit a benchmark records, for a copy of the tree without .git), and what minisgl sets for the libraries
 it starts (NCCL) or passes to the processes it spawns.
 """
@@ -67,6 +68,11 @@ def kernel_option_defaults() -> dict:
 def server_test_model() -> str | None:
     """MINISGL_TEST_MODEL: a model folder the server tests use instead of the embedded one."""
     return os.environ.get("MINISGL_TEST_MODEL") or None
+
+
+def thread_count_given() -> bool:
+    """Whether OMP_NUM_THREADS is set: the user chose torch's thread count (torch applied it at import)."""
+    return "OMP_NUM_THREADS" in os.environ
 
 
 def git_commit_override() -> tuple[str | None, bool | None]:

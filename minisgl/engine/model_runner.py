@@ -24,6 +24,7 @@ from minisgl.engine.prefill_graph import pad_extend_step
 from minisgl.engine.runtimes import make_runtime
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_bytes
+from minisgl.environment import thread_count_given
 from minisgl.kernels.options import use_options
 from minisgl.kvcache import KVCache, ReqToTokenPool
 from minisgl.loader import DTYPES, load_model
@@ -39,7 +40,7 @@ def cpu_threads(config: EngineConfig) -> int:
     the user's choice, which torch already applied: auto keeps it."""
     if config.cpu_threads > 0:
         return config.cpu_threads
-    if "OMP_NUM_THREADS" in os.environ:
+    if thread_count_given():
         return torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, (cores - 1) // config.tp_size)
