@@ -45,6 +45,9 @@ EXERCISES: dict[str, list[str]] = {
                   "minisgl.kvcache.state_pool:StatePool.start", "minisgl.kvcache.state_pool:StatePool.save"],
     "nb11-collect": ["minisgl.server.step_outputs:collect_outputs"],
     "nb11-fanout": ["minisgl.server.step_outputs:fan_out"],
+    "nb12-penalties": ["minisgl.engine.logits_processing:apply_penalties"],
+    "nb12-entries": ["minisgl.engine.logits_processing:penalty_row_entries"],
+    "nb12-logprobs": ["minisgl.engine.logits_processing:token_logprobs"],
 }
 
 
@@ -212,3 +215,29 @@ def run_workload(engine_llm, name: str, scale: float = 1.0) -> dict:
     from minisgl.bench.runner import run_workload as f
 
     return f(engine_llm, name, scale=scale)
+
+
+# --- 12 API features -----------------------------------------------------------------------------------------
+
+def apply_penalties(logits, rows, counts, frequency, presence, repetition):
+    from minisgl.engine.logits_processing import apply_penalties as f
+
+    return f(logits, rows, counts, frequency, presence, repetition)
+
+
+def penalty_row_entries(prompt, outputs):
+    from minisgl.engine.logits_processing import penalty_row_entries as f
+
+    return f(prompt, outputs)
+
+
+def token_logprobs(logits, tokens, top_n):
+    from minisgl.engine.logits_processing import token_logprobs as f
+
+    return f(logits, tokens, top_n)
+
+
+def prompt_bit() -> int:
+    from minisgl.engine.logits_processing import PROMPT_BIT
+
+    return PROMPT_BIT

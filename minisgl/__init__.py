@@ -2,10 +2,10 @@
 
 from minisgl.config import EngineConfig
 from minisgl.errors import RequestError
-from minisgl.sampling_params import SamplingParams
+from minisgl.sampling_params import SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "EngineConfig", "RequestError", "SamplingParams", "__version__"]
+__all__ = ["LLM", "EngineConfig", "RequestError", "SamplingParams", "StructuredOutput", "__version__"]
 
 
 def __getattr__(name):

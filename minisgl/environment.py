@@ -15,7 +15,7 @@ wins over it. The variables:
 | `MINISGL_GEMV_PDL_EARLY_TILES=N` | `gemv_pdl_early_tiles=N` |
 | `MINISGL_FORCE_TRITON=1` | `triton_on_cpu=True` (tests, under `TRITON_INTERPRET=1`) |
 
-Besides those: `OMP_NUM_THREADS` (whether the user chose torch's CPU threads: `--cpu-threads` auto keeps it),
+Besides those: `OMP_NUM_THREADS` (whether the user chose the CPU thread count: `omp_threads_set`),
 `MINISGL_TEST_MODEL` (the server tests' model), `MINISGL_GIT_COMMIT` / `MINISGL_GIT_DIRTY`
 (the commit a benchmark records, for a copy of the tree without .git), and what minisgl sets for the libraries
 it starts (NCCL) or passes to the processes it spawns.
@@ -70,11 +70,6 @@ def server_test_model() -> str | None:
     return os.environ.get("MINISGL_TEST_MODEL") or None
 
 
-def thread_count_given() -> bool:
-    """Whether OMP_NUM_THREADS is set: the user chose torch's thread count (torch applied it at import)."""
-    return "OMP_NUM_THREADS" in os.environ
-
-
 def git_commit_override() -> tuple[str | None, bool | None]:
     """(MINISGL_GIT_COMMIT, MINISGL_GIT_DIRTY as a bool): what a copy of the tree without .git reports."""
     dirty = os.environ.get("MINISGL_GIT_DIRTY")
@@ -90,3 +85,8 @@ def keep_nvlink_multicast_off() -> None:
 def child_environment(**extra: str) -> dict[str, str]:
     """This process's environment plus `extra`, for a subprocess."""
     return {**os.environ, **extra}
+
+
+def omp_threads_set() -> bool:
+    """Whether the user chose torch's CPU thread count with OMP_NUM_THREADS (torch already applied it)."""
+    return "OMP_NUM_THREADS" in os.environ

@@ -10,6 +10,7 @@ from minisgl.engine import Engine
 from minisgl.errors import RequestError
 from minisgl.sampling_params import SamplingParams
 from minisgl.stop_strings import make_stop_check, trim_at_stop
+from minisgl.tokenizer import load_tokenizer  # noqa: F401  (LLM's tokenizer; callers import it from here too)
 
 
 @dataclass
@@ -21,16 +22,9 @@ class RequestOutput:
     num_cached_prompt_tokens: int
     ttft: float | None  # seconds from submission to the first token
     latency: float  # seconds from submission to the last token
-
-
-def load_tokenizer(path: str):
-    """The model folder's tokenizer, or None when it has none (dummy-weight configs)."""
-    import os
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model",
-                                                              "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    # with SamplingParams.logprobs: per output token, (its logprob, [(token id, logprob) of the most likely])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    index: int = 0  # which of the prompt's SamplingParams.n streams
 
 
 class LLM:
@@ -77,7 +71,8 @@ class LLM:
     # --- the API -------------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool | None = None) -> list[RequestOutput]:
-        """Generate for one prompt or many (a prompt is text or a list of token ids); one output each.
+        """Generate for one prompt or many (a prompt is text or a list of token ids): `n` outputs each
+        (SamplingParams.n, default 1), in prompt order, a prompt's streams next to each other (`index`).
 
         Every request is checked before any runs: a bad one raises ValueError naming it, and the engine
         stays ready for the next call.
@@ -102,7 +97,8 @@ class LLM:
             except (ValueError, TypeError) as e:
                 raise type(e)(f"request {i}: {e}") from None
             encoded.append((ids, p, stop_check))
-        reqs = [self.engine.add_request(ids, p, stop_check) for ids, p, stop_check in encoded]
+        groups = [self.engine.add_requests(ids, p, stop_check) for ids, p, stop_check in encoded]
+        reqs = [r for group in groups for r in group]
         show = self.config.progress if progress is None else progress
         bar = None
         if show:
@@ -112,11 +108,13 @@ class LLM:
         if bar:
             bar.close()
         outs = []
-        for r, (_, p, _) in zip(reqs, encoded):
-            outs.append(RequestOutput(
+        for group, (_, p, _) in zip(groups, encoded):
+            outs.extend(RequestOutput(
                 prompt_token_ids=r.input_ids, token_ids=list(r.output_ids),
                 text=self._text(r.output_ids, p), finish_reason=r.finish_reason,
                 num_cached_prompt_tokens=r.num_cached_prompt_tokens,
                 ttft=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
-                latency=(r.finish_time or r.arrival_time) - r.arrival_time))
+                latency=(r.finish_time or r.arrival_time) - r.arrival_time,
+                logprobs=None if p.logprobs is None else list(r.output_logprobs), index=i)
+                for i, r in enumerate(group))
         return outs

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from minisgl.errors import RequestError
 
 TOP_K_OFF = -1  # the one way to say "no top-k cut"
 MAX_TEMPERATURE = 100.0  # far past any useful value; bounds 1/T's dynamic range, not the user's taste
 MAX_SEED = 2**63 - 1  # a seed lives in an int64 tensor
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_N = 64  # streams of one request
 
 
 def _real(value: object) -> bool:
@@ -26,6 +29,25 @@ def _integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow (minisgl/grammar.py): any JSON object, a JSON schema (JSON text), a
+    regular expression, or an EBNF grammar (GBNF, the llama.cpp dialect xgrammar reads, rule `root`)."""
+
+    kind: str  # one of GRAMMAR_KINDS
+    spec: str = ""  # the schema, the regex or the grammar; "" for json_object
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise RequestError(f"structured output must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}",
+                               "response_format")
+        if not isinstance(self.spec, str) or (self.kind != "json_object" and not self.spec):
+            raise RequestError(f"a {self.kind} constraint needs its text", "response_format")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its next tokens and when it stops.
@@ -34,6 +56,20 @@ class SamplingParams:
     top_p == 1 means no nucleus cut; min_p == 0 means no min-p cut (else tokens less likely than min_p times the
     most likely one are dropped). A request without a seed gets one drawn from the engine's seeded generator,
     so a whole run is reproducible from the engine seed alone.
+
+    Penalties act on the logits before temperature: `repetition_penalty` r (Hugging Face's semantics) divides
+    a positive logit by r and multiplies a negative one by r for every token seen in the prompt or the output
+    (1 = off); then, with c the number of times a token was generated so far, `frequency_penalty` f and
+    `presence_penalty` p subtract c * f + (c > 0) * p (OpenAI's formula; 0 = off).
+
+    `logprobs` N (None = off) returns, for every output token, its log-probability and the N most likely
+    tokens' (N = 0: the sampled token's only), from the log-softmax of the logits the sampler drew from before
+    temperature and the top-k/top-p/min-p cuts: after the penalties and the grammar mask.
+
+    `structured_output` constrains the output to a grammar (JSON, a JSON schema, a regex, EBNF).
+
+    `n` streams share the prompt's prefill; stream i draws with seed + i (or a seed of its own from the engine
+    when `seed` is None), so each stream is the run of that seed alone.
     """
 
     temperature: float = 1.0
@@ -45,6 +81,12 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    n: int = 1
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # `stop` may be a string or a list, `stop_token_ids` a list: stored as tuples (the dataclass is frozen)
@@ -60,7 +102,10 @@ class SamplingParams:
         self._set(temperature=float(self.temperature), top_p=float(self.top_p), min_p=float(self.min_p),
                   top_k=int(self.top_k), max_tokens=int(self.max_tokens),
                   stop_token_ids=tuple(int(i) for i in self.stop_token_ids),
-                  seed=None if self.seed is None else int(self.seed))
+                  seed=None if self.seed is None else int(self.seed),
+                  frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
+                  repetition_penalty=float(self.repetition_penalty), n=int(self.n),
+                  logprobs=None if self.logprobs is None else int(self.logprobs))
 
     def _set(self, **values: object) -> None:
         for name, value in values.items():
@@ -89,10 +134,35 @@ class SamplingParams:
             raise RequestError("stop strings must be non-empty strings", "stop")
         if any(not _integer(i) or i < 0 for i in self.stop_token_ids):
             raise RequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not _real(v) or not -2 <= v <= 2:
+                raise RequestError(f"{name} must be a number in [-2, 2], got {v!r}", name)
+        r = self.repetition_penalty
+        if not _real(r) or not 0 < r <= 10:
+            raise RequestError(f"repetition_penalty must be a number in (0, 10], got {r!r}", "repetition_penalty")
+        lp = self.logprobs
+        if lp is not None and (not _integer(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {lp!r}",
+                               "logprobs")
+        if not _integer(self.n) or not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise RequestError("structured_output must be a StructuredOutput", "response_format")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+    @cached_property
+    def processes_logits(self) -> bool:
+        """Whether a step must process this request's logits before sampling (penalties, logprobs, a grammar):
+        read for every request of every step, so computed once."""
+        return self.has_penalties or self.logprobs is not None or self.structured_output is not None
 
     def top_k_within(self, vocab: int) -> int:
         """The k of the top-k cut over a vocabulary of `vocab` tokens: `vocab` (keep all) when there is none."""

@@ -133,3 +133,23 @@ def test_graph_writes_tokens_to_the_table_and_padding_to_the_spare_cell(qwen3_pa
         req.num_pending -= 1
         req.output_ids.append(token)
     llm.engine.run(reqs)
+
+
+def test_processed_steps_replay_the_logits_graph(qwen3_path, make_llm):
+    """Steps with penalties or logprobs replay the forward-only "logits" graph and process and sample its logits:
+    the same tokens and logprobs as the eager engine, in either loop."""
+    all_params = [SamplingParams(max_tokens=12, ignore_eos=True, seed=100 + i, **SETTINGS[i % len(SETTINGS)],
+                                 repetition_penalty=1.3 if i % 2 else 1.0, logprobs=2 if i % 3 == 0 else None,
+                                 frequency_penalty=0.5 if i % 4 == 1 else 0.0) for i in range(len(PROMPTS))]
+    eager = make_llm(qwen3_path).generate(PROMPTS, all_params)
+    for switches in ({}, dict(overlap=False)):
+        llm = make_llm(qwen3_path, **switches)
+        graphs = with_cpu_graphs(llm, max_bs=8, batch_sizes=[1, 2, 4, 8])
+        out = llm.generate(PROMPTS, all_params)
+        assert [o.token_ids for o in out] == [o.token_ids for o in eager], switches
+        for o, e in zip(out, eager):
+            assert (o.logprobs is None) == (e.logprobs is None)
+            if o.logprobs is not None:
+                assert [t for _, t in o.logprobs] == [t for _, t in e.logprobs]
+        assert sum(g.replays for (bs, s), g in graphs.graphs.items() if s == "logits") > 0
+        assert_all_pages_back(llm)

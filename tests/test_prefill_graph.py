@@ -200,3 +200,23 @@ def test_build_caps_requests_at_max_running(qwen3_path, make_llm):
     graphs = pg.build_prefill_graphs(llm.engine.runner, 64, 16, capture=False)
     assert graphs.token_buckets == [16, 32, 64] and graphs.request_buckets == [1, 3]
     assert graphs.shapes == [(16, 1), (16, 3), (32, 1), (32, 3), (64, 1), (64, 3)] and not graphs.graphs
+
+
+def test_processed_steps_through_the_padded_forward(qwen3_path, make_llm):
+    """Penalties and logprobs on steps the prefill graphs serve: the processing reads the graph's shared logits
+    buffer (its first rows), and the tokens and logprobs equal the eager engine's."""
+    from minisgl import SamplingParams
+
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=10, ignore_eos=True,
+                             repetition_penalty=1.3 if i % 3 else 1.0, logprobs=2 if i % 2 else None)
+              for i in range(len(PROMPTS))]
+    eager = make_llm(qwen3_path, dtype="float32", chunked_prefill_size=7).generate(PROMPTS, params)
+    llm = make_llm(qwen3_path, dtype="float32", chunked_prefill_size=7)
+    graphs = attach_graph_shaped_runner(llm, max_tokens=256, max_reqs=8)
+    outs = llm.generate(PROMPTS, params)
+    assert graphs.replays > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    for o, e in zip(outs, eager):
+        if e.logprobs is not None:
+            assert all(abs(a - b) < 1e-4 for (a, _), (b, _) in zip(o.logprobs, e.logprobs))
+    assert_all_pages_back(llm)

@@ -224,7 +224,7 @@ BAD_CASES = [
     ("completions", _with(GOOD_C, min_p=-0.5), 400),
     ("completions", _with(GOOD_C, min_p=1.5), 400),
     ("completions", _with(GOOD_C, min_p="0.1"), 400),
-    ("completions", _with(GOOD_C, n=2), 400),
+    ("completions", _with(GOOD_C, n=65), 400),
     ("completions", _with(GOOD_C, n=0), 400),
     ("completions", _with(GOOD_C, best_of=3), 400),
     ("completions", _with(GOOD_C, stream="yes"), 400),
@@ -235,8 +235,11 @@ BAD_CASES = [
     ("completions", _with(GOOD_C, seed=-1), 400),
     ("completions", _with(GOOD_C, seed=2**80), 400),
     ("completions", _with(GOOD_C, echo=True), 400),
-    ("completions", _with(GOOD_C, logprobs=3), 400),
-    ("completions", _with(GOOD_C, presence_penalty=0.5), 400),
+    ("completions", _with(GOOD_C, logprobs=30), 400),
+    ("completions", _with(GOOD_C, presence_penalty=2.5), 400),
+    ("completions", _with(GOOD_C, frequency_penalty=-3), 400),
+    ("completions", _with(GOOD_C, repetition_penalty=0), 400),
+    ("completions", _with(GOOD_C, repetition_penalty="1.2"), 400),
     ("completions", _with(GOOD_C, logit_bias={"5": 10}), 400),
     ("completions", _with(GOOD_C, max_token=5), 400),  # a typo: unknown field
     ("completions", _with(GOOD_C, stream_options={"include_usage": "yes"}), 400),
@@ -253,9 +256,10 @@ BAD_CASES = [
     ("chat/completions", _with(GOOD_CHAT, model="nope"), 404),
     ("chat/completions", _with(GOOD_CHAT, max_completion_tokens=0), 400),
     ("chat/completions", _with(GOOD_CHAT, tools=[{"type": "function"}]), 400),
-    ("chat/completions", _with(GOOD_CHAT, logprobs=True), 400),
-    ("chat/completions", _with(GOOD_CHAT, response_format={"type": "json_object"}), 400),
-    ("chat/completions", _with(GOOD_CHAT, n=4), 400),
+    ("chat/completions", _with(GOOD_CHAT, logprobs="yes"), 400),
+    ("chat/completions", _with(GOOD_CHAT, top_logprobs=2), 400),  # without logprobs: true
+    ("chat/completions", _with(GOOD_CHAT, response_format={"type": "xml"}), 400),
+    ("chat/completions", _with(GOOD_CHAT, n=-4), 400),
 ]
 
 
@@ -301,7 +305,8 @@ NOT_INT = JSON.filter(lambda v: not isinstance(v, int) or isinstance(v, bool))
 NOT_NUM = JSON.filter(lambda v: not isinstance(v, (int, float)) or isinstance(v, bool))
 NOT_BOOL = JSON.filter(lambda v: not isinstance(v, bool) and v is not None)
 KNOWN = {"model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream",
-         "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user",
+         "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+         "logit_bias", "user",
          "ignore_eos", "echo", "logprobs", "best_of", "suffix", "max_completion_tokens", "top_logprobs",
          "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 BREAK = st.one_of(
@@ -314,7 +319,7 @@ BREAK = st.one_of(
     st.tuples(st.just("top_p"), NOT_NUM.filter(lambda v: v is not None) | st.floats(max_value=0, **FINITE)
               | st.floats(min_value=1.0001, **FINITE)),
     st.tuples(st.just("top_k"), NOT_INT.filter(lambda v: v is not None) | st.integers(max_value=-2) | st.just(0)),
-    st.tuples(st.just("n"), st.integers().filter(lambda v: v != 1) | NOT_INT.filter(lambda v: v is not None)),
+    st.tuples(st.just("n"), st.integers().filter(lambda v: not 1 <= v <= 64) | NOT_INT.filter(lambda v: v is not None)),
     st.tuples(st.just("stream"), NOT_BOOL),
     st.tuples(st.just("seed"), st.integers(max_value=-1) | st.integers(min_value=2**63)
               | NOT_INT.filter(lambda v: v is not None)),

@@ -111,16 +111,17 @@ def run_latency(llm, w: Workload) -> dict:
     warm_up(llm, n=1)
     _reset_stats(llm)
     variants = triton_variants()
-    ttfts, tpots = [], []
+    ttfts, tpots, lengths = [], [], []
     for prompt, p in zip(w.prompts, w.params):
         _sync()
         out = llm.generate([prompt], p, progress=False)[0]
+        lengths.append(len(out.token_ids))  # fewer than max_tokens when a stop (or a grammar's end) came first
         ttfts.append(out.ttft)
         tpots.append((out.latency - out.ttft) / max(len(out.token_ids) - 1, 1))
     return {
         "requests": len(w.prompts), "output_tokens_each": w.params[0].max_tokens,
         "ttft_ms_median": 1e3 * statistics.median(ttfts), "tpot_ms_median": 1e3 * statistics.median(tpots),
-        "ttft_ms": [1e3 * x for x in ttfts], "tpot_ms": [1e3 * x for x in tpots],
+        "ttft_ms": [1e3 * x for x in ttfts], "tpot_ms": [1e3 * x for x in tpots], "output_tokens": lengths,
         "engine": _engine_stats(llm), "triton_compiles_timed": _new_variants(variants),
     }
 

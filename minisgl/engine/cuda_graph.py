@@ -42,11 +42,15 @@ def fill_padding(n: int, bs: int, out_cache_loc: torch.Tensor, seq_lens: torch.T
 
 
 # --- notebooks/06_cuda_graph.ipynb, cell 17 (id 8fd6626a) ---
-SAMPLERS = ("greedy", "plain", "cuts")  # argmax; temperature only (one pass); top-k / top-p / min-p search
+# argmax; temperature only (one pass); top-k / top-p / min-p search; and "logits": no sampler, the forward's logits
+# copied to a buffer all sizes share, for steps whose logits are processed before sampling (notebook 12)
+SAMPLERS = ("greedy", "plain", "cuts", "logits")
 
 
 def sampler_of(st: SamplingTensors) -> str:
     """Which captured sampler a batch needs: the host knows it from the requests, with no sync."""
+    if st.processed:
+        return "logits"
     return "greedy" if st.all_greedy else "cuts" if st.any_top_k_p else "plain"
 
 
@@ -80,6 +84,7 @@ class CudaGraphRunner:
         self.token_dst = torch.full((n,), self.spare_cell, dtype=torch.int64, device=dev)
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (batch size, sampler): a whole step
         self.outputs: dict[tuple[int, str], torch.Tensor] = {}  # the tokens each graph writes
+        self.logits: torch.Tensor | None = None  # [max_bs, vocab]: what the "logits" graphs write
         self.last_run_used_graph = False
         self.attn.init_cuda_graph_state(n)
         self._capture_all()
@@ -99,6 +104,11 @@ class CudaGraphRunner:
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, bs: int, sampler: str) -> torch.Tensor:
         """What one graph records: the forward, the sampler on its logits, the tokens into the token table."""
         logits = self.model(input_ids, positions, self.attn)
+        if sampler == "logits":  # into the shared buffer (allocated by the warm-up, outside any graph)
+            if self.logits is None:
+                self.logits = torch.empty(self.max_bs, logits.shape[-1], dtype=logits.dtype, device=logits.device)
+            self.logits[:bs].copy_(logits)
+            return self.logits[:bs]
         if sampler == "greedy":
             tokens = logits.argmax(dim=-1)
         else:
@@ -155,6 +165,7 @@ class CudaGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             sampling: SamplingTensors, token_dst: torch.Tensor | None = None) -> torch.Tensor:
         """Next tokens `[n]` of a decode batch of n rows, every row sampling: one replay, one launch.
+        (With `sampling.processed`, the logits `[n, vocab]` instead, and no token is written.)
 
         With `token_dst` (flat token-table indices, one per row) the replay also writes the tokens there.
         The result is a view of the graph's output, valid until the next replay: copy it to keep it."""
@@ -171,7 +182,7 @@ class CudaGraphRunner:
         if token_dst is None or bs > n:  # rows without a destination write to the spare cell
             self.token_dst[0 if token_dst is None else n:bs].fill_(self.spare_cell)
         sampler = sampler_of(sampling)
-        if sampler != "greedy":
+        if sampler in ("plain", "cuts"):
             self._load_sampling(sampling, n, bs)
         static = self._meta(bs)
         if meta.seq_lens_cpu is not None:  # host copies for backends that plan on the CPU (FlashInfer): no sync

@@ -12,7 +12,8 @@ has seen it yet (the overlap loop), and the scheduler writes only what the devic
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -20,11 +21,12 @@ import torch
 from minisgl.attention import AttentionMetadata, create_backend
 from minisgl.config import EngineConfig
 from minisgl.engine.graph_pieces import run_in_pieces
+from minisgl.engine.logits_processing import LogitsProcessing, PenaltyTable, process_logits, token_logprobs
 from minisgl.engine.prefill_graph import pad_extend_step
 from minisgl.engine.runtimes import make_runtime
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_bytes
-from minisgl.environment import thread_count_given
+from minisgl.environment import omp_threads_set
 from minisgl.kernels.options import use_options
 from minisgl.kvcache import KVCache, ReqToTokenPool
 from minisgl.loader import DTYPES, load_model
@@ -40,7 +42,7 @@ def cpu_threads(config: EngineConfig) -> int:
     the user's choice, which torch already applied: auto keeps it."""
     if config.cpu_threads > 0:
         return config.cpu_threads
-    if thread_count_given():
+    if omp_threads_set():
         return torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, (cores - 1) // config.tp_size)
@@ -59,17 +61,41 @@ def resolve_device(name: str) -> torch.device:
 
 
 @dataclass
+class StepLogprobs:
+    """Per sampling row of a step that asked for logprobs (`rows`, indices into the step's sampling rows), on
+    the host once the step's `ready` fires: the sampled token's logprob and the top_n most likely tokens."""
+
+    rows: list[int]
+    token_logprobs: torch.Tensor  # [L] float32
+    top_ids: torch.Tensor  # [L, top_n] int64
+    top_logprobs: torch.Tensor  # [L, top_n] float32
+
+
+@dataclass
 class StepOutput:
-    """What a launched step hands back: next tokens on the device and, once `ready` fires, on the host."""
+    """What a launched step hands back: next tokens on the device and, once `ready` fires, on the host.
+
+    A step whose logits are processed (logits_processing.py) may still have to be sampled when it is launched
+    (`unsampled`: the forward runs, its grammar masks are not built yet): the engine calls
+    `ModelRunner.sample_processed` with them once they are (`sample`, which `wait` calls if it has not been)."""
 
     batch: Batch
-    tokens_device: torch.Tensor  # after a decode graph: its output buffer, which the next replay overwrites
-    tokens_host: torch.Tensor
+    tokens_device: torch.Tensor | None  # after a decode graph: its output buffer, which the next replay overwrites
+    tokens_host: torch.Tensor | None
     ready: torch.cuda.Event | None
+    logprobs: StepLogprobs | None = None
+    unsampled: tuple | None = None  # (logits, sampling, processing, token_dst) until sampled
+    grammar_rows: list[int] | None = None  # sampling rows (indices) of requests with a grammar
+    sample: Callable[[], None] | None = None  # the engine's: samples an `unsampled` step
+    on_ready: Callable[[StepOutput], None] | None = None  # the engine's: called once the results are on the host
 
     def wait(self) -> list[int]:
+        if self.unsampled is not None:
+            self.sample()
         if self.ready is not None:
             self.ready.synchronize()
+        if self.on_ready is not None:
+            self.on_ready(self)
         return self.tokens_host.tolist()
 
 
@@ -162,6 +188,8 @@ class ModelRunner:
                                                       config.prefill_graph_max_reqs,
                                                       pool=graph_pool_of(self.graph_runner))
         # --- end prefill graphs ---
+        # the count table of penalised requests (engine/logits_processing.py): no memory until one arrives
+        self.penalties = PenaltyTable(mc.vocab_size, self.device)
         if self.tp is not None:
             self.tp.ready()
 
@@ -302,6 +330,10 @@ class ModelRunner:
         shape = self.prefill_graph.shape_for(batch) if self.prefill_graph is not None else None
         input_ids, positions, meta, logit_idx, sampling, token_dst = self.prepare(batch, pad_to=shape, writes=writes)
         self.runtime.before_step(batch)  # e.g. a hybrid's admitted requests start from zeros or a snapshot
+        processing = self.processing(batch)
+        if processing is not None:  # the logits, then processing and sampling (sample_processed)
+            return self._forward_processed(batch, shape, input_ids, positions, meta, logit_idx, sampling, token_dst,
+                                           processing)
         in_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
         if in_graph:  # one replay: forward, sampler and token-table write (`tokens` is a view, copied below)
             tokens = self.graph_runner.run(input_ids, positions, meta, sampling, token_dst=token_dst)
@@ -316,11 +348,97 @@ class ModelRunner:
         self.runtime.after_step(batch)  # e.g. a hybrid's snapshots of the state after this step
         if not in_graph:
             self.store_tokens(token_dst, tokens)
+        return self._to_host(StepOutput(batch, tokens, None, None), copy=in_graph)
+
+    def _to_host(self, out: StepOutput, copy: bool) -> StepOutput:
+        """The step's tokens (and logprobs) on their way to the host; `copy`: the tokens are a graph's output
+        buffer, which the next replay rewrites."""
+        tokens = out.tokens_device
+        lp = out.logprobs
         if self.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            return StepOutput(batch, tokens, host, ready)
-        host = tokens.clone() if in_graph else tokens  # the next replay rewrites a graph's output buffer
-        return StepOutput(batch, tokens, host, None)
+            def pinned(t: torch.Tensor) -> torch.Tensor:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                return host
+            out.tokens_host = pinned(tokens)
+            if lp is not None:
+                lp.token_logprobs, lp.top_ids, lp.top_logprobs = map(
+                    pinned, (lp.token_logprobs, lp.top_ids, lp.top_logprobs))
+            out.ready = torch.cuda.Event()
+            out.ready.record()
+        else:
+            out.tokens_host = tokens.clone() if copy else tokens
+        return out
+
+    # --- steps whose logits are processed: penalties, grammar masks, logprobs (logits_processing.py) ---------
+    def processing(self, batch: Batch) -> LogitsProcessing | None:
+        """The step's logits processing on the device, or None when no sampling request asks for any."""
+        reqs = [batch.reqs[i] for i in batch.sample_rows]
+        if not any(r.params.processes_logits for r in reqs):
+            return None
+        pen = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+        lp = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        gram = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        proc = LogitsProcessing()
+
+        def ints(values) -> torch.Tensor:
+            return self._to_device(np.asarray(values, dtype=np.int64))
+
+        if pen:
+            pen_reqs = [reqs[i] for i in pen]
+            self.penalties.load(pen_reqs)
+            floats = self._to_device(np.asarray([[r.params.frequency_penalty for r in pen_reqs],
+                                                 [r.params.presence_penalty for r in pen_reqs],
+                                                 [r.params.repetition_penalty for r in pen_reqs]], np.float32))
+            proc.penalty_rows, proc.penalty_slots = ints(pen), ints([r.row for r in pen_reqs])
+            proc.frequency, proc.presence, proc.repetition = floats[0], floats[1], floats[2]
+        if lp:
+            proc.logprob_rows = ints(lp)
+            proc.top_n = max(reqs[i].params.logprobs for i in lp)
+            proc.logprob_rows_host = lp
+        if gram:
+            proc.mask_rows, proc.mask_rows_host = ints(gram), gram
+        return proc
+
+    def _forward_processed(self, batch: Batch, shape, input_ids, positions, meta, logit_idx, sampling, token_dst,
+                           processing: LogitsProcessing) -> StepOutput:
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):  # the forward alone, replayed
+            logits = self.graph_runner.run(input_ids, positions, meta, replace(sampling, processed=True))
+        elif shape is not None:
+            logits = self.prefill_graph.run(shape, input_ids, positions, meta, logit_idx, len(batch.sample_rows))
+        else:
+            if self.graph_runner is not None:
+                self.graph_runner.last_run_used_graph = False
+            self.attn.prepare(meta)
+            logits = self.model(input_ids, positions, self.attn, logit_idx)
+        self.runtime.after_step(batch)
+        out = StepOutput(batch, None, None, None, unsampled=(logits, sampling, processing, token_dst),
+                         grammar_rows=processing.mask_rows_host)
+        if processing.mask_rows is None:
+            self.sample_processed(out)
+        return out
+
+    @torch.inference_mode()
+    def sample_processed(self, out: StepOutput, bitmask: np.ndarray | None = None) -> None:
+        """Process a launched step's logits, sample, write the tokens to the token table and start their copy to
+        the host (with the logprobs asked for). The logits are a graph's shared buffer or the step's own: either
+        way nothing else writes them before this, which the stream orders after the forward."""
+        logits, sampling, proc, token_dst = out.unsampled
+        out.unsampled = None
+        if bitmask is not None:  # built on the host while the forward ran (Engine._sample_launched)
+            proc.bitmask = self._to_device(bitmask)
+        with use_options(self.config.kernels):  # the fused sampler's switches, as in `forward`
+            process_logits(logits, proc, self.penalties)
+            tokens = sample(logits, sampling)
+        self.store_tokens(token_dst, tokens)
+        if proc.penalty_rows is not None:
+            self.penalties.count(proc.penalty_slots, tokens[proc.penalty_rows])
+        if proc.logprob_rows is not None:
+            rows = proc.logprob_rows
+            if len(proc.logprob_rows_host) == tokens.numel():  # every row asks: no gathered copy of the logits
+                chosen, top_ids, top_lp = token_logprobs(logits, tokens, proc.top_n)
+            else:
+                chosen, top_ids, top_lp = token_logprobs(logits[rows], tokens[rows], proc.top_n)
+            out.logprobs = StepLogprobs(proc.logprob_rows_host, chosen, top_ids, top_lp)
+        out.tokens_device = tokens
+        self._to_host(out, copy=False)

@@ -38,6 +38,9 @@ class SamplingTensors:
     all_greedy: bool
     any_top_k_p: bool  # any row cuts its distribution: top-k, top-p or min-p
     min_ps: torch.Tensor | None = None  # [B] float; 0 = off (None: off for every row)
+    # some row's logits are processed before sampling (penalties, a grammar mask, logprobs: notebook 12), so a
+    # decode graph must hand back the logits rather than tokens (notebook 06)
+    processed: bool = False
 
 
 # --- notebooks/05_scheduler.ipynb, cell 19 (id c05-019) ---

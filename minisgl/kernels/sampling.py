@@ -313,6 +313,70 @@ if triton is not None:
         tl.store(partial_idx_ptr + row * num_chunks + chunk, i)
 
 
+if triton is not None:
+    # The logits processing of engine/logits_processing.py (penalties, a grammar's token mask), in place on the
+    # rows that ask for it: grid (rows, vocabulary blocks), one read and one write of each such row. Rows that do
+    # not ask are not in the grid, so a step pays for the requests that use them only.
+
+    @triton.jit
+    def _penalty_kernel(logits_ptr, stride, vocab, rows_ptr, slots_ptr, counts_ptr, counts_stride, freq_ptr,
+                        pres_ptr, rep_ptr, COUNT_MASK: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # before any global access (kernels/pdl.py)
+            pdl_enter()
+        i = tl.program_id(0)
+        idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < vocab
+        row = tl.load(rows_ptr + i)
+        slot = tl.load(slots_ptr + i)
+        f = tl.load(freq_ptr + i)
+        p = tl.load(pres_ptr + i)
+        r = tl.load(rep_ptr + i)
+        c = tl.load(counts_ptr + slot * counts_stride + idx, mask=mask, other=0)
+        ptr = logits_ptr + row * stride + idx
+        x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        n = (c & COUNT_MASK).to(tl.float32)
+        x = tl.where(c != 0, tl.where(x < 0, x * r, x / r), x)  # the same operations, in the same order, as torch
+        x = x - n * f
+        x = x - (n > 0).to(tl.float32) * p
+        tl.store(ptr, x.to(logits_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _bitmask_kernel(logits_ptr, stride, vocab, rows_ptr, mask_ptr, mask_stride, BLOCK: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+        if USE_PDL:  # before any global access (kernels/pdl.py)
+            pdl_enter()
+        i = tl.program_id(0)
+        idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = idx < vocab
+        row = tl.load(rows_ptr + i)
+        words = tl.load(mask_ptr + i * mask_stride + idx // 32, mask=inside, other=0)
+        allowed = ((words >> (idx % 32)) & 1) != 0
+        tl.store(logits_ptr + row * stride + idx, float("-inf"), mask=inside & ~allowed)
+
+
+PROCESS_BLOCK = 2048  # vocabulary entries per program of the processing kernels
+
+
+def apply_penalties_(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                     frequency: torch.Tensor, presence: torch.Tensor, repetition: torch.Tensor,
+                     count_mask: int) -> None:
+    """engine/logits_processing.apply_penalties in one launch, reading the count table's rows `slots` in place."""
+    vocab = logits.shape[1]
+    kw = pdl_launch(logits)
+    _penalty_kernel[(rows.numel(), triton.cdiv(vocab, PROCESS_BLOCK))](
+        logits, logits.stride(0), vocab, rows, slots, counts, counts.stride(0), frequency, presence, repetition,
+        COUNT_MASK=count_mask, BLOCK=PROCESS_BLOCK, USE_PDL=bool(kw), enable_fp_fusion=False, **kw)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """engine/logits_processing.apply_token_bitmask in one launch."""
+    vocab = logits.shape[1]
+    kw = pdl_launch(logits)
+    _bitmask_kernel[(rows.numel(), triton.cdiv(vocab, PROCESS_BLOCK))](
+        logits, logits.stride(0), vocab, rows, bitmask, bitmask.stride(0), BLOCK=PROCESS_BLOCK, USE_PDL=bool(kw),
+        **kw)
+
+
 def row_flags(temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
               vocab: int) -> torch.Tensor:
     """int32 [B]: which steps each row needs (no bit for a greedy row: it takes the argmax)."""

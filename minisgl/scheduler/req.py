@@ -53,6 +53,9 @@ class Req:
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     stop_check: object = None  # callable(req) -> bool, for stop strings (needs a tokenizer)
+    # per output token, with params.logprobs: (its logprob, [(token id, logprob) of the most likely ones])
+    output_logprobs: list = field(default_factory=list)
+    grammar: object = None  # with params.structured_output: its grammar matcher (minisgl/grammar.py)
 
     @property
     def num_tokens(self) -> int:

@@ -45,12 +45,14 @@ from minisgl.errors import RequestError
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.detokenizer import TextStream
 from minisgl.server.engine_client import EngineClient, RequestHandle
+from minisgl.server.logprobs import chat_logprobs, completion_logprobs
 from minisgl.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
     parse_json_object,
+    structured_output_of,
     validation_error,
 )
 from minisgl.server.step_outputs import Finish
@@ -174,7 +176,8 @@ def to_api_error(err: RequestError, prompt_param: str = "prompt", max_tokens_par
 
 
 def sampling_params_for(state: ServerState, req, ids: list[int], max_tokens: int | None, default_max: int | None,
-                        prompt_param: str, max_tokens_param: str = "max_tokens") -> SamplingParams:
+                        prompt_param: str, max_tokens_param: str = "max_tokens", logprobs: int | None = None
+                        ) -> SamplingParams:
     """The request's SamplingParams, checked by the engine (without running anything), or APIError(400)."""
     n, ctx = len(ids), state.max_model_len
     if n >= ctx:
@@ -187,14 +190,27 @@ def sampling_params_for(state: ServerState, req, ids: list[int], max_tokens: int
         raise APIError(400, f"max_tokens={max_tokens} is too large: the prompt has {n} tokens and the "
                             f"context holds {ctx}, so at most {ctx - n} new tokens fit",
                        param=max_tokens_param, code="context_length_exceeded")
-    given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed")}
+    given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed", "n",
+                                                 "frequency_penalty", "presence_penalty", "repetition_penalty")}
     try:  # SamplingParams checks every value (the one validation); a field left out keeps its default
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop=tuple(req.stop or ()),
+                                logprobs=logprobs, structured_output=structured_output_of(req.response_format),
                                 **{name: v for name, v in given.items() if v is not None})
         state.info.check_request(ids, params)
     except RequestError as e:
-        raise to_api_error(e, prompt_param, max_tokens_param) from None
+        err = to_api_error(e, prompt_param, max_tokens_param)
+        if err.param == "logprobs" and isinstance(req, ChatCompletionRequest):
+            err.param = "top_logprobs"  # chat's count of them
+        raise err from None
     return params
+
+
+async def checked_params(state: ServerState, req, *args, **kw) -> SamplingParams:
+    """sampling_params_for, on the tokenizer threads when the request has a grammar: compiling one (checked and
+    cached here, before the request is queued) can take a good part of a second on a large vocabulary."""
+    if req.response_format is None or req.response_format.get("type") == "text":
+        return sampling_params_for(state, req, *args, **kw)
+    return await state.run_blocking(functools.partial(sampling_params_for, state, req, *args, **kw))
 
 
 def engine_error(finish: Finish) -> APIError:
@@ -312,34 +328,35 @@ class EventStreamResponse(Response):
             await self.body_iterator.aclose()
 
 
-async def _watch_disconnect(request: Request, handle: RequestHandle) -> None:
+async def _watch_disconnect(request: Request, cancel: Callable[[], None]) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            handle.cancel()
+            cancel()
             return
 
 
 async def generate(state: ServerState, handle: RequestHandle, ts, stops: StopStringScanner | None = None):
-    """Run one request: yields (text piece, None) as text settles, then (tail, finish_reason) once.
+    """Run one (submitted) request: yields (text piece, None, token ids, logprob entries) as text settles or
+    tokens with logprobs arrive, then (tail, finish_reason, [], []) once.
 
     Stop strings are found here, not in the engine: `stops` runs the offline engine's per-token check on the
     tokens as they arrive, and the output ends at the token where it first fires (the same tokens, text and
     usage as `LLM.generate`); the engine, told to stop, may have run a step or two further, which is dropped."""
-    state.engine.submit(handle)
     reason = None
     try:
         async for delta in handle.events():
             if delta.error is not None:
                 raise engine_error(delta.finish)
             ids = delta.token_ids
+            entries = (delta.extras or {}).get("output_logprobs") or []
             if stops is not None and ids:
                 hit = stops.feed(ids)
                 if hit >= 0:
-                    ids, reason = ids[:hit + 1], "stop"
+                    ids, entries, reason = ids[:hit + 1], entries[:hit + 1], "stop"
             piece = ts.push(ids)
-            if piece:
-                yield piece, None
+            if piece or entries:
+                yield piece, None, ids, entries
             if reason is not None or ts.stopped:  # a stop string: end here, and stop the engine
                 handle.cancel("stop")
                 reason = "stop"
@@ -350,50 +367,112 @@ async def generate(state: ServerState, handle: RequestHandle, ts, stops: StopStr
         tail = await state.run_blocking(ts.finish)  # decodes the whole output once
         if ts.stopped:
             reason = "stop"
-        yield tail, reason or "abort"
+        yield tail, reason or "abort", [], []
     finally:
         handle.cancel()  # no-op once the request has finished
 
 
+@dataclass
+class Choice:
+    """One stream's answer, gathered (non-streamed responses)."""
+
+    text: str = ""
+    reason: str | None = None
+    token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+
+
+async def _gather(state: ServerState, handle: RequestHandle, ts, stops, choice: Choice) -> None:
+    parts = []
+    async for piece, finish, token_ids, entries in generate(state, handle, ts, stops):
+        parts.append(piece)
+        choice.token_ids += token_ids
+        choice.logprobs += entries
+        choice.reason = finish or choice.reason
+    choice.text = "".join(parts)
+
+
 async def respond(state: ServerState, request: Request, req, ids: list[int], params: SamplingParams, chunk, full,
-                  first: dict | None = None):
-    """Submit the request and answer it: one JSON body, or server-sent events when req.stream."""
+                  first: Callable[[int], dict] | None = None):
+    """Submit the request's `params.n` streams (one engine group: the prompt is prefilled once) and answer
+    them: one JSON body, or server-sent events when req.stream, the choices' events interleaved as they come.
+    chunk(index, text, reason, token_ids, logprob entries) -> one event; full(choices, usage) -> the body."""
+    def scanner():
+        return StopStringScanner(state.tokenizer, params.stop) if params.stop else None
+
     try:
-        stops = StopStringScanner(state.tokenizer, params.stop) if params.stop else None
+        stops = [scanner() for _ in range(params.n)]
     except RequestError as e:
         raise to_api_error(e) from None
-    handle = RequestHandle(ids, params)
-    ts = TextStream(state.tokenizer, params.stop) if state.tokenizer is not None else _NoTokenizerStream()
+    handles = [RequestHandle(ids, params) for _ in range(params.n)]
+    streams = [TextStream(state.tokenizer, params.stop) if state.tokenizer is not None else _NoTokenizerStream()
+               for _ in handles]
+
+    def cancel_all() -> None:
+        for h in handles:
+            h.cancel()
+
+    def usage() -> dict:
+        return _usage(len(ids), sum(ts.num_tokens for ts in streams))
+
     if not req.stream:
-        watcher = asyncio.ensure_future(_watch_disconnect(request, handle))
+        watcher = asyncio.ensure_future(_watch_disconnect(request, cancel_all))
+        state.engine.submit(handles)
+        choices = [Choice() for _ in handles]
         try:
-            parts, reason = [], None
-            async for piece, finish in generate(state, handle, ts, stops):
-                parts.append(piece)
-                reason = finish or reason
+            await asyncio.gather(*(_gather(state, h, ts, sc, c) for h, ts, sc, c in zip(handles, streams, stops,
+                                                                                        choices)))
         finally:
             watcher.cancel()
-        return JSONResponse(full("".join(parts), reason, _usage(len(ids), ts.num_tokens)))
+            cancel_all()
+        return JSONResponse(full(choices, usage()))
 
     include_usage = req.include_usage
 
     async def events():
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for item in generate(state, handles[i], streams[i], stops[i]):
+                    await queue.put((i, item, None))
+            except APIError as e:
+                await queue.put((i, None, e))
+            finally:
+                await queue.put((i, None, None))  # this stream is done
+
+        tasks = []
         try:
             if first is not None:
-                yield _sse(first)
-            async for piece, reason in generate(state, handle, ts, stops):
-                if piece or reason:
-                    yield _sse(chunk(piece, reason))
+                for i in range(len(handles)):
+                    yield _sse(first(i))
+            state.engine.submit(handles)
+            tasks = [asyncio.ensure_future(pump(i)) for i in range(len(handles))]
+            open_streams = len(tasks)
+            while open_streams:
+                i, item, error = await queue.get()
+                if error is not None:
+                    raise error
+                if item is None:
+                    open_streams -= 1
+                    continue
+                piece, reason, token_ids, entries = item
+                if piece or reason or entries:
+                    yield _sse(chunk(i, piece, reason, token_ids, entries))
             if include_usage:
-                last = chunk("", None)
+                last = chunk(0, "", None, [], [])
                 last["choices"] = []
-                last["usage"] = _usage(len(ids), ts.num_tokens)
+                last["usage"] = usage()
                 yield _sse(last)
         except APIError as e:
             yield _sse(e.body())
+        finally:
+            cancel_all()
+            for t in tasks:
+                t.cancel()
         yield "data: [DONE]\n\n"
 
-    return EventStreamResponse(events(), handle.cancel)
+    return EventStreamResponse(events(), cancel_all)
 
 
 async def read_request(state: ServerState, request: Request, schema):
@@ -422,15 +501,27 @@ async def completions(state: ServerState, request: Request):
         ids = list(req.prompt)
     if not ids:
         raise APIError(400, "the prompt encodes to no tokens", param="prompt")
-    params = sampling_params_for(state, req, ids, req.max_tokens, 16, "prompt")
+    params = await checked_params(state, req, ids, req.max_tokens, 16, "prompt", logprobs=req.logprobs)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    tok = state.tokenizer
+    offsets = [0] * params.n  # where each choice's next token starts in its text (logprobs' text_offset)
 
-    def chunk(text: str, reason: str | None) -> dict:
+    def choice(i: int, text: str, reason: str | None, token_ids: list, entries: list) -> dict:
+        lp = None
+        if params.logprobs is not None:
+            lp, offsets[i] = completion_logprobs(tok, token_ids, entries, offsets[i])
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+
+    def chunk(i: int, text: str, reason: str | None, token_ids: list, entries: list) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+                "choices": [choice(i, text, reason, token_ids, entries)]}
 
-    return await respond(state, request, req, ids, params, chunk,
-                         lambda text, reason, usage: {**chunk(text, reason), "usage": usage})
+    def full(choices: list[Choice], usage: dict) -> dict:
+        return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                "choices": [choice(i, c.text, c.reason, c.token_ids, c.logprobs) for i, c in enumerate(choices)],
+                "usage": usage}
+
+    return await respond(state, request, req, ids, params, chunk, full)
 
 
 async def chat_completions(state: ServerState, request: Request):
@@ -443,21 +534,29 @@ async def chat_completions(state: ServerState, request: Request):
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, max_param = req.max_tokens, "max_tokens"
-    params = sampling_params_for(state, req, ids, max_tokens, None, "messages", max_param)
+    params = await checked_params(state, req, ids, max_tokens, None, "messages", max_param,
+                                  logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def chunk(text: str | None, reason: str | None, role: bool = False) -> dict:
+    def logprobs(token_ids: list, entries: list) -> dict | None:
+        return None if params.logprobs is None else {"content": chat_logprobs(tok, token_ids, entries)}
+
+    def chunk(i: int, text: str | None, reason: str | None, token_ids: list, entries: list,
+              role: bool = False) -> dict:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+                "choices": [{"index": i, "delta": delta, "logprobs": logprobs(token_ids, entries) if entries else None,
+                             "finish_reason": reason}]}
 
-    def full(text: str, reason: str, usage: dict) -> dict:
+    def full(choices: list[Choice], usage: dict) -> dict:
         return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": reason}],
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": logprobs(c.token_ids, c.logprobs), "finish_reason": c.reason}
+                            for i, c in enumerate(choices)],
                 "usage": usage}
 
-    return await respond(state, request, req, ids, params, chunk, full, first=chunk(None, None, role=True))
+    return await respond(state, request, req, ids, params, chunk, full,
+                         first=lambda i: chunk(i, None, None, [], [], role=True))
 
 
 def check_available(state: ServerState) -> None:

@@ -284,10 +284,13 @@ class EngineClient:
         if cmds and self._writer is not None and not self._writer.is_closing():
             self._writer.write(_frame(cmds))
 
-    def submit(self, handle: RequestHandle) -> None:
-        """Queue a request (on the event loop). Refused at once, with a 503-kind error, when the engine is gone
-        or the server has stopped taking requests."""
-        handle.client = self
+    def submit(self, handle: RequestHandle | list[RequestHandle]) -> None:
+        """Queue a request (on the event loop), or the `params.n` streams of one (handles of the same prompt and
+        params: the engine prefills it once). Refused at once, with a 503-kind error, when the engine is gone or
+        the server has stopped taking requests."""
+        handles = handle if isinstance(handle, list) else [handle]
+        for h in handles:
+            h.client = self
         if self.fatal_error is not None or self.loop is None:
             refusal = Finish("error", self.fatal_error or "the engine is not running", "unavailable",
                              code="engine_unavailable")
@@ -296,11 +299,14 @@ class EngineClient:
         else:
             refusal = None
         if refusal is not None:
-            handle.deliver([], refusal, None)
+            for h in handles:
+                h.deliver([], refusal, None)
             return
-        handle.rid = next(self._rids)
-        self.handles[handle.rid] = handle
-        self._send(("add", handle.rid, handle.input_ids, handle.params))
+        for h in handles:
+            h.rid = next(self._rids)
+            self.handles[h.rid] = h
+        first = handles[0]
+        self._send(("add", [h.rid for h in handles], first.input_ids, first.params))
 
     def abort(self, handle: RequestHandle, counted_as: str = "abort") -> None:
         if handle.rid is not None and handle.rid in self.handles and self.fatal_error is None:

@@ -42,6 +42,8 @@ from minisgl.server.step_outputs import Finish, StepOutputs, collect_outputs
 
 logger = logging.getLogger("minisgl.server")
 
+_FRONT_GRAMMARS: dict = {}  # model path -> minisgl.grammar.Grammars, the front's (EngineInfo.grammars)
+PER_TOKEN = ("output_logprobs",)  # Req lists parallel to output_ids sent with the tokens (empty without logprobs)
 HEARTBEAT_S = 0.5  # the engine sends something at least this often, idle or not (unless a step takes longer)
 
 
@@ -68,9 +70,25 @@ class EngineInfo:
         before its stream starts; RequestError names the parameter."""
         from minisgl.engine.engine import Engine
         view = SimpleNamespace(model_config=SimpleNamespace(vocab_size=self.vocab_size),
-                               max_model_len=self.max_model_len,
+                               max_model_len=self.max_model_len, config=self.config, grammars=self.grammars,
                                runner=SimpleNamespace(kv_capacity_tokens=self.kv_capacity_tokens))
         Engine.check_request(view, input_ids, params)
+
+    def grammars(self):
+        """A grammar compiler of the model's tokenizer in this process, so a constraint xgrammar cannot compile
+        is refused before its stream starts (the engine compiles its own: compiled grammars stay per process)."""
+        cached = _FRONT_GRAMMARS.get(self.model_path)
+        if cached is None:
+            from minisgl.errors import RequestError
+            from minisgl.grammar import Grammars
+            from minisgl.tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(self.model_path)
+            if tokenizer is None:
+                raise RequestError("structured output needs a tokenizer; this model has none", "response_format")
+            # a check only (this process never samples): any stop token makes the same grammar valid or not
+            stop = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0]
+            cached = _FRONT_GRAMMARS[self.model_path] = Grammars(tokenizer, self.vocab_size, stop)
+        return cached
 
 
 def send(conn, obj) -> None:
@@ -106,20 +124,22 @@ class EngineLoop:
             return False
         return True
 
-    def _add(self, rid: int, input_ids: list[int], params: SamplingParams) -> None:
+    def _add(self, rids: int | list[int], input_ids: list[int], params: SamplingParams) -> None:
+        """A request, or the `params.n` streams of one (a rid each, in stream order)."""
+        rids = [rids] if isinstance(rids, int) else list(rids)
         try:
-            req = self.engine.add_request(input_ids, params)
-        except RequestError as e:
-            self.counters["rejected"] += 1
-            self.pending.append((rid, Finish("error", e.message, "invalid", e.param, e.code)))
-            return
+            reqs = self.engine.add_requests(input_ids, params)
         except (ValueError, TypeError) as e:
-            self.counters["rejected"] += 1
-            self.pending.append((rid, Finish("error", str(e), "invalid")))
+            finish = Finish("error", e.message, "invalid", e.param, e.code) if isinstance(e, RequestError) \
+                else Finish("error", str(e), "invalid")
+            for rid in rids:
+                self.counters["rejected"] += 1
+                self.pending.append((rid, finish))
             return
-        self.counters["submitted"] += 1
-        self.live[rid] = req
-        self.sent[rid] = 0
+        for rid, req in zip(rids, reqs):
+            self.counters["submitted"] += 1
+            self.live[rid] = req
+            self.sent[rid] = 0
 
     def _abort(self, rid: int, counted_as: str) -> None:
         req = self.live.get(rid)
@@ -260,7 +280,7 @@ def engine_main(fd: int) -> None:
         if engine is not None:
             engine.runner.close()
         os._exit(1)
-    code = EngineLoop(engine, conn, heartbeat_s).run()
+    code = EngineLoop(engine, conn, heartbeat_s, per_token=PER_TOKEN).run()
     engine.runner.close()  # the tensor-parallel ranks, in order
     conn.close()
     os._exit(code)  # skip interpreter teardown: nothing is left to flush, and the front is waiting for us

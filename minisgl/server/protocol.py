@@ -3,7 +3,7 @@
 Parsing is strict: a wrong type is an error (no "5" for 5, no 1 for true), unknown fields are refused (a
 typo such as `max_token` is named instead of silently ignored), and non-finite numbers are refused. Fields
 the OpenAI API has but this server does not implement are accepted only at their neutral value, so a
-client that sends `n: 1` or `presence_penalty: 0` works and one that asks for `n: 2` is told why not.
+client that sends `best_of: 1` or `logit_bias: {}` works and one that asks for `best_of: 2` is told why not.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from minisgl.sampling_params import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
@@ -127,16 +129,19 @@ class _Sampling(_Strict):
     top_p: float | None = None
     min_p: float | None = None  # extension, as in SGLang and vLLM
     top_k: int | None = None  # extension: -1 = off
-    n: int | None = Field(None, ge=1)
+    n: int | None = None  # streams of the prompt (SamplingParams range-checks it)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Any = None
     seed: int | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (Hugging Face's), as in SGLang and vLLM
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool | None = False  # extension
+    # json_object / json_schema (OpenAI's chat field), and the extensions regex / ebnf; completions take it too
+    response_format: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -154,20 +159,6 @@ class _Sampling(_Strict):
         if any(len(s) > MAX_STOP_LEN for s in v):
             raise ValueError(f"stop strings must be at most {MAX_STOP_LEN} characters long")
         return tuple(v)
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v):
-        if v is not None and v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v):
-        if v:
-            raise ValueError("presence and frequency penalties are not supported (only 0)")
-        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -215,13 +206,6 @@ class CompletionRequest(_Sampling):
             raise ValueError(f"{info.field_name} is not supported")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v is not None:
-            raise ValueError("logprobs are not supported")
-        return v
-
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, v):
@@ -266,7 +250,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -278,19 +261,18 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("messages must hold at least one message")
         return v
 
-    @field_validator("logprobs", "top_logprobs", "tools")
+    @field_validator("tools")
     @classmethod
     def _unsupported(cls, v, info):
         if v:
             raise ValueError(f"{info.field_name} is not supported")
         return v
 
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v):
-        if v is not None and v != {"type": "text"}:
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        return v
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @field_validator("tool_choice")
     @classmethod
@@ -309,3 +291,41 @@ class ChatCompletionRequest(_Sampling):
                 msg["name"] = m.name
             out.append(msg)
         return out
+
+
+def structured_output_of(response_format: dict | None) -> StructuredOutput | None:
+    """`response_format` as the engine's StructuredOutput (None for text), or APIError(400) on response_format.
+
+    {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {"name": ..., "schema":
+    {...}, "strict": ..., "description": ...}} (OpenAI's), and the extensions {"type": "regex", "regex": "..."}
+    and {"type": "ebnf", "ebnf": "..."} (a GBNF grammar whose start rule is `root`)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+
+    def bad(message: str) -> APIError:
+        return APIError(400, f"invalid response_format: {message}", param="response_format")
+
+    allowed = {"text": set(), "json_object": set(), "json_schema": {"json_schema"}, "regex": {"regex"},
+               "ebnf": {"ebnf"}}
+    if kind not in allowed:
+        raise bad(f"type must be one of {', '.join(allowed)}, got {kind!r}")
+    extra = set(response_format) - {"type"} - allowed[kind]
+    if extra:
+        raise bad(f"unexpected field(s) {sorted(extra)} for type {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise bad("json_schema must be an object with a 'schema' object")
+        unknown = set(spec) - {"name", "schema", "strict", "description"}
+        if unknown:
+            raise bad(f"unexpected field(s) {sorted(unknown)} in json_schema")
+        return StructuredOutput("json_schema", json.dumps(spec.get("schema", {})))
+    text = response_format.get(kind)
+    if not isinstance(text, str) or not text:
+        raise bad(f"{kind} must be a non-empty string")
+    return StructuredOutput(kind, text)
