@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "minisgl"
 # subpackage of minisgl (every module in it).
 LAYERS = [
     {"errors", "environment", "config", "sampling_params", "stop_strings"},  # settings and request types
+    {"tokenizer", "grammar"},  # a model's tokenizer; structured output's grammars over it (xgrammar)
     {"kernels"},  # Triton kernels and their torch references
     {"attention"},  # attention backends over the paged pool
     {"kvcache", "models", "checkpoint"},  # memory pools and caches; model definitions and their files
