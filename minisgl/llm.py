@@ -10,7 +10,7 @@ from minisgl.engine import Engine
 from minisgl.errors import RequestError
 from minisgl.sampling_params import SamplingParams
 from minisgl.stop_strings import make_stop_check, trim_at_stop
-from minisgl.tokenizer import load_tokenizer
+from minisgl.tokenizer import load_tokenizer  # noqa: F401  (LLM's tokenizer; callers import it from here too)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""A model folder's tokenizer (Hugging Face's), shared by the offline API, the server and the grammar compiler."""
+"""A model folder's tokenizer: the offline API, the server's front, the engine's grammar compiler and the
+notebooks load it the same way."""
 
 from __future__ import annotations
 
