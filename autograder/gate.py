@@ -76,6 +76,7 @@ class Run:
     errors: list[CellError] = field(default_factory=list)
     timed_out: str = ""
     graded: list[str] = field(default_factory=list)  # grade_ids of the notebook's graded cells
+    cpu_seconds: float | None = None  # the kernel's CPU time (and its reaped children's); None where unknown
     stderr: dict[int, str] = field(default_factory=dict)  # graded cell index -> what it wrote to stderr
     kinds: dict[int, str] = field(default_factory=dict)  # graded cell index -> cell_kind
 
@@ -128,10 +129,11 @@ def execute(path: Path, env: dict | None = None, timeout: int = 300, kernel_dir:
     except (CellTimeoutError, DeadKernelError) as e:
         timed_out = f"{type(e).__name__}: {str(e)[:300]}"
     finally:
+        cpu = _cpu_seconds(km)
         if km.has_kernel:  # nbclient shuts down only kernels it created itself, not one handed to it
             km.shutdown_kernel(now=True)
         shutil.rmtree(sockets, ignore_errors=True)
-    run = Run(path.name, round(time.perf_counter() - t0, 1), timed_out=timed_out)
+    run = Run(path.name, round(time.perf_counter() - t0, 1), timed_out=timed_out, cpu_seconds=cpu)
     run.graded = [c.metadata["nbgrader"]["grade_id"] for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade")]
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("grade"):
@@ -159,6 +161,17 @@ def execute(path: Path, env: dict | None = None, timeout: int = 300, kernel_dir:
         Path(save).parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, save)
     return run
+
+
+def _cpu_seconds(km) -> float | None:
+    """CPU seconds the kernel process has used (user + system, its reaped children's included), from Linux's
+    /proc: what a notebook costs, whatever else the machine runs meanwhile. None elsewhere."""
+    process = getattr(getattr(km, "provisioner", None), "process", None)
+    try:
+        fields = Path(f"/proc/{process.pid}/stat").read_text().rpartition(")")[2].split()
+        return round(sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK"), 1)
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -262,7 +275,9 @@ class Gate:
 
     def as_json(self) -> dict:
         def dump(r: Run) -> dict:
-            return {"seconds": r.seconds, "timed_out": r.timed_out,
+            stop = r.run_all_stop()
+            return {"seconds": r.seconds, "cpu_seconds": r.cpu_seconds, "timed_out": r.timed_out,
+                    "run_all_stops_at": str(stop) if stop else "the end",
                     "errors": [str(e) + (f" [after {e.cause}]" if e.cause else "")
                                + (f" [in {e.raised_in}]" if e.raised_in else "") for e in r.errors]}
         return {"stubbed": {k: dump(v) for k, v in self.stubbed.items()},

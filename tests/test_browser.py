@@ -174,10 +174,15 @@ def run_all(page, base: str, token: str, notebook: str) -> list[str]:
     assert not errors, f"a cell of {notebook} raised in JupyterLab:\n" + "\n---\n".join(errors)
     unrun = [i for i, t in enumerate(prompts) if not any(ch.isdigit() for ch in t)]
     assert not unrun, f"code cells of {notebook} that did not run: {unrun} of {len(prompts)}"
-    no_news = page.locator(".jp-toast-button", has_text="No")  # JupyterLab's "official news?" toast
+    dismiss_news(page)
+    return prompts
+
+
+def dismiss_news(page) -> None:
+    """JupyterLab's "notified about official Jupyter news?" toast, out of the way of the screenshots."""
+    no_news = page.locator(".jp-toast-button", has_text="No")
     if no_news.count():
         no_news.first.click()
-    return prompts
 
 
 def figure_shot(page, figure, path: Path) -> None:
@@ -208,6 +213,7 @@ def test_students_see_the_student_tools_only(jupyterlab, browser, shots):
     except urllib.error.HTTPError as e:
         formgrader = e.code
     assert formgrader == 404, f"/formgrader answers {formgrader}"
+    dismiss_news(page)
     page.wait_for_timeout(500)
     page.screenshot(path=str(shots / "browser_student_jupyterlab.png"))
     page.close()

@@ -124,14 +124,18 @@ def test_notebook_walk(nb, roundtrip):
 
     rt, _ = roundtrip
     before, after = rt.gate.stubbed[nb.name], rt.gate.filled[nb.name]
-    print(f"{nb.name}: {before.seconds:.0f} s before the exercises, {after.seconds:.0f} s with them")
+    print(f"{nb.name}: {before.seconds:.0f} s before the exercises, {after.seconds:.0f} s with them "
+          f"({after.cpu_seconds} s of CPU)")
     bad = gate.unexpected(before, rt.gate.owners)
     assert not bad, "errors a student who finished the earlier notebooks would hit:\n" + "\n".join(bad)
     failed = before.failed_graded()  # an error, or stderr (nbgrader scores either 0)
     assert set(before.graded) <= failed, f"graded cells passing on the stubs: {set(before.graded) - failed}"
     assert not after.errors and not after.timed_out, \
         f"{nb.name} with the reference solution:\n" + "\n".join(map(str, after.errors)) + after.timed_out
-    assert after.seconds < 180, f"{nb.name} took {after.seconds:.0f} s; the budget is 3 minutes on a 2-core CPU"
+    # the budget is the notebook's own cost, its kernel's CPU time (one torch thread: about its wall time on an
+    # idle machine), not the wall time of a run that shares the cores with the rest of the suite
+    cost = after.cpu_seconds if after.cpu_seconds is not None else after.seconds
+    assert cost < 180, f"{nb.name} took {cost:.0f} s of CPU; the budget is 3 minutes on a 2-core CPU"
 
 
 def test_no_pinned_outputs():
