@@ -489,6 +489,9 @@ SECTIONS: dict[str, Section] = {
     "gdn_check": section(lambda: child_check("lab.checks.gdn", "--quick"), "Gated DeltaNet kernels, timed"),
     "sampling_check": section(module_check("lab.checks.sampling"), "the fused sampler against its reference"),
     "prefill_check": section(module_check("lab.checks.prefill_graphs"), "prefill graphs against eager steps"),
+    "options_check": section(module_check("lab.checks.engine_options"),
+                             "issue 27: W1/W2 at defaults beside run13; two engines with different kernel options "
+                             "in one process, each graph keeping its own"),
     "pdl_check": section(pdl_check, "PDL: a kernel chain captured with PDL on/off, then engine tokens"),
     "qwen35_check": section(qwen35_check, "Qwen3.5 greedy tokens with graphs on/off and a radix second pass"),
     "flashinfer": section(flashinfer_section, "the FlashInfer backend: kernel checks, parity, W2 and W1"),

@@ -15,7 +15,8 @@ wins over it. The variables:
 | `MINISGL_GEMV_PDL_EARLY_TILES=N` | `gemv_pdl_early_tiles=N` |
 | `MINISGL_FORCE_TRITON=1` | `triton_on_cpu=True` (tests, under `TRITON_INTERPRET=1`) |
 
-Besides those: `OMP_NUM_THREADS` (whether the user chose the CPU thread count: `omp_threads_set`), `MINISGL_TEST_MODEL` (the server tests' model), `MINISGL_GIT_COMMIT` / `MINISGL_GIT_DIRTY`
+Besides those: `OMP_NUM_THREADS` (whether the user chose the CPU thread count: `omp_threads_set`),
+`MINISGL_TEST_MODEL` (the server tests' model), `MINISGL_GIT_COMMIT` / `MINISGL_GIT_DIRTY`
 (the commit a benchmark records, for a copy of the tree without .git), and what minisgl sets for the libraries
 it starts (NCCL) or passes to the processes it spawns.
 """

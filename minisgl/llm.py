@@ -10,6 +10,7 @@ from minisgl.engine import Engine
 from minisgl.errors import RequestError
 from minisgl.sampling_params import SamplingParams
 from minisgl.stop_strings import make_stop_check, trim_at_stop
+from minisgl.tokenizer import load_tokenizer  # noqa: F401  (LLM's tokenizer; callers import it from here too)
 
 
 @dataclass
@@ -24,16 +25,6 @@ class RequestOutput:
     # with SamplingParams.logprobs: per output token, (its logprob, [(token id, logprob) of the most likely])
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     index: int = 0  # which of the prompt's SamplingParams.n streams
-
-
-def load_tokenizer(path: str):
-    """The model folder's tokenizer, or None when it has none (dummy-weight configs)."""
-    import os
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model",
-                                                              "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
 
 
 class LLM:

@@ -249,7 +249,8 @@ def test_the_committed_report_is_current():
         for problem in data["problems"]:
             assert problem.split("`")[0][:60] in head, f"the banner leaves out: {problem}"
         pytest.xfail(f"the committed report is a draft ({len(data['problems'])} problems, e.g. "
-                     f"{data['problems'][0][:160]}): run the lease (python -m lab.lease plan), then python -m lab.report")
+                     f"{data['problems'][0][:160]}): run the lease (python -m lab.lease plan), then "
+                     "python -m lab.report")
     assert not data["problems"], "the committed report has problems:\n" + "\n".join(data["problems"])
     from lab.report.figures import FIGURES, hybrid
     for key, entry in data["figures"].items():

@@ -16,7 +16,7 @@ def _pyproject_deps() -> set[str]:
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     project = data["project"]
     deps = set(project["dependencies"])
-    for extra in ("dev", "course", "serve", "gpu"):
+    for extra in ("dev", "course", "serve", "grammar", "gpu"):
         deps |= set(project["optional-dependencies"][extra])
     return deps
 

@@ -515,9 +515,12 @@ class _FakeEngine:
         from types import SimpleNamespace
         if not ids:
             raise ValueError("the prompt is empty")
-        req = SimpleNamespace(output_ids=[], finished=False, finish_reason=None, error=None)
+        req = SimpleNamespace(output_ids=[], output_logprobs=[], finished=False, finish_reason=None, error=None)
         self.reqs.append(req)
         return req
+
+    def add_requests(self, ids, params):  # what EngineLoop calls: a request's n streams (here n = 1)
+        return [self.add_request(ids, params)]
 
     def abort(self, req):
         req.finished, req.finish_reason = True, "abort"

@@ -12,10 +12,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "minisgl"
 # Bottom to top; a module may import from its own layer and the layers below. A unit is a top-level module or a
 # subpackage of minisgl (every module in it).
 LAYERS = [
-    {"errors", "environment", "config", "sampling_params", "stop_strings"},  # settings and request types
+    {"errors", "environment", "config", "sampling_params", "stop_strings", "grammar"},  # settings, requests, grammars
     {"kernels"},  # Triton kernels and their torch references
     {"attention"},  # attention backends over the paged pool
-    {"kvcache", "models", "checkpoint"},  # memory pools and caches; model definitions and their files
+    {"kvcache", "models", "checkpoint", "tokenizer"},  # memory pools and caches; model definitions and their files
     {"loader"},  # building a model from a folder
     {"scheduler"},  # requests, batches, scheduling policy
     {"distributed"},  # tensor-parallel processes (they run whatever runner class the engine hands them)

@@ -15,7 +15,7 @@ from minisgl import SamplingParams, StructuredOutput
 from minisgl.errors import RequestError
 from tests.helpers import TINY_QWEN3_ASSET, assert_all_pages_back
 
-pytest.importorskip("xgrammar", reason="structured output needs xgrammar (the serve extra)")
+pytest.importorskip("xgrammar", reason="structured output needs xgrammar (the grammar extra)")
 jsonschema = pytest.importorskip("jsonschema")
 
 WORDS = ["name", "id", "kind", "size", "tags", "owner", "path", "mode", "count", "ok", "note", "items"]

@@ -243,7 +243,7 @@ class Engine:
         """The grammar compiler of this model's tokenizer (minisgl/grammar.py), made when first needed."""
         if self._grammars is None:  # (two threads may both build one: the last wins, nothing is shared yet)
             from minisgl.grammar import Grammars
-            from minisgl.llm import load_tokenizer
+            from minisgl.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(self.runner.model_path)
             if tokenizer is None:
                 raise RequestError("structured output needs a tokenizer; this model has none", "response_format")

@@ -81,7 +81,7 @@ class EngineInfo:
         if cached is None:
             from minisgl.errors import RequestError
             from minisgl.grammar import Grammars
-            from minisgl.llm import load_tokenizer
+            from minisgl.tokenizer import load_tokenizer
             tokenizer = load_tokenizer(self.model_path)
             if tokenizer is None:
                 raise RequestError("structured output needs a tokenizer; this model has none", "response_format")

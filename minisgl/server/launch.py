@@ -131,9 +131,9 @@ def build_state(model: str, served_model_name: str | None = None, watchdog_timeo
     """Start the engine process, load the tokenizer meanwhile, wait until the engine is ready; returns the
     app's ServerState. When the engine cannot start, the exception it raised in its process (traceback logged at
     debug level)."""
-    from minisgl.llm import load_tokenizer
     from minisgl.server.app import ServerState
     from minisgl.server.engine_client import EngineClient
+    from minisgl.tokenizer import load_tokenizer
 
     config = make_config(model, **engine_kwargs)
     config.validate()  # a bad switch is a ValueError here, not a traceback from the engine process
