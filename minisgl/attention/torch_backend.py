@@ -19,7 +19,9 @@ class TorchAttentionBackend(AttentionBackend):
         self.store_kv(k, v, layer_id)
         meta = self.meta
         k_buf, v_buf = self.kv_cache.k_buffers[layer_id], self.kv_cache.v_buffers[layer_id]
-        out = torch.empty_like(q)
+        # zeros, not empty: the padded tokens of a prefill graph belong to no request and must still come out
+        # finite (their K/V land in slot 0, which a padded decode step reads, masked)
+        out = torch.zeros_like(q)
         group = self.num_q_heads // self.num_kv_heads
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         extend_lens = meta.extend_lens_cpu or meta.extend_lens.tolist()

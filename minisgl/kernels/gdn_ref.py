@@ -34,7 +34,7 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     qf = _l2norm(q.float()).repeat_interleave(group, dim=1) * scale
     kf = _l2norm(k.float()).repeat_interleave(group, dim=1)
     vf, gf, bf = v.float(), g.float(), beta.float()
-    out = torch.empty_like(v)
+    out = torch.zeros_like(v)  # a token of no sequence (a prefill graph's padding) gets 0, never garbage
     for (start, end), slot in zip(_spans(cu_seqlens), slots.tolist()):
         s = state[slot].float()  # [Hv, Dk, Dv]
         for t in range(start, end):
@@ -50,7 +50,7 @@ def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                       slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """silu(depthwise causal conv) of x [T, C] with weight [C, K]; conv_state [S, C, K-1] updated in place."""
-    out = torch.empty_like(x)
+    out = torch.zeros_like(x)  # as in gated_delta_rule_ref: padded tokens get 0
     keep = weight.shape[1] - 1
     for (start, end), slot in zip(_spans(cu_seqlens), slots.tolist()):
         if end == start:  # an empty sequence (a padded request of a prefill graph) keeps its state
