@@ -318,6 +318,7 @@ def run_call(name: str, out: str, commit: str | None, only: set[str] | None = No
 # the embedded model's 4k tokenizer, dummy weights), SGLang's bench_serving client against each, the same loads.
 # SERVERS is the one place to change when minisgl's server gains flags.
 SERVE_MODEL = "/tmp/serving-model"
+SERVE_SITE = Path("/tmp/site-serve")  # the kit's serving.sh unpacks the `serve` half there (its stamp: .done)
 SERVERS = {
     "minisgl": [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODEL, "--load-format", "dummy",
                 "--host", "127.0.0.1", "--port", "{port}"],
@@ -325,6 +326,16 @@ SERVERS = {
                "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--grammar-backend", "none", "--host", "127.0.0.1", "--port", "{port}"],
 }
+
+
+def server_env(server: str) -> dict[str, str]:
+    """The device's python has no fastapi/uvicorn: minisgl's server takes them from SGLang's unpacked wheels and
+    the serve half (SGLang's command sets its own path in serving.sh)."""
+    if server != "minisgl":
+        return {}
+    return {"PYTHONPATH": os.pathsep.join([str(SITE), str(SERVE_SITE), str(REPO)])}
+
+
 # name: (request rate, requests, output tokens, range ratio); 1,024 input tokens each (random ids, seed 1)
 LOADS = {"rate8": ("8", 300, 256, 0.5), "rate24": ("24", 300, 256, 0.5), "rate48": ("48", 300, 256, 0.5),
          "burst": ("inf", 512, 512, 0.25)}
@@ -355,11 +366,15 @@ def serve_bench(out: str, loads: list[str]) -> None:
     start-up times, return codes."""
     kit = ["bash", f"{KIT}/serving.sh", WHEEL_DIR]
     write_serve_model()
+    if not (SERVE_SITE / ".done").is_file():  # the kit unpacks its wheels on first use; minisgl's server needs them
+        subprocess.run([*kit, "bench", "--", "--help"], cwd=REPO, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.STDOUT, check=False)
     summary: dict = {"loads": {k: LOADS[k] for k in loads}, "servers": {}}
     for port, (server, command) in enumerate(SERVERS.items(), start=30001):
         argv = [a.format(port=port) for a in command]
         log = open(LOGS / f"server_{server}.log", "w")
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **server_env(server)}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         ready = wait_healthy(proc, port)
         runs = []
         for name in loads if ready is not None else []:
