@@ -30,7 +30,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
+sys.modules.setdefault("rfc3987_syntax", None)  # an unused IRI checker of jsonschema's: ~1 s of import (coursekit.py)
+import nbformat  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"

@@ -15,6 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+# jsonschema (which nbformat imports, and plotly's renderers import nbformat) loads rfc3987_syntax when it is
+# installed (JupyterLab's dependencies install it), and that builds an IRI grammar for about a second at import.
+# Nothing in a course kernel validates IRIs: without it every kernel starts a second sooner.
+sys.modules.setdefault("rfc3987_syntax", None)
+
 HERE = Path(__file__).resolve().parent
 # The repository (or student release) this notebooks folder belongs to, when it has one: notebooks import
 # the `minisgl` package that sits next to them, so a release works even before `pip install -e .`.
