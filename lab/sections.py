@@ -31,7 +31,7 @@ from lab.hf import hf_peer, parity
 from lab.timing import time_us
 from minisgl import SamplingParams
 from minisgl.bench.runner import RUNNERS, flush_prefix_cache, run_sweep, run_throughput, warm_up
-from minisgl.bench.workloads import WORKLOADS, Workload, sweep_cells, sweep_workload
+from minisgl.bench.workloads import MIXES, WORKLOADS, Workload, mix_workload, sweep_cells, sweep_workload
 from minisgl.kernels.options import use_options
 
 # --- benches: arms on one model ----------------------------------------------------------------------------
@@ -195,6 +195,36 @@ def sweep(model: str, **settings) -> dict:
             res["cells"].update(run_sweep(llm, [cell]))
             r = res["cells"][cell.name]
             log("sweep", cell.name, round(r["output_tok_per_s"]), r["triton_compiles_timed"])
+        return res
+
+    return with_engine(model, body, settings)
+
+
+def mixes(model: str, **settings) -> dict:
+    """Issue 29's request mixes (minisgl.bench.workloads.MIXES: 512 requests of 16-2,048 prompt tokens, 16-512
+    greedy outputs; 384 requests in 24 groups sharing 512-1,536-token prefixes, mixed sampling) on one engine,
+    each all at once from an empty prefix cache: output tok/s, the largest decode batch, the steps, and the
+    sizes the engine resolved (running requests, snapshots, KV pool)."""
+    t0 = time.perf_counter()
+
+    def body(llm) -> dict:
+        runner = llm.engine.runner
+        graphs = runner.graph_runner
+        res = {"settings": settings, "startup_s": time.perf_counter() - t0,
+               "max_running_requests": llm.engine.scheduler.max_running,  # resolved where the config leaves it
+               "state_snapshots": runner.state_pool.num_snapshots if runner.state_pool is not None else None,
+               "kv_pool_tokens": runner.kv_capacity_tokens,
+               "cuda_graph_batch_sizes": list(graphs.batch_sizes) if graphs is not None else [],
+               "kernel_options": kernel_record(llm), "mixes": {}}
+        vocab = llm.engine.model_config.vocab_size
+        for name, cell in MIXES.items():
+            r = run_throughput(llm, mix_workload(name, vocab))
+            e = r["engine"]
+            res["mixes"][name] = {"cell": {"name": cell.name, **vars(cell)}, "output_tok_per_s": r["output_tok_per_s"],
+                                  "max_decode_batch": e["max_decode_batch"], "steps": e["steps"],
+                                  "decode_steps": e["decode_steps"], "retractions": e["retractions"], "run": r}
+            log(model, "mixes", name, round(r["output_tok_per_s"]), "max batch", e["max_decode_batch"],
+                "steps", e["steps"], "rows", res["max_running_requests"])
         return res
 
     return with_engine(model, body, settings)
@@ -453,6 +483,11 @@ SECTIONS: dict[str, Section] = {
     "bench06": section(Bench("qwen3-0.6b", ABLATION_06)),
     "bench8": section(Bench("qwen3-8b", ABLATION_8)),
     "qwen35": section(Bench("qwen3.5-0.8b", (Arm("default", ("w1", "w2", "w3")),))),
+    "mixes35": section(lambda: mixes("qwen3.5-0.8b"),
+                       "issue 29's Qwen3.5 mixes (512 requests, 16-2k prompts, greedy; 384 in 24 shared-prefix "
+                       "groups, mixed sampling), running requests sized from memory"),
+    "mixes35_rows256": section(lambda: mixes("qwen3.5-0.8b", max_running_requests=256),
+                               "the same mixes at 256 running requests (the old hybrid cap): the sizing's A/B"),
     "sweep06": section(lambda: sweep("qwen3-0.6b"), "the batch-mix sweep on Qwen3-0.6B, defaults"),
     # the standard set alone (one engine with defaults), as earlier leases ran it
     "sample06": section(Bench("qwen3-0.6b", (Arm("default", ("w1", "w1_topkp", "w2")),))),

@@ -21,9 +21,9 @@ import traceback
 
 from lab.models import MODELS, model
 from minisgl.bench.runner import environment
-from minisgl.bench.workloads import WORKLOADS, sweep_cells, sweep_workload
+from minisgl.bench.workloads import MIXES, WORKLOADS, mix_workload, sweep_cells, sweep_workload
 
-SECTIONS = ("w1", "w1_topkp", "w2", "w3", "w4", "sweep")
+SECTIONS = ("w1", "w1_topkp", "w2", "w3", "w4", "sweep", "mixes")
 
 
 def sampling_dict(p) -> dict:
@@ -112,12 +112,32 @@ def interference(llm, w) -> dict:
     return asyncio.get_event_loop().run_until_complete(run())
 
 
+def server_info(llm) -> dict:
+    """What SGLang resolved at start-up that bounds a batch (running requests, token and state pools), as far as
+    its get_server_info tells (its keys differ between versions: anything naming them, else the error)."""
+    words = ("max_running_requests", "max_total_num_tokens", "mamba", "max_req")
+    try:
+        info = llm.get_server_info()
+        found = {}
+        for part in [info, *info.get("internal_states", [])]:
+            found.update({k: v for k, v in part.items() if any(w in k for w in words) and not isinstance(v, dict)})
+        return found
+    except Exception as e:
+        return {"error": repr(e)}
+
+
 def run_section(llm, name: str) -> dict:
     if name == "sweep":
         out = {}
         for cell in sweep_cells():
             out[cell.name] = {"cell": vars(cell), **throughput(llm, sweep_workload(cell))}
             print(cell.name, round(out[cell.name]["output_tok_per_s"]), flush=True)
+        return out
+    if name == "mixes":  # issue 29's mixes, as lab.sections.mixes runs them on minisgl
+        out = {"server_info": server_info(llm)}
+        for mix, cell in MIXES.items():
+            out[mix] = {"cell": {"name": cell.name, **vars(cell)}, **throughput(llm, mix_workload(mix))}
+            print(mix, round(out[mix]["output_tok_per_s"]), flush=True)
         return out
     w = WORKLOADS[name]()
     return {"w2": latency, "w4": interference}.get(name, throughput)(llm, w)

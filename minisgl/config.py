@@ -177,7 +177,7 @@ class EngineConfig:
     max_running_requests: int | None = _opt(
         None, "--max-running-requests",
         "requests running at once, at most; 0 or unset = auto: sized from the KV pool and the memory a request "
-        "row costs, 256..1024 (hybrid models: at most 256; engine/sizing.py)")
+        "row costs, 256..1024 (fewer where memory is short; hybrid models: their state counted; engine/sizing.py)")
     chunked_prefill_size: int = _opt(8192, "--chunked-prefill-size",
                                      "prefill tokens per step, long prompts cut into chunks of this size; "
                                      "<= 0 turns chunked prefill off")

@@ -106,6 +106,23 @@ def test_a_bench_runs_its_arms_on_fresh_engines_and_records_a_failed_arm(tiny_mo
     assert "error" in res["broken"] and "max_running_requests" in res["broken"]["error"]
 
 
+def test_mixes_section_records_throughput_batch_steps_and_resolved_rows(tiny_model, monkeypatch):
+    """Issue 29's mixes section, on the tiny model with the mixes shrunk (same kinds of cells)."""
+    from minisgl.bench import workloads
+    monkeypatch.setitem(workloads.MIXES, "mix512", workloads.SweepCell(6, 4, 40, 2, 6, "greedy"))
+    monkeypatch.setitem(workloads.MIXES, "prefix384", workloads.PrefixGroupCell(6, 2, 20, 30, 2, 5, 2, 6))
+    assert set(sections.SECTIONS) >= {"mixes35", "mixes35_rows256"}
+    res = sections.mixes(tiny_model, max_running_requests=4)
+    assert res["max_running_requests"] == 4 and res["state_snapshots"] is None and res["kv_pool_tokens"] > 0
+    assert list(res["mixes"]) == ["mix512", "prefix384"]
+    for name, m in res["mixes"].items():
+        assert m["output_tok_per_s"] > 0 and m["steps"] > m["decode_steps"] > 0, name
+        assert 1 <= m["max_decode_batch"] <= 4 and m["run"]["requests"] == 6
+        assert m["run"]["output_tokens"] == m["run"]["expected_output_tokens"]
+    assert res["mixes"]["prefix384"]["run"]["cached_prompt_tokens"] > 0  # the groups share their prefixes
+    assert res["mixes"]["mix512"]["cell"]["name"] == "n6_in4-40_out2-6_greedy"
+
+
 def test_lab_run_writes_each_section_as_it_ends(tmp_path, monkeypatch):
     def boom():
         raise RuntimeError("kernel fell over")

@@ -7,12 +7,15 @@ tokens equal those of the uncut step, for a dense and a hybrid model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import PROMPTS, VOCAB, assert_all_pages_back, assert_parity, hf_greedy
 from test_qwen35 import SUBSET, qwen35_path  # noqa: F401 (a fixture)
 
 from minisgl import SamplingParams
+from minisgl.config import EngineConfig
 from minisgl.engine import sizing
 from minisgl.engine.graph_pieces import piece_bounds
 from minisgl.engine.model_runner import ModelRunner
@@ -42,19 +45,71 @@ def test_rule_bounds_the_rows_by_memory():
     assert sizing.auto_max_running_requests(10, row, memory_budget=1 * MiB) == 1  # never 0
 
 
-def test_rule_keeps_hybrid_models_bounded():
-    # Qwen3.5-0.8B's shapes: 18 linear-attention layers, a ~18 MB state slot; a row holds its slot and a snapshot
+def qwen35_runtime():
+    """The hybrid runtime at Qwen3.5-0.8B's shapes (its config from assets/configs; no weights)."""
+    from transformers import AutoConfig
+
+    from minisgl.engine.hybrid import LinearStateRuntime
+    from minisgl.models.qwen3_5 import Qwen35Config
+    path = Path(__file__).resolve().parents[1] / "assets" / "configs" / "qwen3.5-0.8b"
+    return LinearStateRuntime(Qwen35Config.from_hf(AutoConfig.from_pretrained(path)))
+
+
+def hybrid_rows(free: int | None, monkeypatch, kv_tokens: int = 16384, **settings) -> tuple[int, int]:
+    """(rows, snapshots) the rule gives Qwen3.5-0.8B with `free` bytes free after the weights (None: a CPU), as
+    ModelRunner._resolve_max_running and LinearStateRuntime.allocate compute them (bf16 on a GPU, fp32 on a CPU)."""
+    rt, config = qwen35_runtime(), EngineConfig("m", **settings)
+    device, dtype = (torch.device("cpu"), torch.float32) if free is None else (torch.device("cuda"), torch.bfloat16)
+    budget = None if free is None else free - 4 * GiB  # ModelRunner._pool_budget's reserve
+    if free is not None:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, free))
+        kv_tokens = int(budget * config.kv_memory_fraction) // 12288  # 6 full-attention layers: 12 KiB a token
+    per_row = sizing.row_bytes(262144 + 1, *rt.row_state_bytes(config, dtype, device))
+    reserved = rt.reserved_state_bytes(config, dtype, device) if budget is not None else 0
+    rows = sizing.auto_max_running_requests(kv_tokens, per_row, budget, max_rows=rt.max_rows,
+                                            memory_share=rt.row_memory_share, reserved=reserved)
+    return rows, rt.num_snapshots(config, dtype, device, rows=rows)
+
+
+def test_hybrid_rows_follow_memory(monkeypatch):
+    """The numbers of engine/sizing.py's docstring: Qwen3.5-0.8B's rows grow with the card, where the old rule
+    held every card at 256 at most (and a 24 GiB one at 55)."""
     slot = StatePool.bytes_per_slot(18, 6144, 4, 16, 128, 128, torch.bfloat16)
-    assert 17 * MiB < slot < 19 * MiB
-    row = sizing.row_bytes(262144 + 1, slot, 2)
-    big_pool = 10_000_000
-    hybrid_cap = sizing.MAX_ROWS_HYBRID
-    assert sizing.auto_max_running_requests(big_pool, row, memory_budget=120 * GiB, max_rows=hybrid_cap) == 256
-    # without the hybrid cap the memory bound alone would allow 381 rows (15 GiB of rows)
-    assert sizing.auto_max_running_requests(big_pool, row, memory_budget=120 * GiB) == 15 * GiB // row == 381
-    # a 16 GiB card: its eighth holds 2 GiB / 41 MB = 52 rows, not 256 (which would be 10 GB of state)
-    rows = sizing.auto_max_running_requests(big_pool, row, memory_budget=16 * GiB, max_rows=sizing.MAX_ROWS_HYBRID)
-    assert rows == 2 * GiB // row and 40 < rows < 60
+    assert slot == 19_537_920  # 18.6 MiB: the conv state in bf16, the recurrent state in fp32
+    # an H200 (~137.5 GiB free after the weights): half of the rest would allow 2,997 rows; the cap gives 1,024
+    assert hybrid_rows(int(137.5 * GiB), monkeypatch) == (sizing.MAX_ROWS, 377)
+    bound = int(0.5 * (int(133.5 * GiB) - 377 * slot)) // (12 * 262145 + slot)
+    assert bound == 2997
+    # a 24 GiB card (~21.5 GiB free): 388 rows, each with 3 MiB of table and its own slot, beside 59 snapshots
+    assert hybrid_rows(int(21.5 * GiB), monkeypatch) == (388, 59)
+    # a 16 GiB card: fewer still
+    assert hybrid_rows(int(13.8 * GiB), monkeypatch) == (216, 37)
+    # a CPU: no memory bound; the KV pool's rule (MIN_ROWS at the default 16k tokens), a snapshot a row
+    assert hybrid_rows(None, monkeypatch) == (sizing.MIN_ROWS, sizing.MIN_ROWS)
+    assert hybrid_rows(None, monkeypatch, kv_tokens=10_000_000) == (sizing.MAX_ROWS, sizing.MAX_ROWS)
+
+
+def test_snapshots_are_counted_before_the_rows(monkeypatch):
+    """More rows never mean fewer snapshots: the snapshots are counted from the free memory first, the rows take
+    their share of the rest, and the state pool is allocated with the snapshots counted then."""
+    free = int(21.5 * GiB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, free))
+    rt, config, cuda = qwen35_runtime(), EngineConfig("m"), torch.device("cuda")
+    slot = rt.slot_bytes(torch.bfloat16)
+    assert rt.row_state_bytes(config, torch.bfloat16, cuda) == (slot, 1)  # its own slot: snapshots are apart
+    reserved = rt.reserved_state_bytes(config, torch.bfloat16, cuda)
+    assert reserved == 59 * slot == int(free * config.state_snapshot_memory_fraction) // slot * slot
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free // 2, free))  # the rows took memory
+    assert rt.num_snapshots(config, torch.bfloat16, cuda, rows=388) == 59  # allocate: the count made first
+    # an explicit count: reserved as given, whatever the rows
+    explicit = qwen35_runtime()
+    assert explicit.reserved_state_bytes(EngineConfig("m", state_snapshots=500), torch.bfloat16, cuda) == 500 * slot
+    assert hybrid_rows(free, monkeypatch, state_snapshots=500)[1] == 500
+    assert hybrid_rows(free, monkeypatch, state_snapshots=500)[0] < hybrid_rows(free, monkeypatch)[0]
+    # a CPU: a snapshot per row, so a row counts two slots and nothing is reserved
+    cpu = torch.device("cpu")
+    assert rt.row_state_bytes(config, torch.float32, cpu) == (rt.slot_bytes(torch.float32), 2)
+    assert qwen35_runtime().reserved_state_bytes(config, torch.float32, cpu) == 0
 
 
 def test_graphs_never_exceed_the_running_requests():
@@ -99,21 +154,32 @@ def test_small_memory_budget_gives_fewer_rows(qwen3_path, make_llm, monkeypatch)
 
 
 def test_hybrid_rows_follow_the_hybrid_rule(qwen35_path, make_llm, monkeypatch):  # noqa: F811
-    llm = make_llm(qwen35_path, page_size=4)  # a CPU: no memory bound, and the hybrid cap is the old default
-    assert llm.config.max_running_requests == sizing.MAX_ROWS_HYBRID == 256
-    # with a device budget: a row costs its table row plus two state slots (its own and a snapshot)
-    monkeypatch.setattr(ModelRunner, "_pool_budget", lambda self: 4 << 20)
+    llm = make_llm(qwen35_path, page_size=4)  # a CPU: no memory bound; the KV pool's rule gives the floor
+    assert llm.config.max_running_requests == sizing.MIN_ROWS == 256
+    assert llm.engine.runner.state_pool.num_snapshots == 256  # a snapshot a row on a CPU
+    # with a device budget: a row costs its table row and its state slot, and may take half of the budget
+    budget = 4 << 20
+    monkeypatch.setattr(ModelRunner, "_pool_budget", lambda self: budget)
     real = ModelRunner._kv_tokens
     monkeypatch.setattr(ModelRunner, "_kv_tokens", lambda self, b: real(self, None))
     small = make_llm(qwen35_path, page_size=4)
     pool = small.engine.runner.state_pool
     slot = pool.conv[:, 0].nbytes + pool.recurrent[:, 0].nbytes
-    per_row = 12 * small.engine.runner.req_pool.max_context_len + 2 * slot
-    assert small.config.max_running_requests == (4 << 20) // 8 // per_row
-    assert pool.num_rows == small.config.max_running_requests + 8
-    assert pool.num_snapshots == small.config.max_running_requests
+    table = 12 * small.engine.runner.req_pool.max_context_len
+    # a CPU still keeps a snapshot a row (StatePool.num_snapshots_for), so here a row counts two slots
+    rows = small.config.max_running_requests
+    assert rows == int(sizing.HYBRID_ROW_MEMORY_SHARE * budget) // (table + 2 * slot) == 156
+    assert pool.num_rows == rows + 8 and pool.num_snapshots == rows
     outs = small.generate(SUBSET[:6], GREEDY)
     assert_parity(outs, hf_greedy(qwen35_path, SUBSET[:6], 12), SUBSET[:6])
+    # snapshots given: reserved before the rows, which count their own slot only
+    given = make_llm(qwen35_path, page_size=4, state_snapshots=64)
+    assert given.engine.runner.state_pool.num_snapshots == 64
+    assert given.config.max_running_requests == int(0.5 * (budget - 64 * slot)) // (table + slot) == 202
+    # an explicit count wins over the rule
+    explicit = make_llm(qwen35_path, page_size=4, max_running_requests=300)
+    assert explicit.config.max_running_requests == explicit.engine.scheduler.max_running == 300
+    assert explicit.engine.runner.state_pool.num_rows == 308
 
 
 # --- admission and retraction at a large row count ------------------------------------------------------------

@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from minisgl.bench.workloads import (
+    MIXES,
+    mix_workload,
     sweep_cells,
     sweep_workload,
     w1_offline,
@@ -132,3 +134,26 @@ def test_compile_detector_sees_the_gdn_kernels():
                          check=True).stdout
     for name in ("_conv_varlen_kernel", "_conv_decode_kernel", "_gdr_chunk_kernel", "_gdr_recurrent_kernel"):
         assert name in out, out
+
+
+def test_issue29_mixes():
+    """512 requests of 16-2,048 prompt ids and 16-512 greedy outputs; 384 requests in 24 groups of 16 sharing
+    512-1,536-id prefixes (then 32-256 ids of their own), 16-512 outputs, greedy / temperature / top-k-top-p."""
+    a = mix_workload("mix512")
+    assert len(a.prompts) == 512 and all(16 <= len(p) <= 2048 for p in a.prompts)
+    assert all(16 <= p.max_tokens <= 512 and p.temperature == 0 for p in a.params)
+    assert a.name == MIXES["mix512"].name and a.prompts == sweep_workload(MIXES["mix512"]).prompts
+    b = mix_workload("prefix384")
+    assert len(b.prompts) == 384 and all(16 <= p.max_tokens <= 512 for p in b.params)
+    groups: dict[tuple, list] = {}
+    for p in b.prompts:  # a prompt's group: the prefix it shares with the others (the groups' first 512 ids)
+        groups.setdefault(tuple(p[:512]), []).append(p)
+    assert len(groups) == 24 and all(len(g) == 16 for g in groups.values())
+    for g in groups.values():
+        shared = min(len(p) for p in g)
+        while any(p[:shared] != g[0][:shared] for p in g):
+            shared -= 1
+        assert 512 <= shared <= 1536 and all(32 <= len(p) - shared <= 256 for p in g)
+    assert {(p.temperature, p.top_k) for p in b.params} == {(0.0, -1), (0.6, -1), (0.6, 50)}
+    assert len({tuple(p[:512]) for p in b.prompts[:16]}) > 1  # the groups are interleaved
+    assert mix_workload("prefix384").prompts == b.prompts and max(t for p in b.prompts for t in p) < 10000

@@ -139,5 +139,60 @@ def sweep_workload(cell: SweepCell, vocab: int = 10000) -> Workload:
     return Workload(cell.name, prompts, params)
 
 
+@dataclass(frozen=True)
+class PrefixGroupCell:
+    """`requests` prompts in `groups` equal groups: a group's prompts share a prefix of [prefix_lo, prefix_hi]
+    random ids, each followed by a suffix of [suffix_lo, suffix_hi] ids of its own; outputs of [out_lo, out_hi]
+    tokens; all submitted at once, the groups interleaved (a seeded shuffle). Sampling is mixed, by position in
+    the submitted order: greedy, temperature 0.6, and top-k/top-p (TOP_K_P) in turn."""
+
+    requests: int
+    groups: int
+    prefix_lo: int
+    prefix_hi: int
+    suffix_lo: int
+    suffix_hi: int
+    out_lo: int
+    out_hi: int
+
+    @property
+    def name(self) -> str:
+        return (f"n{self.requests}_g{self.groups}_prefix{self.prefix_lo}-{self.prefix_hi}"
+                f"_suffix{self.suffix_lo}-{self.suffix_hi}_out{self.out_lo}-{self.out_hi}_mixed")
+
+
+MIXED_SAMPLING = ({"temperature": 0.0}, {"temperature": 0.6}, TOP_K_P)
+
+
+def prefix_group_workload(cell: PrefixGroupCell, vocab: int = 10000) -> Workload:
+    """The requests of a prefix-group mix; the same ids on every machine and for every engine."""
+    rng = random.Random(cell.name)
+    hi = min(vocab, 10000) - 1
+    prefixes = [[rng.randint(0, hi) for _ in range(rng.randint(cell.prefix_lo, cell.prefix_hi))]
+                for _ in range(cell.groups)]
+    prompts = [prefixes[i % cell.groups] + [rng.randint(0, hi) for _ in range(rng.randint(cell.suffix_lo,
+                                                                                           cell.suffix_hi))]
+               for i in range(cell.requests)]
+    rng.shuffle(prompts)
+    outs = [rng.randint(cell.out_lo, cell.out_hi) for _ in range(cell.requests)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, **MIXED_SAMPLING[i % len(MIXED_SAMPLING)])
+              for i, m in enumerate(outs)]
+    return Workload(cell.name, prompts, params)
+
+
+# Issue 29's request mixes, where Qwen3.5 trailed SGLang: 512 requests of 16-2,048 prompt tokens and 16-512
+# greedy outputs, and 384 requests in 24 groups sharing 512-1,536-token prefixes with mixed sampling.
+MIXES: dict[str, SweepCell | PrefixGroupCell] = {
+    "mix512": SweepCell(512, 16, 2048, 16, 512, "greedy"),
+    "prefix384": PrefixGroupCell(384, 24, 512, 1536, 32, 256, 16, 512),
+}
+
+
+def mix_workload(name: str, vocab: int = 10000) -> Workload:
+    """The requests of the mix `name` (MIXES), all submitted at once."""
+    cell = MIXES[name]
+    return sweep_workload(cell, vocab) if isinstance(cell, SweepCell) else prefix_group_workload(cell, vocab)
+
+
 WORKLOADS = {"w1": w1_offline, "w1_topkp": w1_top_k_p, "w2": w2_latency, "w3": w3_shared_prefix,
              "w4": w4_interference}

@@ -5,8 +5,8 @@ token; its request's state lives in the slot of its request-table row. What the 
 hooks of `ModelRuntime` (engine/runtime.py):
 
 - memory: the state pool is allocated before the KV pool is sized (rows and snapshots), the KV pool holds the
-  full-attention layers only, and a request row costs its state slots too (at most 256 rows when sized
-  automatically: engine/sizing.py);
+  full-attention layers only; sized automatically, the snapshots are counted first (from the free memory) and
+  the rows, each costing its state slot too, may take half of the rest (engine/sizing.py);
 - each step: the state slots of its requests (slot = row) and its sequence bounds `cu_seqlens` travel with the
   step's inputs into `HybridAttentionMetadata`; requests admitted this step start from zeros or a prefix
   snapshot before the forward, and snapshots are saved after it (the scheduler says which: `HybridBatch`);
@@ -34,7 +34,7 @@ from minisgl.engine.cuda_graph import CudaGraphRunner, default_batch_sizes
 from minisgl.engine.prefill_graph import pad_array
 from minisgl.engine.runtime import GraphInputs, ModelRuntime
 from minisgl.engine.sampler import SamplingTensors
-from minisgl.engine.sizing import MAX_ROWS_HYBRID
+from minisgl.engine.sizing import HYBRID_ROW_MEMORY_SHARE
 from minisgl.kvcache import PageAllocator, PrefixCache, ReqToTokenPool
 from minisgl.kvcache.state_pool import HybridAttentionMetadata, StatePool
 from minisgl.scheduler import Batch
@@ -98,7 +98,7 @@ class StateCudaGraphRunner(CudaGraphRunner):
 class LinearStateRuntime(ModelRuntime):
     name = "linear_state"
     metadata_cls = HybridAttentionMetadata
-    max_rows = MAX_ROWS_HYBRID
+    row_memory_share = HYBRID_ROW_MEMORY_SHARE  # a hybrid's state is its "KV": engine/sizing.py
     supports_tensor_parallel = False
     tokens_may_equal_requests = False
 
@@ -109,19 +109,41 @@ class LinearStateRuntime(ModelRuntime):
         self.shape = (len(mc.linear_attention_layers), mc.conv_channels, mc.linear_conv_kernel,
                       mc.linear_num_value_heads, mc.linear_key_head_dim, mc.linear_value_head_dim)
         self.state_pool: StatePool | None = None
+        self._num_snapshots: int | None = None  # counted once: before the rows are sized, then allocated
 
     @property
     def kv_layers(self) -> int:
         return len(self.model_config.full_attention_layers)
 
-    def row_state_bytes(self, config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
-        # its own state slot, and by default room for one snapshot (state_snapshots None)
-        return StatePool.bytes_per_slot(*self.shape, dtype), 2 if config.state_snapshots is None else 1
+    def slot_bytes(self, dtype: torch.dtype) -> int:
+        return StatePool.bytes_per_slot(*self.shape, dtype)
+
+    @staticmethod
+    def snapshots_follow_rows(config: EngineConfig, device: torch.device) -> bool:
+        """On a CPU, without an explicit count, there is a snapshot per running request (num_snapshots_for)."""
+        return config.state_snapshots is None and device.type != "cuda"
+
+    def num_snapshots(self, config: EngineConfig, dtype: torch.dtype, device: torch.device, rows: int) -> int:
+        """The snapshot slots (StatePool.num_snapshots_for), counted once: the rows are sized with the memory
+        they take left aside (`reserved_state_bytes`), and `allocate` allocates that many."""
+        if self._num_snapshots is None:
+            self._num_snapshots = StatePool.num_snapshots_for(
+                config.state_snapshots, config.state_snapshot_memory_fraction, self.slot_bytes(dtype), device,
+                fallback=rows)
+        return self._num_snapshots
+
+    def row_state_bytes(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+        # its own state slot, and its snapshot where the snapshots follow the rows
+        return self.slot_bytes(dtype), 2 if self.snapshots_follow_rows(config, device) else 1
+
+    def reserved_state_bytes(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+        # the snapshots, counted from the free memory (or given) before the rows take their share
+        if self.snapshots_follow_rows(config, device):
+            return 0
+        return self.num_snapshots(config, dtype, device, rows=0) * self.slot_bytes(dtype)
 
     def allocate(self, runner, config: EngineConfig) -> None:
-        snapshots = StatePool.num_snapshots_for(
-            config.state_snapshots, config.state_snapshot_memory_fraction,
-            StatePool.bytes_per_slot(*self.shape, runner.dtype), runner.device, fallback=config.max_running_requests)
+        snapshots = self.num_snapshots(config, runner.dtype, runner.device, rows=config.max_running_requests)
         self.state_pool = StatePool(self.shape[0], runner.max_reqs, snapshots, *self.shape[1:], runner.dtype,
                                     runner.device)
         runner.model.state_pool = self.state_pool

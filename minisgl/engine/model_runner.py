@@ -216,14 +216,17 @@ class ModelRunner:
 
     def _resolve_max_running(self, config: EngineConfig) -> EngineConfig:
         """The config with max_running_requests resolved: an explicit count wins; 0/None is sized from the KV
-        pool the memory can hold (before either is allocated) and the memory a request row costs
-        (engine/sizing.py)."""
+        pool the memory can hold (before either is allocated), the memory a request row costs and the rows' share
+        of the memory, less what the runtime sizes before the rows (a hybrid's snapshots; engine/sizing.py)."""
         if config.max_running_requests:
             return config
         budget = self._pool_budget()
         kv_tokens = config.num_pages * self.page_size if config.num_pages else self._kv_tokens(budget)
-        per_row = row_bytes(self.max_model_len + self.page_size, *self.runtime.row_state_bytes(config, self.dtype))
-        rows = auto_max_running_requests(kv_tokens, per_row, budget, max_rows=self.runtime.max_rows)
+        rt = self.runtime
+        per_row = row_bytes(self.max_model_len + self.page_size, *rt.row_state_bytes(config, self.dtype, self.device))
+        reserved = rt.reserved_state_bytes(config, self.dtype, self.device) if budget is not None else 0
+        rows = auto_max_running_requests(kv_tokens, per_row, budget, max_rows=rt.max_rows,
+                                         memory_share=rt.row_memory_share, reserved=reserved)
         if self.tp is not None:  # every rank's request table must hold the rows rank 0 schedules
             rows = self.tp.agree_min(rows)
         return config.with_(max_running_requests=rows)

@@ -3,8 +3,9 @@
 A model family declares the runtime it needs by name (models/registry.py, `ModelFamily.runtime`); the model runner
 makes it (`make_runtime`, engine/runtimes.py) and calls its hooks at fixed points, whatever the model:
 
-- sizing and memory: the layers that keep KV, the bytes of per-request state a request row costs, the cap on
-  running requests, and `allocate` (before the KV pool is sized, so the memory it measures excludes the state);
+- sizing and memory: the layers that keep KV, the bytes of per-request state a request row costs, the memory
+  sized before the rows (a hybrid's snapshots), the cap on running requests and the rows' share of the memory
+  (engine/sizing.py), and `allocate` (before the KV pool is sized, so the memory it measures excludes the state);
 - each step: extra int64 host arrays uploaded with the step's other inputs (`step_arrays`), the attention
   metadata class and the fields they fill (`metadata_cls`, `attach`), and work around the forward
   (`before_step`, `after_step`);
@@ -25,7 +26,7 @@ import torch
 from minisgl.attention import AttentionMetadata
 from minisgl.config import EngineConfig
 from minisgl.engine.cuda_graph import CudaGraphRunner
-from minisgl.engine.sizing import MAX_ROWS
+from minisgl.engine.sizing import MAX_ROWS, ROW_MEMORY_SHARE
 from minisgl.kvcache import NaiveCache, PageAllocator, PrefixCache, RadixCache, ReqToTokenPool
 from minisgl.scheduler import Batch, Scheduler
 
@@ -45,6 +46,7 @@ class ModelRuntime:
     name = "kv"
     metadata_cls = AttentionMetadata
     max_rows = MAX_ROWS  # running requests at most when sized automatically (engine/sizing.py)
+    row_memory_share = ROW_MEMORY_SHARE  # the rows' share of the device memory for the pools, at most
     supports_tensor_parallel = True
     # an extend step of as many tokens as requests may run as such (a linear-attention layer would take it for a
     # decode step: engine/hybrid.py)
@@ -59,9 +61,14 @@ class ModelRuntime:
     def kv_layers(self) -> int:
         return self.model_config.num_layers
 
-    def row_state_bytes(self, config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
+    def row_state_bytes(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
         """(bytes of one state slot, slots per request row) for sizing the rows: none."""
         return 0, 0
+
+    def reserved_state_bytes(self, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+        """Bytes of state sized apart from the rows and before them, which the rows' memory share leaves aside
+        (called before `allocate`, when the rows are sized from memory): none."""
+        return 0
 
     def allocate(self, runner, config: EngineConfig) -> None:
         """Allocate the per-request state for `runner.max_reqs` rows (called before the KV pool is sized)."""
