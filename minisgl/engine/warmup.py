@@ -8,6 +8,22 @@ pointer 16-byte aligned or not. A compile costs 1-3 s on a fresh machine (no dis
 compile what they record (decode steps of every captured batch size and sampler, prefill steps of every token and
 request bucket), serially; what launches eagerly later compiled inside the first workload that needed it.
 
+The kernels, what varies at run time, and who compiled it before this module (G: the graph captures; E: eager,
+inside a workload):
+
+- attention `_decode_stage1_kernel`/`_decode_stage2_kernel`: NUM_SPLITS = decode_num_splits(batch, Hkv, context,
+  SMs) and BLOCK_S from it, FUSED_STORE/FUSED_MERGE (kernel options), IEEE_DOT (fp32), the merge counters'
+  alignment (B * Hkv elements from the workspace's end; fused merge only, since the counters of an unfused
+  launch are now an aligned placeholder). G: each graph batch size; E: mixed steps' decode rows, decode beyond
+  the graphs. `_extend_kernel`: tiles by head dim and dtype, first_row not specialised: G (prefill graphs).
+- elementwise norms, RoPE, SiLU-and-mul, sigmoid gate, K/V store: shapes fixed by the model, row counts not
+  specialised: G. GEMV `_gemv_kernel`: ROWS 1-4: G (1, 2, 4), E (3 rows: prefill graphs off, graphs off).
+- Gated DeltaNet: `_gdr_recurrent_kernel`/`_gdr_chunk_kernel` BLOCK_V by batch/request count (16 or 32), the
+  decode (T == N) or chunked path, the conv kernels (search steps fixed): G for the graphs' counts, E beyond.
+- sampler `_stats/_init/_search/_narrow_kernel`: the row count (an integer argument: 1, a multiple of 16, other),
+  PHASE/FIRST; `_draw_kernel`: CUTS: G (batch sizes 1, 2, 16...). Penalty and grammar-mask kernels: E only (the
+  penalty values' rows are now on 16-byte boundaries: one variant for any count).
+
 What the engine launches eagerly, and so is warmed here (on scratch inputs, `eager_plan`):
 
 - mixed steps (chunked prefill with decode rows riding along; more requests than the prefill graphs hold): their
