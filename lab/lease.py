@@ -11,6 +11,7 @@ On the device, each call is one command (the plan prints them with the commit fi
     python3 -m lab.lease call2 --commit SHA          # SGLang Qwen3-0.6B and Qwen3.5; minisgl Qwen3.5; HF 0.6B
     python3 -m lab.lease call3 --commit SHA          # Qwen3-8B both engines, HF 8B, the profiler diagnosis
     python3 -m lab.lease serving --commit SHA        # optional: online serving, both servers (issue 24)
+    python3 -m lab.lease warmup --commit SHA         # optional: the kernel warm-up at engine start (issue 29)
 
 SGLang's wheels (~50 MB) and the tree (~37 MB) do not fit in one call's 64 MiB, so call1 carries half `a` and
 call2 half `b`: each call copies the half it carries into /tmp/sglwhl on the machine, and once every wheel of
@@ -220,6 +221,11 @@ CALLS: dict[str, Call] = {
         "bench_serving client at 8, 24, 48 requests/s and 512 at once (the latency-vs-rate curve of issue 24)",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("serving", 420, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),)),
+    "warmup": Call(
+        "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
+        "compiles inside W1/W2 and the first-vs-second W1 generate, Qwen3-0.6B and Qwen3.5-0.8B, a process each",
+        carry=(),
+        steps=(Lab("warmup", 420, ("warmup.json",), ("warmup_check",)),)),
     "serving_ours": Call(
         "optional: minisgl's server under minisgl's own client (minisgl.bench.serving: the same loads, the "
         "server's CPU seconds), then the same all-at-once requests offline (the server/offline ratio; notebook "

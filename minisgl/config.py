@@ -206,6 +206,11 @@ class EngineConfig:
                                          "buckets 16, 32, ... up to it; 0 = off")
     prefill_graph_max_reqs: int = _opt(16, "--prefill-graph-max-reqs",
                                        "most requests in a prefill/extend step replayed as a CUDA graph")
+    kernel_warmup: bool = _opt(True, "--disable-kernel-warmup",
+                               "engine start compiles only what the CUDA-graph captures launch, one kernel after "
+                               "another; the eager steps' Triton variants compile inside the first workload "
+                               "that needs them (engine/warmup.py; on: every variant compiled at start, on a "
+                               "thread pool, and the eager steps launched once)", disable=True)
     attention_backend: str = _opt("auto", "--attention-backend",
                                   "attention kernels (auto = triton on a GPU, torch on a CPU; torch runs a decode "
                                   "step as a few padded ops, torch_loop every step one request at a time)",

@@ -235,3 +235,32 @@ def test_sglang_gets_minisgls_sampling_settings():
 def test_no_sys_path_insert_in_the_lab():
     offenders = [str(p.relative_to(REPO)) for p in (REPO / "lab").rglob("*.py") if "sys.path.insert" in p.read_text()]
     assert offenders == []
+
+
+def test_warmup_check_runs_its_arms_on_their_caches_and_judges_the_targets(tmp_path, monkeypatch):
+    """lab.checks.warmup (issue 29) without a GPU: each cold arm gets an empty Triton cache folder, the warm arm
+    the first cold one's; the targets are judged on the arms with the warm-up on."""
+    from lab.checks import warmup as check
+
+    calls = []
+
+    def fake_arm(model, arm, cache, sweep):
+        calls.append((model, arm, cache))
+        on = check.ARMS[arm][0]
+        return {"startup_s": 25.0 if on else 52.0, "first_over_second": 1.02 if on else 1.2,
+                "first": {"compiles": {} if on else {"_extend_kernel": 1}},
+                "w1": {"triton_compiles_timed": {}}, "w2": {"triton_compiles_timed": {} if on else {"_x": 1}}}
+
+    monkeypatch.setattr(check, "run_arm", fake_arm)
+    res = check.main(str(tmp_path / "w.json"), ["qwen3-0.6b", "qwen3.5-0.8b"], None, False)
+    assert [(m, a) for m, a, _ in calls] == [("qwen3-0.6b", "on_cold"), ("qwen3-0.6b", "off_cold"),
+                                             ("qwen3-0.6b", "on_warm"), ("qwen3.5-0.8b", "on_cold"),
+                                             ("qwen3.5-0.8b", "off_cold")]
+    caches = {(m, a): c for m, a, c in calls}
+    assert caches["qwen3-0.6b", "on_warm"] == caches["qwen3-0.6b", "on_cold"]
+    assert len({caches["qwen3-0.6b", "on_cold"], caches["qwen3-0.6b", "off_cold"],
+                caches["qwen3.5-0.8b", "on_cold"]}) == 3
+    targets = res["models"]["qwen3-0.6b"]["targets"]
+    assert targets["on_cold.start_within_target"] and not any(k.startswith("off_cold") for k in targets)
+    assert res["ok"] and json.loads((tmp_path / "w.json").read_text())["ok"]
+    assert "warmup_check" in sections.SECTIONS and "warmup" in lease.CALLS

@@ -46,10 +46,11 @@ def triton_variants() -> dict[str, int]:
         from triton.runtime.jit import JITFunction
     except ImportError:
         return {}
-    from minisgl.kernels import attention, elementwise, gdn, sampling
+    from minisgl.kernels import attention, elementwise, gdn, gemv, sampling
     counts = {}
-    # gdn: Qwen3.5's linear-attention kernels (before, a compile of theirs in a timed run went unreported)
-    for mod in (attention, elementwise, gdn, sampling):
+    # gdn: Qwen3.5's linear-attention kernels (before, a compile of theirs in a timed run went unreported); gemv:
+    # the decode GEMV (a variant per row count, 1-4)
+    for mod in (attention, elementwise, gdn, gemv, sampling):
         for name, fn in vars(mod).items():
             if isinstance(fn, JITFunction):
                 caches = getattr(fn, "device_caches", {}).values()

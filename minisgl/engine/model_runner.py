@@ -175,14 +175,22 @@ class ModelRunner:
                                    num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                                    head_dim=mc.head_dim, scale=mc.head_dim ** -0.5,
                                    max_context_len=self.max_model_len)
+        graphs = config.cuda_graph and self.device.type == "cuda" and self.attn.supports_cuda_graph
+        max_bs = graph_max_bs(config.cuda_graph_max_bs, config.max_running_requests) if graphs else 0
+        prefill_graphs = (graphs and config.prefill_graph_max_tokens > 0
+                          and getattr(self.attn, "supports_extend_cuda_graph", False))
+        # --- kernel warm-up (engine/warmup.py): every Triton variant compiled before the captures and requests ---
+        self.warmup = None  # what it did, or None (off, a CPU, or it failed: it never stops the engine)
+        if config.kernel_warmup:
+            from minisgl.engine.warmup import warm_up_kernels
+            self.warmup = warm_up_kernels(self, max_bs, prefill_graphs)
+        # --- end kernel warm-up ---
         self.graph_runner = None
-        if config.cuda_graph and self.device.type == "cuda" and self.attn.supports_cuda_graph:
-            self.graph_runner = self.runtime.decode_graphs(self, graph_max_bs(config.cuda_graph_max_bs,
-                                                                              config.max_running_requests))
+        if graphs:
+            self.graph_runner = self.runtime.decode_graphs(self, max_bs)
         # --- prefill graphs (engine/prefill_graph.py): extend steps replayed per token bucket ---
         self.prefill_graph = None
-        if (self.graph_runner is not None and config.prefill_graph_max_tokens > 0
-                and getattr(self.attn, "supports_extend_cuda_graph", False)):
+        if self.graph_runner is not None and prefill_graphs:
             from minisgl.engine.prefill_graph import build_prefill_graphs, graph_pool_of
             self.prefill_graph = build_prefill_graphs(self, config.prefill_graph_max_tokens,
                                                       config.prefill_graph_max_reqs,
@@ -390,11 +398,15 @@ class ModelRunner:
         if pen:
             pen_reqs = [reqs[i] for i in pen]
             self.penalties.load(pen_reqs)
-            floats = self._to_device(np.asarray([[r.params.frequency_penalty for r in pen_reqs],
-                                                 [r.params.presence_penalty for r in pen_reqs],
-                                                 [r.params.repetition_penalty for r in pen_reqs]], np.float32))
+            # rows on 16-byte boundaries (as in `prepare`): the penalty kernel is one Triton variant for any count
+            p = len(pen_reqs)
+            host = np.zeros((3, p + (-p) % 4), dtype=np.float32)
+            host[:, :p] = [[r.params.frequency_penalty for r in pen_reqs],
+                           [r.params.presence_penalty for r in pen_reqs],
+                           [r.params.repetition_penalty for r in pen_reqs]]
+            floats = self._to_device(host)
             proc.penalty_rows, proc.penalty_slots = ints(pen), ints([r.row for r in pen_reqs])
-            proc.frequency, proc.presence, proc.repetition = floats[0], floats[1], floats[2]
+            proc.frequency, proc.presence, proc.repetition = floats[0, :p], floats[1, :p], floats[2, :p]
         if lp:
             proc.logprob_rows = ints(lp)
             proc.top_n = max(reqs[i].params.logprobs for i in lp)

@@ -348,6 +348,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     block_s = max(2, triton.next_power_of_2(num_splits))
     ieee = k_buf.dtype == torch.float32  # q is cast to the cache dtype; fp32 dots must not drop to tf32
 
+    fused = bool(fused_merge) and num_splits > 1
     if num_splits > 1:
         need = decode_workspace_numel(B, Hq, D, num_splits, Hkv)
         if workspace is None:
@@ -357,12 +358,15 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         n_parts = B * Hq * num_splits * D
         part_o = workspace[:n_parts].view(B, Hq, num_splits, D)
         part_lse = workspace[n_parts: n_parts + B * Hq * num_splits].view(B, Hq, num_splits)
-        counters = decode_merge_counters(workspace, B, Hkv)
+        # Without the fused merge the counters are never touched: pass the workspace's (aligned) start instead.
+        # Triton compiles a variant per pointer alignment, and the counters, B * Hkv elements from the end, are
+        # 16-byte aligned or not by B: with Qwen3.5's Hkv = 2, a mixed step of an odd number of decode rows
+        # compiled a variant the decode graphs had not (likely run14's compiles inside a timed Qwen3.5 W1).
+        counters = decode_merge_counters(workspace, B, Hkv) if fused else workspace[:1].view(torch.int32)
     else:  # stage 1 writes `out` directly; these are placeholders for unused pointer arguments
         part_o = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
         part_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
         counters = out.new_empty((1,), dtype=torch.int32)
-    fused = bool(fused_merge) and num_splits > 1
 
     kw = pdl_launch(q)
     _decode_stage1_kernel[(B, Hkv, num_splits)](

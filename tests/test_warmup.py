@@ -1,0 +1,195 @@
+"""The kernel warm-up at engine start (engine/warmup.py, issue 29): its switch, its plan of variants (pure
+functions), and on a CPU that it is skipped, that its steps run the real model code on scratch inputs and that
+they leave the engine's pools exactly as they found them. Compiling and the GPU timings: lab/checks/warmup.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from minisgl import SamplingParams
+from minisgl.config import EngineConfig, add_engine_args, engine_kwargs_from_args, make_config
+from minisgl.engine import warmup
+from minisgl.engine.warmup import (
+    eager_decode_sizes,
+    eager_plan,
+    mixed_decode_rows,
+    prefill_requests,
+    split_groups,
+    variant_classes,
+)
+from minisgl.kernels.attention import decode_num_splits
+
+
+def _class(n: int) -> tuple[bool, bool, int]:
+    return n == 1, n % 16 == 0, n % 4
+
+
+# --- the switch -----------------------------------------------------------------------------------------------
+
+
+def test_switch_is_on_by_default_and_off_by_config_and_flag():
+    assert EngineConfig("m").kernel_warmup
+    assert not make_config("m", kernel_warmup=False).kernel_warmup
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs_from_args(p.parse_args(["--model", "m", "--disable-kernel-warmup"])) == {
+        "kernel_warmup": False}
+    assert "kernel_warmup" not in engine_kwargs_from_args(p.parse_args(["--model", "m"]))
+
+
+# --- the plan -------------------------------------------------------------------------------------------------
+
+
+def test_variant_classes_cover_each_class_once():
+    sizes = range(1, 100)
+    picked = variant_classes(sizes)
+    assert picked == [1, 2, 3, 4, 5, 16]
+    assert {_class(n) for n in picked} == {_class(n) for n in sizes}
+    assert len({_class(n) for n in picked}) == len(picked)
+    assert variant_classes([7]) == [7] and variant_classes([]) == []
+
+
+def test_split_counts_of_a_model_and_card():
+    # Hkv 8 (Qwen3-0.6B/8B) on 132 SMs (H200): ceil(2 * 132 / (8 * bs)) splits, at most 64, at least 1
+    groups = split_groups(range(1, 257), 8, 40960, 132)
+    assert sorted(groups) == [1, 2, 3, 4, 5, 6, 7, 9, 11, 17, 33]
+    assert groups[33] == [1] and groups[1] == list(range(33, 257))
+    # a short context caps the splits (no split under 256 tokens): 512 tokens, at most 2
+    assert split_groups(range(1, 41), 8, 512, 132) == {2: list(range(1, 33)), 1: list(range(33, 41))}
+    # Hkv 2 (Qwen3.5) on the same card: the 64-split cap binds at batch 1 and 2
+    groups = split_groups(range(1, 257), 2, 262144, 132)
+    assert max(groups) == 64 and groups[64] == [1, 2] and min(groups) == 1
+    for splits, sizes in groups.items():
+        assert all(decode_num_splits(bs, 2, 262144, 132) == splits for bs in sizes)
+
+
+def test_mixed_decode_rows_cover_every_count():
+    # n decode rows run as a batch of the next power of two: every (power, class) of 1..n_max has a representative
+    def key(n):
+        return 1 << (n - 1).bit_length(), _class(n)
+
+    for n_max in (1, 2, 3, 7, 255, 300, 1023):
+        rows = mixed_decode_rows(n_max)
+        assert max(rows) <= n_max and len(set(rows)) == len(rows)
+        assert {key(n) for n in rows} == {key(n) for n in range(1, n_max + 1)}
+    assert mixed_decode_rows(0) == []
+    assert mixed_decode_rows(8) == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_prefill_and_eager_decode_sizes():
+    assert prefill_requests(256) == [1, 2, 3, 4, 5, 16, 256]
+    assert prefill_requests(1) == [1]
+    # graphs off: every split count's classes, the GEMV's 1..4 rows, the largest batch
+    sizes = eager_decode_sizes(1, 40, 8, 512, 132)
+    assert {1, 2, 3, 4, 40} <= set(sizes)
+    for group in split_groups(range(1, 41), 8, 512, 132).values():
+        assert {_class(n) for n in group} == {_class(n) for n in sizes if n in group}
+    # above the largest graph (256) only
+    assert min(eager_decode_sizes(257, 1024, 8, 40960, 132)) == 257
+    assert eager_decode_sizes(257, 256, 8, 40960, 132) == []
+
+
+def test_eager_plan():
+    plan = eager_plan(max_rows=1024, prefill_budget=8192, max_model_len=40960, graph_max_bs=256, num_kv_heads=8,
+                      max_context_len=40960, num_sms=132)
+    assert len({s.label for s in plan}) == len(plan)
+    decode = [s for s in plan if s.decode]
+    assert decode and all(len(s.extend) > 256 and set(s.extend) == {1} for s in decode)
+    assert max(len(s.extend) for s in decode) == 1024
+    mixed = [s for s in plan if s.label.startswith("mixed")]
+    assert [len(s.extend) - 1 for s in mixed] == mixed_decode_rows(1023)
+    assert all(s.extend[-1] > 1 for s in mixed)  # one request prefilling: a mixed step, not a decode step
+    assert max(sum(s.extend) for s in plan if not s.decode) == 8192
+    # more than one request: more tokens than requests (a hybrid takes T == N for a decode step)
+    assert all(sum(s.extend) > len(s.extend) for s in plan if not s.decode and len(s.extend) > 1)
+    no_graphs = eager_plan(8, 64, 128, 0, 2, 128, 132)
+    # no graphs: decode from batch 1 (a 128-token context never splits: one split count, its classes, 1..4, 8)
+    assert [len(s.extend) for s in no_graphs if s.decode] == [1, 2, 3, 4, 5, 8]
+    assert max(sum(s.extend) for s in no_graphs) <= 64
+
+
+# --- on a CPU -------------------------------------------------------------------------------------------------
+
+
+def test_skipped_on_cpu(qwen3_path, make_llm):
+    class Runner:  # anything but its device would raise
+        device = torch.device("cpu")
+
+    assert warmup.warm_up_kernels(Runner(), 4, True) is None
+    llm = make_llm(qwen3_path, kernel_warmup=True)
+    assert llm.config.kernel_warmup and llm.engine.runner.warmup is None
+
+
+def _pools(runner) -> list[torch.Tensor]:
+    out = [runner.kv_cache.buffer, runner.req_pool.table, runner.req_pool.token_ids]
+    if runner.state_pool is not None:
+        out += [runner.state_pool.conv, runner.state_pool.recurrent]
+    return [t.clone() for t in out]
+
+
+def _check_steps_leave_pools_alone(llm):
+    runner = llm.engine.runner
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    before, meta = _pools(runner), runner.attn.meta
+    # the sequential path (no Triton here): every eager step of the plan, run on this engine's model
+    report = warmup._warm_up(runner, graph_max_bs=0, prefill_graphs=False, num_sms=132, why_not="test")
+    assert report["eager_steps"] >= 8 and report["parallel_compile"] == "test"
+    assert all(torch.equal(a, b) for a, b in zip(before, _pools(runner)))
+    assert runner.attn.meta is meta
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_steps_run_the_model_and_restore_the_pools(qwen3_path, make_llm):
+    llm = make_llm(qwen3_path, max_running_requests=6, chunked_prefill_size=48, max_model_len=128)
+    runner = llm.engine.runner
+    # inside the block the steps do write page 0 (their K/V): the restore is what puts it back
+    saved = runner.kv_cache.buffer[:, :, 0].clone()
+    with warmup._pools_restored(runner), torch.inference_mode():
+        warmup._run_step(runner, warmup.Step("mixed3", (1, 1, 1, 16)))
+        assert not torch.equal(runner.kv_cache.buffer[:, :, 0], saved)
+    assert torch.equal(runner.kv_cache.buffer[:, :, 0], saved)
+    _check_steps_leave_pools_alone(llm)
+
+
+def test_hybrid_steps_restore_the_state_pool(models_dir, make_llm):
+    from test_qwen35 import make_state_sensitive, tiny_text_config
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(tiny_text_config()).eval()
+    make_state_sensitive(model, seed=1)
+    path = str(models_dir / "qwen3.5-warmup")
+    model.save_pretrained(path)
+    llm = make_llm(path, max_running_requests=6, chunked_prefill_size=48, max_model_len=128)
+    pool = llm.engine.runner.state_pool
+    saved = pool.recurrent[:, pool.dummy_slot].clone()
+    with warmup._pools_restored(llm.engine.runner), torch.inference_mode():
+        warmup._run_step(llm.engine.runner, warmup.Step("prefill_r2", (16, 16)))
+        assert not torch.equal(pool.recurrent[:, pool.dummy_slot], saved)  # the state went to the dummy slot
+    _check_steps_leave_pools_alone(llm)
+
+
+def test_penalty_rows_are_aligned(qwen3_path, make_llm, monkeypatch):
+    """ModelRunner.processing lays the penalty values out as rows on 16-byte boundaries, so the penalty kernel
+    is one Triton variant whatever the count of penalised requests (3 here: unpadded rows were 12 bytes apart)."""
+    import minisgl.engine.model_runner as mr
+
+    seen = []
+    real = mr.process_logits
+
+    def spy(logits, proc, table):
+        if proc.frequency is not None:
+            seen.append([t.data_ptr() for t in (proc.frequency, proc.presence, proc.repetition)])
+        return real(logits, proc, table)
+
+    monkeypatch.setattr(mr, "process_logits", spy)
+    llm = make_llm(qwen3_path)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, frequency_penalty=0.5,
+                            presence_penalty=0.25, repetition_penalty=1.1)
+    llm.generate([[5, 6, 7], [8, 9, 10, 11], [12, 13]], params)
+    assert seen and all((p - ptrs[0]) % 16 == 0 for ptrs in seen for p in ptrs)
+
