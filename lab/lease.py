@@ -226,6 +226,13 @@ CALLS: dict[str, Call] = {
         "compiles inside W1/W2 and the first-vs-second W1 generate, Qwen3-0.6B and Qwen3.5-0.8B, a process each",
         carry=(),
         steps=(Lab("warmup", 420, ("warmup.json",), ("warmup_check",)),)),
+    "mixes": Call(
+        "optional, on a machine calls 1-2 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
+        "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "
+        "SGLang on the same requests",
+        carry=(KIT,),
+        steps=(Lab("minisgl_mixes35", 150, ("qwen35_mixes.json",), ("mixes35", "mixes35_rows256")),
+               SGLang("sglang_mixes35", 130, ("sglang_mixes_35.json",), "qwen3.5-0.8b", ("mixes",)))),
     "serving_ours": Call(
         "optional: minisgl's server under minisgl's own client (minisgl.bench.serving: the same loads, the "
         "server's CPU seconds), then the same all-at-once requests offline (the server/offline ratio; notebook "
