@@ -413,6 +413,10 @@ def warm_up_kernels(runner, graph_max_bs: int, prefill_graphs: bool) -> dict | N
     except Exception as exc:  # a warm-up failure must cost the first workload compile time, never the engine
         logger.warning("kernel warm-up failed, starting without it (kernels compile when first launched): %r", exc)
         return None
+    finally:
+        # the steps' activations go back to the driver: the graph captures allocate from pools of their own,
+        # which cannot reuse blocks the caching allocator keeps for the default pool
+        torch.cuda.empty_cache()
     pre = report.get("precompiled", {})
     logger.info("kernel warm-up: %d variants precompiled in %.1f s on %s threads (%s), %d eager steps, %d late "
                 "compiles %s, %.1f s in all%s", sum(pre.values()), report.get("compile_s", 0.0),
