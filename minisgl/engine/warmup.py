@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import logging
 import os
 import time
@@ -249,16 +250,25 @@ _RECORD: contextvars.ContextVar[_Record | None] = contextvars.ContextVar("minisg
 
 
 def _triton_parallel() -> str | None:
-    """None when the installed Triton can discover and precompile variants (3.4+); else why not."""
+    """None when the installed Triton has every name the discovery and the compile use, as Triton 3.6 has them
+    (knobs.py, runtime/jit.py, runtime/_async_compile.py): `knobs.runtime.jit_cache_hook`, called on a JIT
+    cache miss with key=, fn= (a JitFunctionInfo: `.jit_function`) and compile= (with "specialization_data");
+    `AsyncCompileMode(executor, *, ignore_errors)`; `JITFunction.preload`. Else why not (the eager steps then
+    compile what they launch, serially)."""
     try:
         import triton
-        from triton.runtime.jit import JITFunction
     except ImportError:
         return "Triton is not installed"
-    if not hasattr(getattr(triton, "knobs", None), "runtime") or not hasattr(triton, "AsyncCompileMode") \
-            or not hasattr(JITFunction, "preload"):
-        return f"Triton {triton.__version__} has no jit_cache_hook / AsyncCompileMode / preload"
-    return None
+    try:
+        from triton import knobs
+        from triton.runtime.jit import JITFunction, JitFunctionInfo
+        ok = (hasattr(knobs.runtime, "jit_cache_hook") and hasattr(JITFunction, "preload")
+              and "jit_function" in JitFunctionInfo.__dataclass_fields__
+              and "specialization_data" in knobs.JITHookCompileInfo.__annotations__
+              and "ignore_errors" in inspect.signature(triton.AsyncCompileMode).parameters)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        ok = False
+    return None if ok else f"Triton {triton.__version__} lacks the jit_cache_hook / AsyncCompileMode / preload of 3.6"
 
 
 @contextlib.contextmanager
