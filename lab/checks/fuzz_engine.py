@@ -47,7 +47,8 @@ VOCAB = 512
 MAX_NEW = 32  # every HF reference is this long; a request's max_tokens is at most this
 MODEL_WEIGHTS = {"qwen3": 4, "qwen35": 4, "llama": 1}
 EOS = 2
-REFS_VERSION = 2  # the reference cache files' version (2: generate with an explicit attention mask)
+NO_PENALTY = (1.0, 0.0, 0.0)
+REFS_VERSION = 3  # the reference cache files' version (2: generate with an explicit attention mask, 3: penalties)
 
 
 def _tests_on_path() -> None:
@@ -98,12 +99,14 @@ class References:
                         row = json.loads(line)
                     except ValueError:
                         continue  # a line cut short by a killed writer
-                    self.refs[row["model"], tuple(row["prompt"])] = row["ref"]
+                    self.refs[row["model"], tuple(row["prompt"]), tuple(row.get("pen", NO_PENALTY))] = row["ref"]
             self.file = cache_dir / f"refs{REFS_VERSION}-{writer}.jsonl"
         self.computed = 0
 
-    def get(self, model: str, prompt: list[int]) -> list[int]:
-        key = (model, tuple(prompt))
+    def get(self, model: str, prompt: list[int], pen: tuple[float, float, float] = NO_PENALTY) -> list[int]:
+        """`pen`: (repetition, frequency, presence) penalties, applied as the engine does (HF's repetition
+        penalty over prompt and output, then OpenAI's frequency and presence over the output)."""
+        key = (model, tuple(prompt), tuple(pen))
         if key not in self.refs:
             _tests_on_path()
             import torch
@@ -113,29 +116,61 @@ class References:
             # a continuation prompt (a prompt plus generated tokens) may hold
             ids = torch.tensor([prompt])
             with torch.no_grad():
+                kw = {}
+                if tuple(pen) != NO_PENALTY:
+                    from transformers import LogitsProcessorList
+                    kw = dict(repetition_penalty=pen[0],
+                              logits_processor=LogitsProcessorList([_OutputPenalty(len(prompt), pen[1], pen[2])]))
                 out = hf_model(self.paths[model]).generate(ids, attention_mask=torch.ones_like(ids),
                                                            max_new_tokens=MAX_NEW, do_sample=False,
-                                                           eos_token_id=None, pad_token_id=0)
+                                                           eos_token_id=None, pad_token_id=0, **kw)
             ref = out[0, len(prompt):].tolist()
             assert len(ref) == MAX_NEW
             self.refs[key] = ref
             self.computed += 1
             if self.file is not None:
                 with open(self.file, "a") as f:
-                    f.write(json.dumps({"model": model, "prompt": list(prompt), "ref": ref}) + "\n")
+                    f.write(json.dumps({"model": model, "prompt": list(prompt), "pen": list(pen), "ref": ref}) + "\n")
         return self.refs[key]
 
     def bank(self, model: str) -> list[list[int]]:
-        return [list(p) for m, p in self.refs if m == model]
+        return [list(p) for m, p, pen in self.refs if m == model and pen == NO_PENALTY]
 
 
-def hf_margin(path: str, ids: list[int], want: int, got: int) -> float:
-    """HF's logit of `want` minus its logit of `got` after `ids`: how far from a tie the first mismatch is."""
+def _penalize(scores, ids, n_prompt: int, pen: tuple[float, float, float]):
+    """The engine's penalties on HF scores `[1, V]` after the tokens `ids` `[1, L]` (prompt of `n_prompt`)."""
+    import torch
+
+    r, f, p = pen
+    if r != 1:
+        seen = scores.gather(1, ids)
+        scores = scores.scatter(1, ids, torch.where(seen < 0, seen * r, seen / r))
+    gen = ids[:, n_prompt:]
+    counts = torch.zeros_like(scores).scatter_add_(1, gen, torch.ones_like(gen, dtype=scores.dtype))
+    return scores - counts * f - (counts > 0).to(scores.dtype) * p
+
+
+class _OutputPenalty:
+    """HF logits processor: OpenAI's frequency and presence penalties over the generated tokens."""
+
+    def __init__(self, n_prompt: int, frequency: float, presence: float) -> None:
+        self.n_prompt, self.pen = n_prompt, (1.0, frequency, presence)
+
+    def __call__(self, input_ids, scores):
+        return _penalize(scores, input_ids, self.n_prompt, self.pen)
+
+
+def hf_margin(path: str, ids: list[int], want: int, got: int, n_prompt: int = 0,
+              pen: tuple[float, float, float] = NO_PENALTY) -> float:
+    """HF's (penalised) logit of `want` minus that of `got` after `ids`: how far from a tie the first mismatch is."""
     _tests_on_path()
+    import torch
     from helpers import hf_next_logits
 
-    logits = hf_next_logits(path, ids)
-    return float(logits[want] - logits[got])
+    logits = hf_next_logits(path, ids)[None]
+    if tuple(pen) != NO_PENALTY:
+        logits = _penalize(logits, torch.tensor([ids]), n_prompt, pen)
+    return float(logits[0, want] - logits[0, got])
 
 
 # --- cases -----------------------------------------------------------------------------------------------------
@@ -231,6 +266,11 @@ def make_case(seed: int, refs: References, bank: dict[str, list[list[int]]] | No
             r["logprobs"] = rng.choice([0, 1, 5])
         if rng.random() < 0.08:
             r.update(temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(1 << 20))
+        if rng.random() < 0.12:  # penalties: the count table (rows reused, retraction, forks)
+            r["penalty"] = [rng.choice([1.0, 0.7, 1.5, 3.0]), rng.choice([0.0, 0.5, -0.5, 2.0]),
+                            rng.choice([0.0, 1.0, -1.0])]
+            if r["temperature"] == 0:
+                refs.get(model, prompt, tuple(r["penalty"]))
         reqs.append(r)
     num_waves = min(rng.choice([1, 1, 2, 3, 4]), len(reqs))
     cuts = sorted(rng.sample(range(1, len(reqs)), num_waves - 1)) if num_waves > 1 else []
@@ -245,8 +285,13 @@ def make_case(seed: int, refs: References, bank: dict[str, list[list[int]]] | No
         sw["num_pages"] = -(-max(need) // page) + 1 + rng.randint(0, 3)
     elif pool == "medium":
         sw["num_pages"] = -(-max(need) // page) + 1 + -(-sum(need) // (2 * page))
-    return dict(seed=seed, model=model, switches=sw, graphs=graphs, waves=waves,
-                mode="generate" if rng.random() < 0.25 else "steps")
+    mode = "generate" if rng.random() < 0.25 else "steps"
+    case = dict(seed=seed, model=model, switches=sw, graphs=graphs, waves=waves, mode=mode)
+    if mode == "steps" and rng.random() < 0.15:  # abort some streams at some steps (by request index, stream)
+        case["aborts"] = sorted([rng.randint(0, 60), rng.randrange(len(reqs)), 0] for _ in range(rng.randint(1, 3)))
+    if mode == "steps" and rng.random() < 0.07:  # a forward that raises: every request ends, the engine goes on
+        case["fail_at_step"] = rng.randint(1, 30)
+    return case
 
 
 def combo(case: dict) -> tuple:
@@ -367,6 +412,8 @@ def check_live(engine) -> None:
             continue
         if len(req.pages) * p < req.kv_len:
             fail(f"request {req.rid}: {len(req.pages)} pages for {req.kv_len} tokens")
+        if len(req.pages) > -(-req.num_tokens // p):
+            fail(f"request {req.rid}: {len(req.pages)} pages, more than its {req.num_tokens} tokens need")
         if req.cached_len % p or req.cached_len > req.kv_len:
             fail(f"request {req.rid}: cached_len {req.cached_len} (kv_len {req.kv_len}, page {p})")
         for pg in req.pages[:req.cached_len // p]:
@@ -437,8 +484,14 @@ class SoloReference:
 def params_of(r: dict):
     from minisgl import SamplingParams
 
+    rep, freq, pres = r.get("penalty", NO_PENALTY)
     return SamplingParams(temperature=r["temperature"], max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"],
-                          stop_token_ids=r["stop_token_ids"], n=r["n"], logprobs=r["logprobs"], seed=r["seed"])
+                          stop_token_ids=r["stop_token_ids"], n=r["n"], logprobs=r["logprobs"], seed=r["seed"],
+                          repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+
+
+class InjectedFailure(RuntimeError):
+    """The forward that `fail_at_step` makes raise."""
 
 
 def run_case(case: dict, paths: dict[str, str], refs: References, solo: SoloReference | None = None,
@@ -481,18 +534,37 @@ def run_case(case: dict, paths: dict[str, str], refs: References, solo: SoloRefe
         else:
             step, limit = 0, 400 + 8 * sum(len(r["prompt"]) + r["max_tokens"] * r["n"]
                                            for w in waves for r in w["requests"])
+            aborts = [list(a) for a in case.get("aborts", [])]  # [step, request index, stream], sorted
+            fail_at = case.get("fail_at_step")
+            forward = engine.runner.forward
+
+            def failing(batch):
+                engine.runner.forward = forward  # once
+                raise InjectedFailure("injected")
+
             while waves or engine.has_work:
                 while waves and (waves[0]["at_step"] <= step or not engine.has_work):
                     for r in waves.pop(0)["requests"]:
                         groups.append((r, engine.add_requests(r["prompt"], params_of(r))))
-                engine.step()
+                while aborts and aborts[0][0] <= step:
+                    _, ri, si = aborts.pop(0)
+                    if ri < len(groups) and si < len(groups[ri][1]):
+                        engine.abort(groups[ri][1][si])
+                if fail_at is not None and step >= fail_at:
+                    engine.runner.forward, fail_at = failing, None
+                try:
+                    engine.step()
+                except InjectedFailure:
+                    stats["injected_failure"] = step
                 step += 1
                 check_live(engine)
                 if step > limit:
                     raise CaseFailure("stall", f"no end after {step} steps")
         stats.update(steps=engine.stats["steps"], retractions=engine.scheduler.num_retractions,
                      cached_tokens=0, prefill_graph_replays=getattr(engine.runner.prefill_graph, "replays", 0),
-                     decode_graph_steps=engine.stats["graph_steps"])
+                     decode_graph_steps=engine.stats["graph_steps"],
+                     penalties=sum("penalty" in r for w in case["waves"] for r in w["requests"]),
+                     aborts=len(case.get("aborts", [])))
         for r, outs in groups:
             for i, o in enumerate(outs):
                 ids = o.token_ids if hasattr(o, "token_ids") else list(o.output_ids)
@@ -504,19 +576,25 @@ def run_case(case: dict, paths: dict[str, str], refs: References, solo: SoloRefe
                 where = f"request {r['prompt'][:6]}... (len {len(r['prompt'])}) stream {i}"
                 if cached > len(r["prompt"]) - 1 or (not case["switches"]["radix_cache"] and cached):
                     failures.append(dict(kind="cached_count", message=f"{where}: {cached} cached prompt tokens"))
+                cut = reason in ("abort", "error")  # aborted, or ended by the failed step: a prefix
+                if reason == "error" and "injected_failure" not in stats:
+                    failures.append(dict(kind="error_finish", message=f"{where}: finish_reason error"))
                 if r["temperature"] > 0:
                     if solo is not None:
                         want = solo.get(model, r)[i]
-                        if ids != want:
+                        if ids != (want[:len(ids)] if cut else want):
                             failures.append(dict(kind="sampled_divergence",
-                                                 message=f"{where}: {ids[:8]} vs alone {want[:8]}"))
+                                                 message=f"{where}: {ids[:8]} ({reason}) vs alone {want[:8]}"))
                     continue
-                want, want_reason = expected_tokens(refs.get(model, r["prompt"]), r)
+                pen = tuple(r.get("penalty", NO_PENALTY))
+                want, want_reason = expected_tokens(refs.get(model, r["prompt"], pen), r)
+                if cut and len(ids) <= len(want):
+                    want, want_reason = want[:len(ids)], reason
                 if ids != want or reason != want_reason:
                     k = next((j for j, (a, b) in enumerate(zip(ids, want)) if a != b), None)
                     msg = f"{where}: engine {ids} ({reason}) vs HF {want} ({want_reason})"
                     if k is not None:
-                        margin = hf_margin(path, r["prompt"] + want[:k], want[k], ids[k])
+                        margin = hf_margin(path, r["prompt"] + want[:k], want[k], ids[k], len(r["prompt"]), pen)
                         msg += f"; first mismatch at {k}, HF margin {margin:.3g}"
                         # |margin| small: a near-tie, fp32 noise may pick either; negative: HF's own forward
                         # prefers the engine's token (the reference is suspect, not the engine)
@@ -634,6 +712,9 @@ def summarize(out_dir: Path) -> dict:
         with_cache_hits=sum(s.get("cached_tokens", 0) > 0 for s in stats),
         with_prefill_graph_steps=sum(s.get("prefill_graph_replays", 0) > 0 for s in stats),
         with_decode_graph_steps=sum(s.get("decode_graph_steps", 0) > 0 for s in stats),
+        with_penalties=sum(s.get("penalties", 0) > 0 for s in stats),
+        with_aborts=sum(s.get("aborts", 0) > 0 for s in stats),
+        with_injected_failure=sum("injected_failure" in s for s in stats),
         engine_seconds=round(sum(s.get("seconds", 0) for s in stats), 1))
 
 
@@ -718,6 +799,11 @@ def minimize(case: dict, paths: dict[str, str], refs: References, sig: str | Non
                     del c["waves"][wi]["requests"][i]
                     changed |= attempt(c, f"drop request {wi}.{i}")
                 i -= 1
+        for key in ("aborts", "fail_at_step"):
+            if key in case:
+                c = copy.deepcopy(case)
+                del c[key]
+                changed |= attempt(c, f"no {key}")
         if case["mode"] != "steps":
             c = copy.deepcopy(case)
             c["mode"] = "steps"
@@ -742,8 +828,9 @@ def minimize(case: dict, paths: dict[str, str], refs: References, sig: str | Non
             changed |= attempt(c, f"switch {key} -> default")
         for wi, w in enumerate(case["waves"]):
             for ri, r in enumerate(w["requests"]):
-                for field, simple in (("n", 1), ("logprobs", None), ("stop_token_ids", []), ("ignore_eos", True)):
-                    if r[field] != simple:
+                for field, simple in (("n", 1), ("logprobs", None), ("stop_token_ids", []), ("ignore_eos", True),
+                                      ("penalty", list(NO_PENALTY))):
+                    if r.get(field, simple) != simple:
                         c = copy.deepcopy(case)
                         c["waves"][wi]["requests"][ri][field] = simple
                         changed |= attempt(c, f"request {wi}.{ri} {field}={simple}")
