@@ -153,3 +153,34 @@ def test_processed_steps_replay_the_logits_graph(qwen3_path, make_llm):
                 assert [t for _, t in o.logprobs] == [t for _, t in e.logprobs]
         assert sum(g.replays for (bs, s), g in graphs.graphs.items() if s == "logits") > 0
         assert_all_pages_back(llm)
+
+
+def test_one_token_prefill_chunks_beside_decodes_run_eagerly(qwen3_path, make_llm):
+    """A step whose every row extends by one token is not always a decode step: with a small mixed prefill budget
+    a prompt advances one token per step beside the decoders, and that chunk samples nothing. The graphs sample
+    and write a token for every row, so such a step must run eagerly. Before, it replayed a graph: with one
+    sampling row its token destination was broadcast to both rows, the chunk's garbage token overwrote the
+    decoder's input in the token table (wrong tokens from then on); with two it raised. Found by
+    lab/checks/fuzz_engine.py."""
+    from helpers import hf_greedy
+
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]  # 1, 2 and 17 tokens (tests/helpers.py's PROMPTS)
+    sampling_rows = set()  # in steps of 1-token extends where some row samples nothing
+    for switches in (dict(chunked_prefill_size=8, mixed_prefill_tokens=1), dict(chunked_prefill_size=1)):
+        llm = make_llm(qwen3_path, dtype="float32", max_running_requests=4, **switches)
+        graphs = with_cpu_graphs(llm, max_bs=4, batch_sizes=[1, 2, 4])
+        engine, steps = llm.engine, []
+        forward = engine.runner.forward
+        engine.runner.forward = lambda batch, steps=steps, forward=forward: steps.append(batch) or forward(batch)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        reqs = [engine.add_request(p, params) for p in prompts[:2]]
+        engine.step()  # the short prompts first, then the long one arrives while they decode
+        reqs.append(engine.add_request(prompts[2], params))
+        engine.run(reqs)
+        assert [r.output_ids for r in reqs] == hf_greedy(qwen3_path, prompts, 8), switches
+        odd = [len(b.sample_rows) for b in steps if b.is_decode and len(b.sample_rows) < b.size]
+        assert odd, switches
+        sampling_rows |= set(odd)
+        assert sum(g.replays for g in graphs.graphs.values()) == engine.stats["graph_steps"] > 0
+        assert_all_pages_back(llm)
+    assert {1, 2} <= sampling_rows  # one sampling row (the broadcast) and two (the error) were both exercised

@@ -408,3 +408,42 @@ def test_w3_schedule_cache_share_near_kv_only(qwen35_path, qwen3_path, make_llm)
     kv_only, hybrid = share(qwen3_path), share(qwen35_path)
     assert kv_only > 0.8  # the KV-only cache: every request after the first few of a system prompt hits
     assert hybrid >= kv_only - 0.1, (hybrid, kv_only)
+
+
+def test_chunk_cut_at_a_branch_point_keeps_its_pages_without_taking_more(qwen35_path, make_llm):
+    """A prompt admitted with a large chunk that HybridScheduler cuts at its branch point keeps the pages taken for
+    the rest; when its next chunk is smaller (a step that also decodes gets mixed_prefill_tokens), the pages it
+    needs are fewer than it holds. Before, `_pages_for` went negative there and PageAllocator.alloc(-16) handed it
+    all but 16 free pages: one request held the whole KV pool. Found by lab/checks/fuzz_engine.py."""
+    import random
+
+    rng = random.Random(5)
+
+    def toks(n):
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    prefix = toks(20)
+    first, branching, short = prefix + toks(9), prefix + toks(20), toks(3)
+    llm = make_llm(qwen35_path, dtype="float32", page_size=1, chunked_prefill_size=64, mixed_prefill_tokens=4)
+    engine = llm.engine
+    counts, held = [], []
+    alloc = engine.allocator.alloc
+    engine.allocator.alloc = lambda n: counts.append(n) or alloc(n)
+    forward = engine.runner.forward
+
+    def spy(batch):
+        held.extend((len(r.pages), r.num_tokens) for r in batch.reqs)
+        return forward(batch)
+
+    engine.runner.forward = spy
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 10)]
+    one = llm.generate([first], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    assert_parity(one, hf_greedy(qwen35_path, [first], 1), [first])
+    # `branching` matches first's KV (20 tokens, no snapshot there): admitted with its whole prompt beside `short`,
+    # cut at 20; then `short` decodes and `branching` goes on 4 tokens a step
+    outs = llm.generate([branching, short], params)
+    assert [o.token_ids for o in outs] == [r[:m.max_tokens] for r, m in
+                                           zip(hf_greedy(qwen35_path, [branching, short]), params)]
+    assert min(counts) >= 0, counts
+    assert all(pages <= tokens + 1 for pages, tokens in held), max(held)  # page size 1: a page per token at most
+    assert_all_pages_back(llm)

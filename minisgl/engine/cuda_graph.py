@@ -147,7 +147,10 @@ class CudaGraphRunner:
         return out
 
     def can_run(self, batch) -> bool:
-        ok = batch.is_decode and batch.size <= self.max_bs
+        # every row must sample: a graph samples a token for each row and writes it to the row's destination.
+        # A step of 1-token extends may hold a prefill chunk that samples nothing (a short prefill budget, a
+        # hybrid model's cut at a page boundary): it runs eagerly.
+        ok = batch.is_decode and len(batch.sample_rows) == batch.size and batch.size <= self.max_bs
         self.last_run_used_graph = ok
         return ok
 

@@ -348,7 +348,8 @@ class ModelRunner:
         in_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
         if in_graph:  # one replay: forward, sampler and token-table write (`tokens` is a view, copied below)
             tokens = self.graph_runner.run(input_ids, positions, meta, sampling, token_dst=token_dst)
-        elif self.graph_runner is not None and batch.is_decode and self.config.cuda_graph_split:
+        elif (self.graph_runner is not None and batch.is_decode and len(batch.sample_rows) == batch.size
+              and self.config.cuda_graph_split):  # every row samples (see CudaGraphRunner.can_run)
             tokens = run_in_pieces(self.graph_runner, input_ids, positions, meta, sampling)  # engine/graph_pieces.py
         elif shape is not None:  # prefill graph (engine/prefill_graph.py)
             logits = self.prefill_graph.run(shape, input_ids, positions, meta, logit_idx, len(batch.sample_rows))

@@ -124,6 +124,13 @@ class HybridScheduler(Scheduler):
         # the end of the KV it matched past its snapshot (a shared prefix's branch point)
         self._branch_points: dict[int, tuple[Req, int]] = {}
 
+    def _pages_for(self, req: Req, n: int) -> int:
+        # A chunk cut short in _build keeps the pages taken for the rest of it, so a request may already hold
+        # more than n more tokens need (its next chunk may be smaller: a step that decodes gets the mixed budget).
+        # Never negative: PageAllocator.alloc(-k) would hand over all but k free pages, and a negative count would
+        # hide the pages other decoders need in schedule()'s sum.
+        return max(super()._pages_for(req, n), 0)
+
     def schedule(self):
         self._fresh = {id(r) for r in self.waiting}
         try:
