@@ -161,7 +161,7 @@ def test_one_token_prefill_chunks_beside_decodes_run_eagerly(qwen3_path, make_ll
     and write a token for every row, so such a step must run eagerly. Before, it replayed a graph: with one
     sampling row its token destination was broadcast to both rows, the chunk's garbage token overwrote the
     decoder's input in the token table (wrong tokens from then on); with two it raised. Found by
-    lab/checks/fuzz_engine.py."""
+    tests/fuzz_engine.py."""
     from helpers import hf_greedy
 
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]  # 1, 2 and 17 tokens (tests/helpers.py's PROMPTS)

@@ -414,7 +414,7 @@ def test_chunk_cut_at_a_branch_point_keeps_its_pages_without_taking_more(qwen35_
     """A prompt admitted with a large chunk that HybridScheduler cuts at its branch point keeps the pages taken for
     the rest; when its next chunk is smaller (a step that also decodes gets mixed_prefill_tokens), the pages it
     needs are fewer than it holds. Before, `_pages_for` went negative there and PageAllocator.alloc(-16) handed it
-    all but 16 free pages: one request held the whole KV pool. Found by lab/checks/fuzz_engine.py."""
+    all but 16 free pages: one request held the whole KV pool. Found by tests/fuzz_engine.py."""
     import random
 
     rng = random.Random(5)

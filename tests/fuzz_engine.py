@@ -19,12 +19,13 @@ no allocation of a negative page count); at the end every page and row back (tes
 assert_all_pages_back). Each failure is written with its full case (switches, graphs, waves with prompts and
 parameters), which `--case FILE` replays and `--minimize FILE` shrinks.
 
-    python -m lab.checks.fuzz_engine OUT --seconds 1200 [--seed 0] [--workers 2]   # OUT/fuzz_engine.json
-    python -m lab.checks.fuzz_engine OUT --case OUT/failures/xxx.json             # replay one case
-    python -m lab.checks.fuzz_engine OUT --minimize OUT/failures/xxx.json         # shrink it (OUT/minimized/)
+    python tests/fuzz_engine.py OUT --seconds 1200 [--seed 0] [--workers 2]   # OUT/fuzz_engine.json
+    python tests/fuzz_engine.py OUT --case OUT/failures/xxx.json             # replay one case
+    python tests/fuzz_engine.py OUT --minimize OUT/failures/xxx.json         # shrink it (OUT/minimized/)
 
-`main(out_dir, seconds, seed)` runs the same from Python. The regression net in tests/test_fuzz_engine.py runs a
-few fixed seeds of `make_case` through `run_case`.
+`main(out_dir, seconds, seed)` runs the same from Python. It lives beside tests/helpers.py, whose Hugging Face
+references and page accounting it uses; the bugs it found each have their own unit test (test_cuda_graph.py,
+test_qwen35.py).
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-TESTS = REPO / "tests"
+REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 MAX_NEW = 32  # every HF reference is this long; a request's max_tokens is at most this
 MODEL_WEIGHTS = {"qwen3": 4, "qwen35": 4, "llama": 1}
@@ -51,17 +51,11 @@ NO_PENALTY = (1.0, 0.0, 0.0)
 REFS_VERSION = 3  # the reference cache files' version (2: generate with an explicit attention mask, 3: penalties)
 
 
-def _tests_on_path() -> None:
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
-
-
 # --- models and Hugging Face references ----------------------------------------------------------------------
 
 def build_models(models_dir: str | Path) -> dict[str, str]:
     """The tiny checkpoints of the unit tests (tests/conftest.py, tests/test_qwen35.py), built once into
     `models_dir`."""
-    _tests_on_path()
     import torch
     from helpers import build_tiny_model
 
@@ -108,7 +102,6 @@ class References:
         penalty over prompt and output, then OpenAI's frequency and presence over the output)."""
         key = (model, tuple(prompt), tuple(pen))
         if key not in self.refs:
-            _tests_on_path()
             import torch
             from helpers import hf_model
 
@@ -163,7 +156,6 @@ class _OutputPenalty:
 def hf_margin(path: str, ids: list[int], want: int, got: int, n_prompt: int = 0,
               pen: tuple[float, float, float] = NO_PENALTY) -> float:
     """HF's (penalised) logit of `want` minus that of `got` after `ids`: how far from a tie the first mismatch is."""
-    _tests_on_path()
     import torch
     from helpers import hf_next_logits
 
@@ -499,11 +491,9 @@ def run_case(case: dict, paths: dict[str, str], refs: References, solo: SoloRefe
     """Run one case; returns {"ok", "failures": [{"kind", "message"}], "stats"}. Never raises for an engine
     failure (it is recorded)."""
     import torch
+    from helpers import assert_all_pages_back
 
     from minisgl import LLM
-
-    _tests_on_path()
-    from helpers import assert_all_pages_back
 
     model, path = case["model"], paths[case["model"]]
     failures: list[dict] = []
