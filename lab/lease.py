@@ -190,32 +190,35 @@ class Call:
         return sum(s.seconds for s in self.steps) + 20  # + python and CUDA start, staging, packing the logs
 
 
-# Estimates (seconds) from the JSON of runs 4 and 10-13: bench06 = the run4 ablation's arms (167 s) plus the
-# four newer arms (~15 s each) and W1 top-k/top-p; the first engine of a process starts in ~35 s (Triton
-# compiles), later ones in 3-10 s; SGLang's engine starts in 60-80 s cold (30 s with warm compile caches).
+# Estimates (seconds) from the logs of run15 (a fresh machine; the engine warms its kernels at start): minisgl06
+# 330 s plus ~25 s for the default measured again, sglang06 213 s, minisgl35 57 s, sglang35 96 s, sglang8 159 s,
+# minisgl8 235 s plus ~30 s, the 0.6B profiles 87 s and the 8B ones 36 s (plus a process start each), the timelines
+# 40 and 55 s. run15's call 3 held all of Qwen3-8B and both profiles, ~620 s: more than a call's budget.
 CALLS: dict[str, Call] = {
     "call1": Call(
         "minisgl Qwen3-0.6B at this commit: the card's ceilings, the headline workloads and the ablation table "
-        "(each switch off in turn), the batch-mix sweep",
+        "(each switch off in turn), the batch-mix sweep; the profiler diagnosis (W1 slices with each switch, "
+        "batch-1/64 decode) and the batch-1 step's timeline",
         carry=(KIT, f"{WHEEL_DIR}/a"), stage="a",
-        steps=(Lab("minisgl06", 380, ("qwen3_06.json",), ("ceilings", "bench06", "sweep06")),)),
+        steps=(Lab("minisgl06", 360, ("qwen3_06.json",), ("ceilings", "bench06", "sweep06")),
+               Timeline("timeline06", 40, ("decode_timeline_06.json",), "qwen3-0.6b", "06"),
+               Lab("diagnosis", 95, ("diagnosis.json",), ("profile",)))),
     "call2": Call(
         "SGLang beside us on Qwen3-0.6B (W1, W1 top-k/top-p, W2, W3, W4, the sweep) and Qwen3.5-0.8B (W1, W2); "
-        "minisgl on Qwen3.5-0.8B; transformers on Qwen3-0.6B",
+        "minisgl on Qwen3.5-0.8B; transformers on Qwen3-0.6B; Qwen3-8B's profiler diagnosis",
         carry=(KIT, f"{WHEEL_DIR}/b"), stage="b",
-        steps=(SGLang("sglang06", 210, ("sglang_06.json",), "qwen3-0.6b", ("w1", "w1_topkp", "w2", "w3", "w4",
+        steps=(SGLang("sglang06", 215, ("sglang_06.json",), "qwen3-0.6b", ("w1", "w1_topkp", "w2", "w3", "w4",
                                                                           "sweep")),
-               Lab("minisgl35", 90, ("qwen35_hf06.json",), ("qwen35", "hf06")),
-               SGLang("sglang35", 100, ("sglang_35.json",), "qwen3.5-0.8b", ("w1", "w2")))),
+               Lab("minisgl35", 60, ("qwen35_hf06.json",), ("qwen35", "hf06")),
+               SGLang("sglang35", 100, ("sglang_35.json",), "qwen3.5-0.8b", ("w1", "w2")),
+               Lab("diagnosis8", 45, ("diagnosis8.json",), ("profile8",)))),
     "call3": Call(
-        "Qwen3-8B: SGLang beside us (W1, W1 top-k/top-p, W2), minisgl's headline and ablations, transformers; the "
-        "profiler diagnosis (W1 slices with each switch, batch-1/64 decode, the batch-1 step's timeline)",
+        "Qwen3-8B: SGLang beside us (W1, W1 top-k/top-p, W2), minisgl's headline and ablations, transformers, the "
+        "batch-1 step's timeline",
         carry=(KIT,),
-        steps=(SGLang("sglang8", 100, ("sglang_8.json",), "qwen3-8b", ("w1", "w1_topkp", "w2")),
-               Lab("minisgl8", 180, ("qwen3_8b.json",), ("bench8", "hf8")),
-               Lab("diagnosis", 80, ("diagnosis.json",), ("profile", "profile8")),
-               Timeline("timeline06", 30, ("decode_timeline_06.json",), "qwen3-0.6b", "06"),
-               Timeline("timeline8", 40, ("decode_timeline_8b.json",), "qwen3-8b", "8b"))),
+        steps=(SGLang("sglang8", 160, ("sglang_8.json",), "qwen3-8b", ("w1", "w1_topkp", "w2")),
+               Lab("minisgl8", 265, ("qwen3_8b.json",), ("bench8", "hf8")),
+               Timeline("timeline8", 55, ("decode_timeline_8b.json",), "qwen3-8b", "8b"))),
     "serving": Call(
         "optional, after call3 on the same machine: online serving, minisgl's server and SGLang's, SGLang's "
         "bench_serving client at 8, 24, 48 requests/s and 512 at once (the latency-vs-rate curve of issue 24)",

@@ -141,7 +141,8 @@ def test_lab_run_writes_each_section_as_it_ends(tmp_path, monkeypatch):
 
 def test_lease_plan_fits_the_device_limits():
     """Each call: its steps exist, it plans inside its budget (which ends before the 540 s timeout), brings back
-    at most 8 files, carries at most 8 paths; calls 1-3 fit a 25-minute lease with the machine's start."""
+    at most 8 files, carries at most 8 paths; calls 1-3 fit a 27-minute lease with the machine's start (a session
+    lends 30: run15 measured what they take on a fresh machine, and they take most of it)."""
     from lab import sglang
     for name, call in lease.CALLS.items():
         assert call.seconds <= call.budget_s < 540, name
@@ -155,7 +156,7 @@ def test_lease_plan_fits_the_device_limits():
             if isinstance(step, lease.Serving):
                 assert set(step.loads) <= set(lease.LOADS)
             assert len(" ".join(step.argv("/tmp/out"))) < 2000
-    assert sum(lease.CALLS[c].seconds for c in ("call1", "call2", "call3")) + 120 <= 25 * 60
+    assert sum(lease.CALLS[c].seconds for c in ("call1", "call2", "call3")) + 120 <= 27 * 60
     planned = {s for c in ("call1", "call2", "call3") for st in lease.CALLS[c].steps
                for s in getattr(st, "sections", ())}
     assert {"ceilings", "bench06", "bench8", "qwen35", "sweep06", "hf06", "hf8", "profile", "profile8"} <= planned

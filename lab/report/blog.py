@@ -16,7 +16,7 @@ from pathlib import Path
 from lab import REPO
 from lab.models import text_config
 from lab.report import floors
-from lab.report.report import MODEL_NAMES, Page, diagnose, fmt, kinds_per_step, times
+from lab.report.report import MODEL_NAMES, Page, diagnose, first_run_cost, fmt, kinds_per_step, times
 
 TEMPLATE = Path(__file__).with_name("blog.md")
 
@@ -78,8 +78,6 @@ def facts(page: Page) -> tuple[Facts, list[tuple[str, bool | None]]]:
         f["tpot_06_x_floor"] = times(ours("w2_tpot_06") / val["w2_tpot_06"].floor)
     compared = [r for r in page.rows if r.ahead() is not None]
     f["ahead"], f["compared"] = str(sum(r.ahead() for r in compared)), str(len(compared))
-    if ours("w1_06") and ours("w1_topkp_06"):
-        f["w1_topkp_drop"] = f"{100 * (1 - ours('w1_topkp_06') / ours('w1_06')):.1f}%"
 
     # the ablation (bench06 on Qwen3-0.6B)
     abl = page.sources.result("bench06")
@@ -89,7 +87,8 @@ def facts(page: Page) -> tuple[Facts, list[tuple[str, bool | None]]]:
         x = book.take(f"bench06.{label}.{'.'.join(keys)}", f"bench06.{label}.{'.'.join(keys)}") if abl else None
         return x.value if x else None
 
-    d_w1 = arm("default", "w1", "output_tok_per_s")
+    # the rows' base: the defaults measured again, last, when the lease did (report.first_run_note says why)
+    d_w1 = arm("default_again", "w1", "output_tok_per_s") or arm("default", "w1", "output_tok_per_s")
     for name, label, keys, digits in (("eager_w1", "no_cuda_graph", ("w1", "output_tok_per_s"), 0),
                                       ("eager_tpot", "no_cuda_graph", ("w2", "tpot_ms_median"), 1),
                                       ("no_overlap_w1", "no_overlap", ("w1", "output_tok_per_s"), 0),
@@ -102,7 +101,20 @@ def facts(page: Page) -> tuple[Facts, list[tuple[str, bool | None]]]:
                                       ("no_fused_w1_topkp", "no_fused_sampler", ("w1_topkp", "output_tok_per_s"), 0)):
         put(name, arm(label, *keys), digits)
     w1_ratio = {label: arm(label, "w1", "output_tok_per_s") / d_w1 for label in arms
-                if label != "default" and d_w1 and arm(label, "w1", "output_tok_per_s")}
+                if label not in ("default", "default_again") and d_w1 and arm(label, "w1", "output_tok_per_s")}
+    # the first W1 of the process slower than every later engine's, when the lease has no second default to
+    # divide by: the W1 ratios then measure being first, and the prose says so instead of reading the switch
+    cost = first_run_cost(arms) if not arm("default_again", "w1", "output_tok_per_s") else None
+    if cost:
+        f["first_run"] = "yes"
+        f["later_lo"], f["later_hi"] = times(cost[0]), times(cost[1])
+        if ours("w1_06") and ours("w1_topkp_06"):
+            f["topkp_vs_w1"] = times(ours("w1_topkp_06") / ours("w1_06"))
+    else:
+        f["no_first_run"] = "yes"
+    again = arm("default_again", "w1", "output_tok_per_s")
+    if again and arm("default", "w1", "output_tok_per_s"):
+        f["first_w1_x"] = times(arm("default", "w1", "output_tok_per_s") / again)
     for name, label in (("eager_w1_x", "no_cuda_graph"), ("no_overlap_w1_x", "no_overlap"),
                         ("no_radix_w1_x", "no_radix_cache")):
         if label in w1_ratio:
@@ -164,8 +176,8 @@ def facts(page: Page) -> tuple[Facts, list[tuple[str, bool | None]]]:
          ratio_order("no_cuda_graph") == 0),
         ("'Overlapping ... is next': no_overlap loses the second most W1", None if not w1_ratio else
          ratio_order("no_overlap") == 1),
-        ("the radix cache 'costs almost nothing' on W1: within 5%",
-         None if "no_radix_cache" not in w1_ratio else abs(w1_ratio["no_radix_cache"] - 1) < 0.05),
+        ("the radix cache 'costs almost nothing' on W1: within 5% (said only when W1's first run is not slower)",
+         True if cost else None if "no_radix_cache" not in w1_ratio else abs(w1_ratio["no_radix_cache"] - 1) < 0.05),
         ("chunked prefill bounds W4's gap below the unchunked one",
          None if arm("no_chunked_prefill", "w4", "worst_decode_gap_ms") is None or ours("w4_gap_06") is None else
          ours("w4_gap_06") < arm("no_chunked_prefill", "w4", "worst_decode_gap_ms")),
