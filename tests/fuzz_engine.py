@@ -314,10 +314,10 @@ class CaseFailure(Exception):
 def install_graphs(llm, graphs: dict) -> None:
     """The graph paths on a CPU: prefill graphs run their padded fixed-buffer forward eagerly (capture=False);
     decode graphs are the real runner with replay stand-ins for CUDA graphs (as tests/test_cuda_graph.py)."""
-    from types import SimpleNamespace
+    from helpers import capture_replay_graphs, graph_runner_view
 
     from minisgl.engine import prefill_graph as pg
-    from minisgl.engine.cuda_graph import SAMPLERS, CudaGraphRunner
+    from minisgl.engine.cuda_graph import CudaGraphRunner
     from minisgl.engine.hybrid import StateCudaGraphRunner
 
     runner = llm.engine.runner
@@ -327,49 +327,15 @@ def install_graphs(llm, graphs: dict) -> None:
         runner.prefill_graph = pg.PrefillGraphRunner(runner, g["max_tokens"], max_reqs, capture=False,
                                                      token_buckets=g.get("token_buckets"))
     if "decode" in graphs:
-        class ReplayGraph:
-            def __init__(self, fn):
-                self.fn, self.output = fn, fn()
-
-            def replay(self):
-                self.output.copy_(self.fn())
-
-        class Hooks:
-            supports_cuda_graph = True
-
-            def __init__(self, backend):
-                self.backend = backend
-
-            def init_cuda_graph_state(self, max_bs):
-                pass
-
-            def prepare_for_capture(self, meta):
-                self.backend.prepare(meta)
-
-            def prepare_for_replay(self, meta):
-                self.backend.prepare(meta)
-
-            def __getattr__(self, name):
-                return getattr(self.backend, name)
-
-        def capture_all(self):
-            for bs in reversed(self.batch_sizes):
-                self.attn.prepare_for_capture(self._meta(bs))
-                ids, pos = self.input_ids[:bs], self.positions[:bs]
-                for s in SAMPLERS:
-                    graph = ReplayGraph(lambda ids=ids, pos=pos, bs=bs, s=s: self._step(ids, pos, bs, s))
-                    self.graphs[bs, s], self.outputs[bs, s] = graph, graph.output
-
-        view = SimpleNamespace(model=runner.model, attn=Hooks(runner.attn), device=runner.device,
-                               max_model_len=runner.max_model_len, req_pool=runner.req_pool)
+        view = graph_runner_view(runner)
         max_bs = graphs["decode"]["max_bs"]
         if runner.state_pool is not None:
             from minisgl.engine.cuda_graph import default_batch_sizes
-            cls = type("CpuStateGraphs", (StateCudaGraphRunner,), {"_capture_all": capture_all})
+            cls = type("CpuStateGraphs", (StateCudaGraphRunner,), {"_capture_all": capture_replay_graphs})
             rows = default_batch_sizes(max_bs)[-1]
             runner.graph_runner = cls(view, max_bs, runner.runtime.graph_inputs(rows, runner.device, decode=True))
         else:
-            cls = type("CpuGraphs", (CudaGraphRunner,), {"_capture_all": capture_all})
+            cls = type("CpuGraphs", (CudaGraphRunner,), {"_capture_all": capture_replay_graphs})
             runner.graph_runner = cls(view, max_bs)
 
 
@@ -462,6 +428,8 @@ def compare_logprobs(path: str, prompt: list[int], ids: list[int], lps: list, pe
     import torch
     from helpers import hf_model
 
+    if not lps:  # aborted before its first token
+        return None
     seq = prompt + ids
     with torch.no_grad():
         logits = hf_model(path)(torch.tensor([seq[:-1]])).logits[0].float()
@@ -633,7 +601,7 @@ def run_case(case: dict, paths: dict[str, str], refs: References, solo: SoloRefe
         failures.append(dict(kind=e.kind, message=str(e)))
     except Exception as e:  # the engine raised
         tb = traceback.format_exc().strip().splitlines()
-        failures.append(dict(kind="exception", message=f"{type(e).__name__}: {e}", traceback=tb[-14:]))
+        failures.append(dict(kind="exception", message=f"{type(e).__name__}: {e}", traceback=tb[-40:]))
     finally:
         if llm is not None:
             llm.close()
@@ -653,6 +621,8 @@ def signature(failure: dict, case: dict) -> str:
     where = ""
     if failure.get("traceback"):
         frames = [ln.strip() for ln in failure["traceback"] if ln.strip().startswith("File ")]
+        ours = [f for f in frames if "/minisgl/" in f or "/lab/" in f]  # where it left our code, if it did
+        frames = ours or frames
         where = " @ " + (re.sub(r", line \d+", "", frames[-1]) if frames else "")
     return f"{failure['kind']}: {msg[:160]}{where}"
 

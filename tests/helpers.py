@@ -165,15 +165,17 @@ def hf_model(path: str):
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int = MAX_NEW) -> list[list[int]]:
-    """HF `generate(do_sample=False)` per prompt (no padding, so no attention-mask subtleties)."""
+    """HF `generate(do_sample=False)` per prompt, unpadded. The mask is explicit: without one, transformers infers
+    it from pad_token_id and would mask a prompt's own id-0 tokens."""
     model = hf_model(path)
     outs = []
     for p in prompts:
         key = (path, tuple(p), max_new_tokens)
         if key not in _hf_refs:
             with torch.no_grad():
-                out = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)
+                ids = torch.tensor([p])
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)
             new = out[0, len(p):].tolist()
             assert len(new) == max_new_tokens
             _hf_refs[key] = new
@@ -263,3 +265,59 @@ def kernel_options(**changes):
     from minisgl.kernels.options import current_options, use_options
 
     return use_options(replace(current_options(), **changes))
+
+
+class ReplayGraph:
+    """A stand-in for torch.cuda.CUDAGraph on a CPU (as in notebook 06): "capture" calls the step once and keeps
+    its output tensor; `replay()` calls it again on the captured views of the static buffers and writes the result
+    into that same tensor. Counts its replays."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.output = fn()
+        self.replays = 0
+
+    def replay(self):
+        self.output.copy_(self.fn())
+        self.replays += 1
+
+
+class GraphHooks:
+    """The torch attention backend plus the three CUDA Graph hooks (on a CPU they only point it at the meta)."""
+
+    supports_cuda_graph = True
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def init_cuda_graph_state(self, max_bs):
+        pass
+
+    def prepare_for_capture(self, meta):
+        self.backend.prepare(meta)
+
+    def prepare_for_replay(self, meta):
+        self.backend.prepare(meta)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+def capture_replay_graphs(graph_runner) -> None:
+    """A decode graph runner's `_capture_all` on a CPU: a ReplayGraph per (batch size, sampler), like the GPU's."""
+    from minisgl.engine.cuda_graph import SAMPLERS
+
+    for bs in reversed(graph_runner.batch_sizes):
+        graph_runner.attn.prepare_for_capture(graph_runner._meta(bs))
+        ids, pos = graph_runner.input_ids[:bs], graph_runner.positions[:bs]
+        for s in SAMPLERS:
+            graph = ReplayGraph(lambda ids=ids, pos=pos, bs=bs, s=s: graph_runner._step(ids, pos, bs, s))
+            graph_runner.graphs[bs, s], graph_runner.outputs[bs, s] = graph, graph.output
+
+
+def graph_runner_view(runner):
+    """What a decode graph runner reads of the model runner, with the attention backend behind GraphHooks."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model=runner.model, attn=GraphHooks(runner.attn), device=runner.device,
+                           max_model_len=runner.max_model_len, req_pool=runner.req_pool)

@@ -11,13 +11,11 @@ token table and padded rows touch only the spare cell.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from minisgl import SamplingParams
 from minisgl.engine.cuda_graph import SAMPLERS, CudaGraphRunner
-from tests.helpers import VOCAB, assert_all_pages_back
+from tests.helpers import VOCAB, assert_all_pages_back, capture_replay_graphs, graph_runner_view
 
 PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 10) + 5 for j in range(n)] for i, n in enumerate([5, 17, 9, 30, 2, 12, 8, 21])]
 SETTINGS = [dict(temperature=0.0), dict(temperature=0.9), dict(temperature=1.2, top_k=20, top_p=0.9),
@@ -25,58 +23,16 @@ SETTINGS = [dict(temperature=0.0), dict(temperature=0.9), dict(temperature=1.2, 
             dict(temperature=0.7, top_k=5), dict(temperature=2.0)]
 
 
-class ReplayGraph:
-    """A stand-in for torch.cuda.CUDAGraph on a CPU; counts its replays."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.output = fn()
-        self.replays = 0
-
-    def replay(self):
-        self.output.copy_(self.fn())
-        self.replays += 1
-
-
-class Hooks:
-    """The torch attention backend plus the three CUDA Graph hooks (on a CPU they only point it at the meta)."""
-
-    supports_cuda_graph = True
-
-    def __init__(self, backend):
-        self.backend = backend
-
-    def init_cuda_graph_state(self, max_bs):
-        pass
-
-    def prepare_for_capture(self, meta):
-        self.backend.prepare(meta)
-
-    def prepare_for_replay(self, meta):
-        self.backend.prepare(meta)
-
-    def __getattr__(self, name):
-        return getattr(self.backend, name)
-
-
 class CpuGraphs(CudaGraphRunner):
     """The real runner with ReplayGraph stand-ins for the capture: one per (batch size, sampler), like the GPU's."""
 
-    def _capture_all(self):
-        for bs in reversed(self.batch_sizes):
-            self.attn.prepare_for_capture(self._meta(bs))
-            ids, pos = self.input_ids[:bs], self.positions[:bs]
-            for s in SAMPLERS:
-                graph = ReplayGraph(lambda ids=ids, pos=pos, bs=bs, s=s: self._step(ids, pos, bs, s))
-                self.graphs[bs, s], self.outputs[bs, s] = graph, graph.output
+    _capture_all = capture_replay_graphs
 
 
 def with_cpu_graphs(llm, max_bs=8, batch_sizes=None):
     """Give the LLM's model runner CPU replay graphs; returns the graph runner."""
     r = llm.engine.runner
-    view = SimpleNamespace(model=r.model, attn=Hooks(r.attn), device=r.device, max_model_len=r.max_model_len,
-                           req_pool=r.req_pool)
-    r.graph_runner = CpuGraphs(view, max_bs, batch_sizes)
+    r.graph_runner = CpuGraphs(graph_runner_view(r), max_bs, batch_sizes)
     return r.graph_runner
 
 
