@@ -226,9 +226,10 @@ CALLS: dict[str, Call] = {
         steps=(Serving("serving", 420, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),)),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
-        "compiles inside W1/W2 and the first-vs-second W1 generate, Qwen3-0.6B and Qwen3.5-0.8B, a process each",
+        "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "
+        "where each one's time went, Qwen3-0.6B and Qwen3.5-0.8B, a process each",
         carry=(),
-        steps=(Lab("warmup", 420, ("warmup.json",), ("warmup_check",)),)),
+        steps=(Lab("warmup", 470, ("warmup.json",), ("warmup_check",)),)),
     "mixes": Call(
         "optional, on a machine calls 1-2 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
         "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "

@@ -265,3 +265,23 @@ def test_warmup_check_runs_its_arms_on_their_caches_and_judges_the_targets(tmp_p
     assert targets["on_cold.start_within_target"] and not any(k.startswith("off_cold") for k in targets)
     assert res["ok"] and json.loads((tmp_path / "w.json").read_text())["ok"]
     assert "warmup_check" in sections.SECTIONS and "warmup" in lease.CALLS
+
+
+def test_timed_generate_says_where_a_generates_time_went_and_restores_the_engine(qwen3_path, make_llm):
+    """The warm-up check's first-run diagnosis on a CPU: every step timed with its phases, the slowest listed, the
+    engine's own methods back afterwards (a second call times again from zero)."""
+    from lab.checks.warmup import timed_generate
+    from minisgl import SamplingParams
+    from minisgl.bench.workloads import Workload
+
+    llm = make_llm(qwen3_path)
+    w = Workload("tiny", [[5 + i, 9, 11 + i] for i in range(4)],
+                 [SamplingParams(max_tokens=6, ignore_eos=True) for _ in range(4)])
+    first = timed_generate(llm, w)
+    where = first["where"]
+    assert first["steps"] >= 6 and first["wall_s"] > 0
+    assert set(where["host_s"]) == {"schedule", "launch", "wait"} and where["host_s"]["launch"] > 0
+    assert where["steps_s"] <= first["wall_s"] and len(where["slowest_steps_ms"]) == min(10, first["steps"])
+    assert all(len(s) == 4 and s[0] + 0.002 >= s[1] + s[2] for s in where["slowest_steps_ms"])  # ms, rounded
+    assert "step" not in vars(llm.engine) and "schedule" not in vars(llm.engine.scheduler)
+    assert timed_generate(llm, w)["steps"] == first["steps"]

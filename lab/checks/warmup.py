@@ -11,6 +11,14 @@ arm of the same model filled. Arms, in order: on_cold, off_cold, on_warm (kernel
   captures compiled one after another because discovery missed them; with the warm-up off, all of them);
 - `first`/`second`: W1's requests generated twice in a row, each from an empty prefix cache and timed, with the
   Triton variants each compiled (`compiles`); `first_over_second` is the wall-time ratio (target <= 1.05);
+- where a generate's time went, for `first` and `second` (`where`): the host's seconds by phase (scheduling,
+  preparing and launching steps, waiting for the device's tokens), the slowest steps with their phases, the device
+  and pinned host allocations the run made (torch's allocator counters), the garbage collections, the SM clock.
+  run14 and run15 saw the first W1 of a process 6-12% slower than W1 on any later engine of that process with no
+  compile timed; these say whether the host or the device took the difference, and whether allocations did;
+- `next_engine`: with --next-engine (the cold arms), the engine closed and a second one built in the same process,
+  W1 generated once on it: the bench's "later engine" case (against `first`: a cost of the process, not of the
+  engine);
 - W1 and W2 as the bench runs them (minisgl.bench.runner: its own warm-up generate, then the timed run):
   `triton_compiles_timed` as every bench JSON reports it (target: empty), and with --sweep every cell of the
   batch-mix sweep.
@@ -19,9 +27,10 @@ arm of the same model filled. Arms, in order: on_cold, off_cold, on_warm (kernel
                                 [--sweep]
 
 `targets` in the JSON holds each verdict, for each arm with the warm-up on: W1/W2 (and sweep) timed compiles
-empty, no compile in the first generate, the first/second ratio <= 1.05; and a cold start <= 30 s for
-Qwen3-0.6B. The default (Qwen3-0.6B's three arms, Qwen3.5-0.8B's two) takes ~6.5 min on an H200: a child is
-~35 s (process start, two W1 generates, the bench's W1 and W2) plus the engine's start (estimated 20-55 s).
+empty, no compile in the first generate, the first/second and first/next-engine ratios <= 1.05; and a cold start
+<= 30 s for Qwen3-0.6B. The default (Qwen3-0.6B's three arms, Qwen3.5-0.8B's two) takes ~7.5 min on an H200: a
+child is ~35 s (process start, two W1 generates, the bench's W1 and W2) plus the engine's start (33-39 s on a
+fresh machine in run15), and the cold arms ~25 s more for their next engine.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ REPO = Path(__file__).resolve().parents[2]
 ARMS = {"on_cold": (True, "cold"), "off_cold": (False, "cold"), "on_warm": (True, "warm")}
 DEFAULT_MODELS = ("qwen3-0.6b", "qwen3.5-0.8b")
 DEFAULT_ARMS = {"qwen3-0.6b": ("on_cold", "off_cold", "on_warm"), "qwen3.5-0.8b": ("on_cold", "off_cold")}
+NEXT_ENGINE_ARMS = ("on_cold",)  # arms that also build a second engine in their process (`next_engine`)
 CHILD_TIMEOUT_S = 240  # an arm that hangs must not take the call's other arms with it
 START_TARGET_S = {"qwen3-0.6b": 30.0}
 RATIO_TARGET = 1.05
@@ -53,20 +63,118 @@ def log(*args) -> None:
 # --- one arm, in its own process -------------------------------------------------------------------------------
 
 
-def child(model: str, warmup: bool, out: str, sweep: bool) -> None:
+def _alloc_counters() -> dict[str, int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    dev = torch.cuda.memory_stats()
+    out = {k: int(dev.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                                           "num_sync_all_streams")}
+    host = getattr(torch.cuda, "host_memory_stats", None)
+    if host is not None:
+        h = host()
+        out.update({f"host_{k}": int(h.get(k, 0)) for k in ("num_host_alloc", "num_host_free")})
+    return out
+
+
+def _sm_clock_mhz() -> int | None:
+    import torch
+
+    try:
+        return torch.cuda.clock_rate() if torch.cuda.is_available() else None
+    except Exception:  # no NVML on this machine: the clock is unknown, not an error of the check
+        return None
+
+
+def timed_generate(llm, w) -> dict:
+    """One generate of `w` from an empty prefix cache, timed, and where its time went (the module's docstring)."""
+    import gc
+
+    import torch
+
+    from minisgl.bench.runner import _new_variants, flush_prefix_cache, triton_variants
+    from minisgl.engine.model_runner import StepOutput
+
+    engine = llm.engine
+    flush_prefix_cache(llm)
+    phases = {"schedule": 0.0, "launch": 0.0, "wait": 0.0}
+    steps: list[tuple[float, float, float, float]] = []  # (step, schedule, launch, wait) seconds
+    current = {"schedule": 0.0, "launch": 0.0, "wait": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                current[name] += time.perf_counter() - t0
+        return wrapper
+
+    def step_timed(fn):
+        def wrapper(*args, **kwargs):
+            for k in current:
+                current[k] = 0.0
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                steps.append((time.perf_counter() - t0, current["schedule"], current["launch"], current["wait"]))
+                for k in phases:
+                    phases[k] += current[k]
+        return wrapper
+
+    collections = []
+    gc_start = {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start["t"] = time.perf_counter()
+        elif "t" in gc_start:
+            collections.append((info["generation"], time.perf_counter() - gc_start.pop("t")))
+
+    sched, runner, original_wait = engine.scheduler, engine.runner, StepOutput.wait
+    sched.schedule = timed("schedule", sched.schedule)
+    runner.forward = timed("launch", runner.forward)
+    StepOutput.wait = timed("wait", original_wait)
+    engine.step = step_timed(engine.step)
+    gc.callbacks.append(on_gc)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    before, allocs, clock = triton_variants(), _alloc_counters(), _sm_clock_mhz()
+    try:
+        sync()
+        t = time.perf_counter()
+        llm.generate(w.prompts, w.params, progress=False)
+        sync()
+        wall = time.perf_counter() - t
+    finally:  # back to the class's methods
+        del sched.schedule, runner.forward, engine.step
+        StepOutput.wait = original_wait
+        gc.callbacks.remove(on_gc)
+    after = _alloc_counters()
+    slowest = sorted(steps, reverse=True)[:10]
+    return {
+        "wall_s": wall, "compiles": _new_variants(before), "steps": len(steps),
+        "where": {
+            "host_s": {k: round(v, 4) for k, v in phases.items()},
+            "steps_s": round(sum(x[0] for x in steps), 4),
+            "slowest_steps_ms": [[round(1e3 * v, 3) for v in x] for x in slowest],  # step, schedule, launch, wait
+            "allocations": {k: after[k] - allocs.get(k, 0) for k in after},
+            "gc": {"collections": len(collections), "seconds": round(sum(c[1] for c in collections), 4),
+                   "full": sum(c[0] == 2 for c in collections)},
+            "sm_clock_mhz": [clock, _sm_clock_mhz()],
+        },
+    }
+
+
+
+def child(model: str, warmup: bool, out: str, sweep: bool, next_engine: bool = False) -> None:
     import torch
 
     from lab.models import model_path
     from lab.sections import workload
     from minisgl import LLM
-    from minisgl.bench.runner import (
-        _new_variants,
-        flush_prefix_cache,
-        run_latency,
-        run_sweep,
-        run_throughput,
-        triton_variants,
-    )
+    from minisgl.bench.runner import run_latency, run_sweep, run_throughput, triton_variants
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     res: dict = {"model": model, "kernel_warmup": warmup, "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR")}
@@ -89,16 +197,22 @@ def child(model: str, warmup: bool, out: str, sweep: bool) -> None:
 
     w1 = workload("w1", llm.engine.model_config.vocab_size)
     for label in ("first", "second"):  # the user's first workload, then the same again
-        flush_prefix_cache(llm)
-        before = triton_variants()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate(w1.prompts, w1.params, progress=False)
-        torch.cuda.synchronize()
-        res[label] = {"wall_s": time.perf_counter() - t, "compiles": _new_variants(before)}
+        res[label] = timed_generate(llm, w1)
         log(model, label, res[label])
     res["first_over_second"] = res["first"]["wall_s"] / res["second"]["wall_s"]
     save()
+    if next_engine:  # a second engine in the same process, its first W1: what the bench's later rows are
+        llm.close()
+        del llm
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        llm = LLM(model_path(model), load_format="dummy", dtype="bfloat16", kernel_warmup=warmup)
+        res["next_engine"] = {"startup_s": time.perf_counter() - t0, "first": timed_generate(llm, w1)}
+        res["first_over_next_engine"] = res["first"]["wall_s"] / res["next_engine"]["first"]["wall_s"]
+        log(model, "next engine", res["next_engine"])
+        save()
     keep = ("output_tok_per_s", "wall_s", "ttft_ms_median", "tpot_ms_median", "triton_compiles_timed")
     for name, run in (("w1", run_throughput), ("w2", run_latency)):
         r = run(llm, workload(name, llm.engine.model_config.vocab_size))
@@ -122,6 +236,7 @@ def run_arm(model: str, arm: str, cache: str, sweep: bool) -> dict:
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
         argv = [sys.executable, "-m", "lab.checks.warmup", "--child", "--model", model, "--out", path]
         argv += ["--warmup" if warmup else "--no-warmup"] + (["--sweep"] if sweep else [])
+        argv += ["--next-engine"] if arm in NEXT_ENGINE_ARMS else []
         t0 = time.perf_counter()
         try:
             rc = subprocess.run(argv, cwd=REPO, env=env, timeout=CHILD_TIMEOUT_S).returncode
@@ -148,6 +263,8 @@ def targets(model: str, arms: dict) -> dict:
             out[f"{arm}.sweep_no_timed_compiles"] = not any(c["triton_compiles_timed"] for c in on["sweep"].values())
         if "first_over_second" in on:
             out[f"{arm}.first_within_5pct_of_second"] = on["first_over_second"] <= RATIO_TARGET
+        if "first_over_next_engine" in on:
+            out[f"{arm}.first_within_5pct_of_next_engine"] = on["first_over_next_engine"] <= RATIO_TARGET
             out[f"{arm}.first_generate_no_compiles"] = not on["first"]["compiles"]
     if model in START_TARGET_S and "startup_s" in arms.get("on_cold", {}):
         out["on_cold.start_within_target"] = arms["on_cold"]["startup_s"] <= START_TARGET_S[model]
@@ -194,13 +311,14 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--warmup", dest="warmup", action="store_true", default=True, help=argparse.SUPPRESS)
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", help=argparse.SUPPRESS)
+    ap.add_argument("--next-engine", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
         print("no CUDA GPU: this check needs one (the CPU side is tests/test_warmup.py)")
         return 2
     if a.child:
-        child(a.model, a.warmup, a.out, a.sweep)
+        child(a.model, a.warmup, a.out, a.sweep, a.next_engine)
         return 0
     arms = a.arms.split(",") if a.arms else None
     unknown = set(arms or ()) - set(ARMS)
