@@ -141,6 +141,7 @@ class Serving(Step):
     command lines are SERVERS below: the one place to change when minisgl's server gains flags."""
 
     loads: tuple[str, ...] = ("rate8", "rate24", "rate48", "burst")  # names of LOADS below
+    servers: tuple[str, ...] = ("minisgl", "sglang")  # names of SERVERS below, in the order they run
 
     def ready(self) -> str | None:
         if not (SITE / ".sglang-kit").is_file():
@@ -150,7 +151,8 @@ class Serving(Step):
         return None
 
     def argv(self, out: str) -> list[str]:
-        return [sys.executable, "-m", "lab.lease", "serve-bench", "--out", out, "--loads", ",".join(self.loads)]
+        return [sys.executable, "-m", "lab.lease", "serve-bench", "--out", out, "--loads", ",".join(self.loads),
+                "--servers", ",".join(self.servers), "--name", self.name]
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,15 @@ CALLS: dict[str, Call] = {
         "bench_serving client at 8, 24, 48 requests/s and 512 at once (the latency-vs-rate curve of issue 24)",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("serving", 420, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),)),
+    "serving_mixed": Call(
+        "optional, on a machine calls 1-2 staged: issue 24's tail latency (P99 ITL 33 ms against SGLang's "
+        "21 at 24 req/s, run14): minisgl's server with the prefill tokens of a step that also decodes capped "
+        "(--mixed-prefill-tokens 2048, 1024) beside the default, SGLang's client at 24 and 48 requests/s",
+        carry=(KIT, f"{WHEEL_DIR}/serve"),
+        steps=(Serving("serving_mixed", 270, ("serving_mixed.json", "serving_mixed_minisgl.jsonl",
+                                              "serving_mixed_minisgl_mixed2048.jsonl",
+                                              "serving_mixed_minisgl_mixed1024.jsonl"),
+                       loads=("rate24", "rate48"), servers=("minisgl", "minisgl_mixed2048", "minisgl_mixed1024")),)),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "
@@ -333,7 +344,8 @@ def run_call(name: str, out: str, commit: str | None, only: set[str] | None = No
 
 # The serving call (issue 24): both servers on one model folder (the kit's serving.sh writes it: Qwen3-0.6B body,
 # the embedded model's 4k tokenizer, dummy weights), SGLang's bench_serving client against each, the same loads.
-# SERVERS is the one place to change when minisgl's server gains flags.
+# SERVERS is the one place to change when minisgl's server gains flags; a name with flags after the base server's
+# command is an A/B of a serve flag.
 SERVE_MODEL = "/tmp/serving-model"
 SERVE_SITE = Path("/tmp/site-serve")  # the kit's serving.sh unpacks the `serve` half there (its stamp: .done)
 SERVERS = {
@@ -343,12 +355,14 @@ SERVERS = {
                "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--grammar-backend", "none", "--host", "127.0.0.1", "--port", "{port}"],
 }
+SERVERS["minisgl_mixed2048"] = [*SERVERS["minisgl"], "--mixed-prefill-tokens", "2048"]
+SERVERS["minisgl_mixed1024"] = [*SERVERS["minisgl"], "--mixed-prefill-tokens", "1024"]
 
 
 def server_env(server: str) -> dict[str, str]:
     """The device's python has no fastapi/uvicorn: minisgl's server takes them from SGLang's unpacked wheels and
     the serve half (SGLang's command sets its own path in serving.sh)."""
-    if server != "minisgl":
+    if not server.startswith("minisgl"):
         return {}
     return {"PYTHONPATH": os.pathsep.join([str(SITE), str(SERVE_SITE), str(REPO)])}
 
@@ -377,9 +391,9 @@ def wait_healthy(proc: subprocess.Popen, port: int, limit_s: float = 300) -> flo
     return None
 
 
-def serve_bench(out: str, loads: list[str]) -> None:
+def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sglang"), name: str = "serving") -> None:
     """Each server in turn: start it in its own process group, wait for /health, run SGLang's bench_serving at
-    each load (one JSON line each in $OUT/serving_<server>.jsonl), stop the group. $OUT/serving.json: commands,
+    each load (one JSON line each in $OUT/<name>_<server>.jsonl), stop the group. $OUT/<name>.json: commands,
     start-up times, return codes."""
     kit = ["bash", f"{KIT}/serving.sh", WHEEL_DIR]
     write_serve_model()
@@ -387,8 +401,8 @@ def serve_bench(out: str, loads: list[str]) -> None:
         subprocess.run([*kit, "bench", "--", "--help"], cwd=REPO, stdout=subprocess.DEVNULL,
                        stderr=subprocess.STDOUT, check=False)
     summary: dict = {"loads": {k: LOADS[k] for k in loads}, "servers": {}}
-    for port, (server, command) in enumerate(SERVERS.items(), start=30001):
-        argv = [a.format(port=port) for a in command]
+    for port, server in enumerate(servers, start=30001):
+        argv = [a.format(port=port) for a in SERVERS[server]]
         log = open(LOGS / f"server_{server}.log", "w")
         proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **server_env(server)}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -400,7 +414,7 @@ def serve_bench(out: str, loads: list[str]) -> None:
                      "--model", SERVE_MODEL, "--tokenizer", SERVE_MODEL, "--dataset-name", "random-ids",
                      "--random-input-len", "1024", "--random-output-len", str(out_len), "--random-range-ratio",
                      str(ratio), "--num-prompts", str(prompts), "--request-rate", rate, "--seed", "1",
-                     "--output-file", os.path.join(out, f"serving_{server}.jsonl")]
+                     "--output-file", os.path.join(out, f"{name}_{server}.jsonl")]
             rc = subprocess.run(bench, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
             runs.append({"load": name, "returncode": rc})
         os.killpg(proc.pid, signal.SIGTERM)
@@ -410,7 +424,7 @@ def serve_bench(out: str, loads: list[str]) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         summary["servers"][server] = {"command": argv, "ready_s": ready, "runs": runs}
         print(server, summary["servers"][server], flush=True)
-    with open(os.path.join(out, "serving.json"), "w") as f:
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
 
@@ -500,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where the JSON goes (default $OUT)")
     ap.add_argument("--steps", help="run only these steps of the call (comma-separated)")
     ap.add_argument("--loads", default=",".join(LOADS), help=f"serve-bench: of {', '.join(LOADS)}")
+    ap.add_argument("--servers", default="minisgl,sglang", help=f"serve-bench: of {', '.join(SERVERS)}")
+    ap.add_argument("--name", default="serving", help="serve-bench: the output files' prefix")
     a = ap.parse_args(argv)
     if a.what == "plan":
         return plan()
@@ -510,7 +526,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out or $OUT is required")
     if a.what == "serve-bench":
         LOGS.mkdir(parents=True, exist_ok=True)
-        serve_bench(a.out, a.loads.split(","))
+        unknown = set(a.servers.split(",")) - set(SERVERS)
+        if unknown:
+            ap.error(f"unknown servers {sorted(unknown)}")
+        serve_bench(a.out, a.loads.split(","), a.servers.split(","), a.name)
         return 0
     run_call(a.what, a.out, a.commit, set(a.steps.split(",")) if a.steps else None)
     return 0
