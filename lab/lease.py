@@ -401,6 +401,7 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
         subprocess.run([*kit, "bench", "--", "--help"], cwd=REPO, stdout=subprocess.DEVNULL,
                        stderr=subprocess.STDOUT, check=False)
     summary: dict = {"loads": {k: LOADS[k] for k in loads}, "servers": {}}
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     for port, server in enumerate(servers, start=30001):
         argv = [a.format(port=port) for a in SERVERS[server]]
         log = open(LOGS / f"server_{server}.log", "w")
@@ -422,10 +423,39 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        summary["servers"][server] = {"command": argv, "ready_s": ready, "runs": runs}
+        summary["servers"][server] = {"command": argv, "ready_s": ready, "runs": runs,
+                                      "results": serving_results(os.path.join(out, f"{name}_{server}.jsonl"), loads)}
         print(server, summary["servers"][server], flush=True)
+    from minisgl.bench.runner import environment
+    env = {**environment(), "time_utc": started}  # the call's start: the figures' time, as a section's
     with open(os.path.join(out, f"{name}.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+        json.dump({"environment": env, "command": f"python -m lab.lease serve-bench --loads {','.join(loads)} "
+                   f"--servers {','.join(servers)} --name {name}", "sections": {name: {"result": summary}}}, f,
+                  indent=1)
+
+
+# what the report keeps of a bench_serving line (SGLang's client writes one per run)
+SERVING_KEYS = ("completed", "duration", "request_throughput", "output_throughput", "concurrency",
+                "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
+                "median_e2e_latency_ms", "p99_e2e_latency_ms")
+
+
+def serving_results(jsonl: str, loads: list[str]) -> dict:
+    """{load: the client's figures} from a server's bench_serving lines, matched to LOADS by their request rate
+    (each load has its own; a load whose run failed has no line, so the order cannot be trusted)."""
+    lines = []
+    if os.path.isfile(jsonl):
+        for line in Path(jsonl).read_text().splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue
+    out = {}
+    for name in loads:
+        match = [r for r in lines if float(r.get("request_rate", -1)) == float(LOADS[name][0])]
+        if match:
+            out[name] = {k: match[-1].get(k) for k in SERVING_KEYS}
+    return out
 
 
 # --- here, before the lease ------------------------------------------------------------------------------------

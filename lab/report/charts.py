@@ -121,3 +121,25 @@ def timeline(spans: list[tuple[float, float, str]], path: Path, title: str) -> P
     ax.set_xlabel("microseconds")
     ax.set_title(title)
     return _save(fig, path)
+
+
+def latency_vs_rate(rates: list[float], series: dict[str, dict[str, list[float | None]]], path: Path,
+                    title: str) -> Path:
+    """One panel per latency figure, a line per server: the figure against the request rate (issue 24's curve)."""
+    plt = _plt()
+    panels = list(next(iter(series.values())))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels) + 0.8, 3.0))
+    axes = axes if len(panels) > 1 else [axes]
+    colours = [OURS, THEIRS, GREY, "#6a994e", "#8e7dbe"]
+    for ax, panel in zip(axes, panels):
+        for colour, (server, figures) in zip(colours, series.items()):
+            pts = [(r, v) for r, v in zip(rates, figures[panel]) if v is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colour, label=server)
+        ax.set_title(panel, fontsize=9)
+        ax.set_xlabel("requests per second")
+        ax.set_xticks(rates)
+        ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    return _save(fig, path)

@@ -71,3 +71,14 @@ def check(commit: str, dirty: bool, hybrid: bool) -> Verdict:
         subject = git("log", "-1", "--format=%h %s", newest).stdout.strip()
         return Verdict(False, False, f"measured at {commit[:10]}, before the engine change {subject[:70]}")
     return Verdict(False, is_shallow(), f"git merge-base failed: {r.stderr.strip()}")
+
+
+def newest_change_since(commit: str, paths: list[str]) -> str | None:
+    """'<hash> <subject>' of the newest commit touching `paths` that `commit` lacks; None when it has them all, or
+    when the history here cannot tell (a shallow clone, an unknown commit)."""
+    newest = git("log", "-1", "--format=%H", "HEAD", "--", *paths).stdout.strip()
+    if not newest or not known(commit):
+        return None
+    if git("merge-base", "--is-ancestor", newest, commit).returncode != 1:
+        return None
+    return git("log", "-1", "--format=%h %s", newest).stdout.strip()[:80]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lab.models import MODELS
-from lab.report import charts, floors
+from lab.report import charts, floors, freshness
 from lab.report.figures import BASELINE, HEADLINE, Book, Row, baseline, ceilings, hybrid, rows
 from lab.report.freshness import Verdict, check
 from lab.report.sources import Run, Sources, dig
@@ -137,8 +137,8 @@ def request_sets() -> list[str]:
     cells = sweep_cells()
     lines += ["", f"The batch-mix sweep: {len(cells)} cells, "
               + "; ".join(sorted({f"{c.requests} requests of {c.prompt_lo}-{c.prompt_hi} prompt tokens and "
-                                  f"{c.out_lo}-{c.out_hi} output tokens" for c in cells}, key=lambda s: int(
-                                      s.split()[0])))
+                                  f"{c.out_lo}-{c.out_hi} output tokens" for c in cells},
+                               key=lambda s: (int(s.split()[0]), s)))  # a set: ordered, so the page is stable
               + "; each greedy and with top-k/top-p, all submitted at once.", ""]
     return lines
 
@@ -495,6 +495,65 @@ def mixes35(page: Page) -> list[str]:
     return lines + [""]
 
 
+# the client's figures a serving table shows: (bench_serving key, label, digits, higher is better)
+SERVING_FIGURES = (("median_ttft_ms", "median TTFT ms", 1, False), ("p99_ttft_ms", "P99 TTFT ms", 1, False),
+                   ("median_tpot_ms", "median TPOT ms", 2, False), ("median_itl_ms", "median ITL ms", 2, False),
+                   ("p99_itl_ms", "P99 ITL ms", 1, False), ("output_throughput", "output tok/s", 0, True))
+SERVING_SECTIONS = {"serving": "minisgl's server and SGLang's under SGLang's client",
+                    "serving_mixed": "minisgl's server with the prefill of a step that also decodes capped"}
+
+
+def serving(page: Page) -> list[str]:
+    """Online serving (issue 24): each server of the lease's serving calls at each load, SGLang's bench_serving
+    client, and the latency-against-rate curve. The server's code counts here, so the section says when it
+    changed after the run (the headline's freshness check leaves the server out)."""
+    lines: list[str] = []
+    for section, about in SERVING_SECTIONS.items():
+        run = page.sources.result(section)
+        if run is None:
+            continue
+        servers = {name: s.get("results", {}) for name, s in run.result.get("servers", {}).items()}
+        loads = [load for load in run.result.get("loads", {}) if any(load in r for r in servers.values())]
+        if not loads:
+            continue
+        names = list(servers)
+        lines += [f"## Serving: {about} (`{run.file}`, commit {run.commit[:10]})", "",
+                  "Each load: 1,024-token prompts (random ids, seed 1), `sglang.bench_serving --backend vllm` "
+                  "(streaming completions); the request rate, and all at once (`burst`). "
+                  + ("Ratio: minisgl / SGLang." if names[:2] == ["minisgl", "sglang"] else ""), ""]
+        changed = freshness.newest_change_since(run.commit, ["minisgl"])
+        if changed:
+            lines += [f"The server or engine changed after this run ({changed}): these figures are of that commit.",
+                      ""]
+        head = ("| load | figure | " + " | ".join("SGLang" if n == "sglang" else n for n in names)
+                + (" | ratio |" if "sglang" in names else " |"))
+        lines += [head, "|" + "---|" * (len(names) + 2 + ("sglang" in names))]
+        for load in loads:
+            for key, label, digits, _ in SERVING_FIGURES:
+                vals = []
+                for name in names:
+                    v = page.book.take(f"{section}.{name}.{load}.{key}",
+                                       f"{section}.servers.{name}.results.{load}.{key}")
+                    vals.append(v.value if v else None)
+                ratio = ""
+                if "sglang" in names and vals[0] and vals[names.index("sglang")]:
+                    ratio = f" {times(vals[0] / vals[names.index('sglang')])} |"
+                elif "sglang" in names:
+                    ratio = " |"
+                lines.append(f"| {load} | {label} | " + " | ".join(fmt(v, digits) for v in vals) + " |" + ratio)
+        lines.append("")
+        rated = [load for load in loads if run.result["loads"][load][0] != "inf"]
+        if len(rated) >= 2:
+            rates = [float(run.result["loads"][load][0]) for load in rated]
+            series = {name: {label: [dig(servers[name], [load, key]) for load in rated]
+                             for key, label, _, _ in SERVING_FIGURES if key in ("median_ttft_ms", "p99_itl_ms",
+                                                                                "median_tpot_ms")}
+                      for name in names}
+            charts.latency_vs_rate(rates, series, page.chart(section), f"Latency against request rate ({section})")
+            lines += [f"![Latency against request rate, {section}](charts/{section}.png)", ""]
+    return lines
+
+
 def provenance(page: Page) -> list[str]:
     used = {}
     for e in page.book.entries.values():
@@ -526,7 +585,7 @@ def write(page: Page, draft: bool) -> str:
         intro += ["Every minisgl figure below was measured at a commit that contains the newest change to the "
                   "engine code it depends on (checked by the generator and in CI).", ""]
     body = (hardware(page) + request_sets() + headline(page) + ablation(page) + diagnosis(page) + sweep(page)
-            + mixes35(page))
+            + mixes35(page) + serving(page))
     return "\n".join(intro + body + provenance(page)) + "\n"
 
 
