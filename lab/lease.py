@@ -176,6 +176,46 @@ class OwnClient(Step):
                 "--load-format", "dummy", *self.flags]
 
 
+# xgrammar for issue 26's check (the structured-output arms): its wheel for the device's Python and the wheels it
+# imports that the kit already has, unzipped into API_SITE on the device (a wheel is a zip of its files)
+API_WHEELS = f"{WHEEL_DIR}/api"
+API_SITE = Path("/tmp/site-api")
+API_FROM_KIT = ("apache_tvm_ffi-", "pydantic-", "pydantic_core-", "annotated_types-", "typing_inspection-")
+
+
+def api_wheels(root: Path = REPO) -> list[str]:
+    """Here, before a lease: fill .sglang-whl/api with xgrammar's cp312 wheel (from the registry) and its imports
+    from the kit's wheels (prepare_wheels.sh's folder); returns the names."""
+    dest = root / API_WHEELS
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "xgrammar==0.2.9", "--no-deps", "--python-version",
+                    "3.12", "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64", "-d", str(dest), "-q"],
+                   check=True)
+    for f in (root / WHEEL_DIR).glob("*.whl"):
+        if f.name.startswith(API_FROM_KIT) and not (dest / f.name).exists():
+            shutil.copy2(f, dest / f.name)
+    return sorted(f.name for f in dest.glob("*.whl"))
+
+
+@dataclass(frozen=True)
+class ApiCheck(Step):
+    """lab.checks.h200_api_check (issue 26's bars) with xgrammar importable when .sglang-whl/api is carried."""
+
+    def prepare(self) -> None:
+        import zipfile
+        if API_SITE.is_dir():
+            return
+        for f in sorted((REPO / API_WHEELS).glob("*.whl")):
+            with zipfile.ZipFile(f) as z:
+                z.extractall(API_SITE)
+
+    def env(self) -> dict[str, str]:
+        return {"PYTHONPATH": os.pathsep.join([str(API_SITE), str(REPO)])}
+
+    def argv(self, out: str) -> list[str]:
+        return [sys.executable, "-m", "lab.checks.h200_api_check", out]
+
+
 # --- calls ---------------------------------------------------------------------------------------------------
 
 
@@ -248,6 +288,14 @@ CALLS: dict[str, Call] = {
         carry=(KIT,),
         steps=(Lab("minisgl_mixes35", 150, ("qwen35_mixes.json",), ("mixes35", "mixes35_rows256")),
                SGLang("sglang_mixes35", 130, ("sglang_mixes_35.json",), "qwen3.5-0.8b", ("mixes",)))),
+    "checks": Call(
+        "optional: issue 27, W1/W2 at the defaults and two engines with different kernel options in one process "
+        "(lab.checks.engine_options); issue 26, the API features' cost: json_object at batch 1, top-5 logprobs "
+        "and penalties on W1 (lab.checks.h200_api_check; its structured-output arms need .sglang-whl/api: "
+        "`python -m lab.lease api-wheels`)",
+        carry=(API_WHEELS,),
+        steps=(Lab("options", 120, ("engine_options.json",), ("options_check",)),
+               ApiCheck("api", 200, ("api_check.json",)))),
     "serving_ours": Call(
         "optional: minisgl's server under minisgl's own client (minisgl.bench.serving: the same loads, the "
         "server's CPU seconds), then the same all-at-once requests offline (the server/offline ratio; notebook "
@@ -538,7 +586,7 @@ def plan() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=[*CALLS, "plan", "split-wheels", "serve-bench"])
+    ap.add_argument("what", choices=[*CALLS, "plan", "split-wheels", "serve-bench", "api-wheels"])
     ap.add_argument("folder", nargs="?", default=WHEEL_DIR, help="split-wheels: the wheels' folder")
     ap.add_argument("--commit", help="the commit the device's tree is (it has no .git)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where the JSON goes (default $OUT)")
@@ -551,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
         return plan()
     if a.what == "split-wheels":
         split_wheels(REPO / a.folder)
+        return 0
+    if a.what == "api-wheels":
+        print("\n".join(api_wheels()))
         return 0
     if not a.out:
         ap.error("--out or $OUT is required")

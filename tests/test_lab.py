@@ -285,3 +285,20 @@ def test_timed_generate_says_where_a_generates_time_went_and_restores_the_engine
     assert all(len(s) == 4 and s[0] + 0.002 >= s[1] + s[2] for s in where["slowest_steps_ms"])  # ms, rounded
     assert "step" not in vars(llm.engine) and "schedule" not in vars(llm.engine.scheduler)
     assert timed_generate(llm, w)["steps"] == first["steps"]
+
+
+def test_api_check_step_unzips_the_carried_wheels_onto_its_path(tmp_path, monkeypatch):
+    """The `checks` call's API step: the wheels carried in .sglang-whl/api are unzipped once into its site folder,
+    which leads the step's PYTHONPATH (xgrammar for the structured-output arms)."""
+    import zipfile
+    wheels = tmp_path / "repo" / lease.API_WHEELS
+    wheels.mkdir(parents=True)
+    with zipfile.ZipFile(wheels / "xgrammar-0-py3-none-any.whl", "w") as z:
+        z.writestr("xgrammar/__init__.py", "VERSION = 'test'\n")
+    monkeypatch.setattr(lease, "REPO", tmp_path / "repo")
+    monkeypatch.setattr(lease, "API_SITE", tmp_path / "site-api")
+    step = lease.ApiCheck("api", 200, ("api_check.json",))
+    step.prepare()
+    assert (tmp_path / "site-api" / "xgrammar" / "__init__.py").read_text() == "VERSION = 'test'\n"
+    assert step.env()["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "site-api")
+    assert step.argv("/o")[-2:] == ["lab.checks.h200_api_check", "/o"] and step.ready() is None
