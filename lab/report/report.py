@@ -276,8 +276,9 @@ def first_run_note(res: dict) -> str | None:
     return (f"Read the W1 column with care: every row after the default that need not slow W1 ran it "
             f"{times(cost[0])}-{times(cost[1])} of the default, whichever switch it turned off. The default's W1 "
             f"was the first of its process, and that first run pays a cost the engine's warm-up does not remove "
-            f"(no Triton compile was timed in it): the rows' W1 gains are that, not their switch's. Leases after "
-            f"this one measure the defaults again, last (`default_again`), and divide by that.")
+            f"(no Triton compile was timed in it): every W1 ratio here is that much too high, so the gains are "
+            f"the first run's cost, not the switch's, and the losses (overlap, CUDA graphs) are larger than shown. "
+            f"Leases after this one measure the defaults again, last (`default_again`), and divide by that.")
 
 
 def kinds_per_step(t: dict) -> dict[str, float]:
