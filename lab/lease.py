@@ -439,7 +439,8 @@ def wait_healthy(proc: subprocess.Popen, port: int, limit_s: float = 300) -> flo
     return None
 
 
-def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sglang"), name: str = "serving") -> None:
+def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sglang"),
+                name: str = "serving") -> None:
     """Each server in turn: start it in its own process group, wait for /health, run SGLang's bench_serving at
     each load (one JSON line each in $OUT/<name>_<server>.jsonl), stop the group. $OUT/<name>.json: commands,
     start-up times, return codes."""
@@ -457,15 +458,15 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
                                 stderr=subprocess.STDOUT, start_new_session=True)
         ready = wait_healthy(proc, port)
         runs = []
-        for name in loads if ready is not None else []:
-            rate, prompts, out_len, ratio = LOADS[name]
+        for load in loads if ready is not None else []:
+            rate, prompts, out_len, ratio = LOADS[load]
             bench = [*kit, "bench", "--", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
                      "--model", SERVE_MODEL, "--tokenizer", SERVE_MODEL, "--dataset-name", "random-ids",
                      "--random-input-len", "1024", "--random-output-len", str(out_len), "--random-range-ratio",
                      str(ratio), "--num-prompts", str(prompts), "--request-rate", rate, "--seed", "1",
                      "--output-file", os.path.join(out, f"{name}_{server}.jsonl")]
             rc = subprocess.run(bench, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-            runs.append({"load": name, "returncode": rc})
+            runs.append({"load": load, "returncode": rc})
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)

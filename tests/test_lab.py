@@ -302,3 +302,47 @@ def test_api_check_step_unzips_the_carried_wheels_onto_its_path(tmp_path, monkey
     assert (tmp_path / "site-api" / "xgrammar" / "__init__.py").read_text() == "VERSION = 'test'\n"
     assert step.env()["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "site-api")
     assert step.argv("/o")[-2:] == ["lab.checks.h200_api_check", "/o"] and step.ready() is None
+
+
+FAKE_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_serve_bench_writes_a_lab_section_with_each_servers_client_figures(tmp_path, monkeypatch):
+    """serve-bench (issue 24) without the kit: a stand-in server that answers /health, a stand-in client that
+    writes bench_serving's line per load; the summary is a lab section (commit, each load's figures by rate), the
+    report's serving section reads."""
+    import subprocess as sp
+    monkeypatch.setattr(lease, "write_serve_model", lambda: None)
+    (tmp_path / "site-serve").mkdir()
+    (tmp_path / "site-serve" / ".done").write_text("")
+    monkeypatch.setattr(lease, "SERVE_SITE", tmp_path / "site-serve")
+    monkeypatch.setattr(lease, "LOGS", tmp_path / "logs")
+    (tmp_path / "logs").mkdir()
+    monkeypatch.setitem(lease.SERVERS, "stand_in", [sys.executable, "-c", FAKE_SERVER, "{port}"])
+    real_run = sp.run
+
+    def run(argv, *args, **kwargs):
+        if "bench" not in argv:
+            return real_run(argv, *args, **kwargs)
+        rate = float(argv[argv.index("--request-rate") + 1])
+        with open(argv[argv.index("--output-file") + 1], "a") as f:
+            f.write(json.dumps({"request_rate": rate, "completed": 300, "median_ttft_ms": 20.0 + rate,
+                                "p99_itl_ms": 30.0, "output_throughput": 4700.0}) + "\n")
+        return sp.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(lease.subprocess, "run", run)
+    lease.serve_bench(str(tmp_path), ["rate24", "rate48"], ["stand_in"], "serving_x")
+    data = json.loads((tmp_path / "serving_x.json").read_text())
+    assert data["environment"]["git_commit"] and "--servers stand_in" in data["command"]
+    server = data["sections"]["serving_x"]["result"]["servers"]["stand_in"]
+    assert server["ready_s"] is not None and [r["returncode"] for r in server["runs"]] == [0, 0]
+    assert server["results"]["rate24"]["median_ttft_ms"] == 44.0 and server["results"]["rate48"]["p99_itl_ms"] == 30
+    assert (tmp_path / "serving_x_stand_in.jsonl").is_file()
