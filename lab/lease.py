@@ -262,7 +262,7 @@ CALLS: dict[str, Call] = {
                Lab("minisgl8", 265, ("qwen3_8b.json",), ("bench8", "hf8")),
                Timeline("timeline8", 55, ("decode_timeline_8b.json",), "qwen3-8b", "8b"))),
     "serving": Call(
-        "optional, after call3 on the same machine: online serving, minisgl's server and SGLang's, SGLang's "
+        "optional, on a machine calls 1-2 staged: online serving, minisgl's server and SGLang's, SGLang's "
         "bench_serving client at 8, 24, 48 requests/s and 512 at once (the latency-vs-rate curve of issue 24)",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("serving", 420, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),)),
