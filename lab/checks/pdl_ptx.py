@@ -221,6 +221,16 @@ def record_launches() -> list[tuple]:
 
     _record(smp, ["_stats_kernel", "_init_kernel", "_search_kernel", "_narrow_kernel", "_draw_kernel"], sampling,
             calls)
+
+    def logits_processing():  # penalties and a grammar's token mask, on the rows that ask for them (issue 26)
+        rows, slots = torch.tensor([1]), torch.tensor([0])
+        counts = torch.randint(0, 4, (2, vocab), generator=gen, dtype=torch.int32)
+        smp.apply_penalties_(logits, rows, slots, counts, torch.tensor([0.5]), torch.tensor([0.5]),
+                             torch.tensor([1.1]), (1 << 30) - 1)
+        smp.apply_token_bitmask_(logits, rows, torch.randint(-2**31, 2**31 - 1, (1, (vocab + 31) // 32),
+                                                             generator=gen, dtype=torch.int32))
+
+    _record(smp, ["_penalty_kernel", "_bitmask_kernel"], logits_processing, calls)
     return calls
 
 
