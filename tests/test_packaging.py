@@ -71,3 +71,9 @@ def test_ci_installs_the_browser_for_the_browser_test():
     assert "apt-get install -y chromium" in ci and "playwright install" not in ci
     dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
     assert any(d.startswith("playwright") for d in dev)
+
+
+def test_ci_installs_triton_for_the_kernel_tests():
+    # the Triton kernels' interpreter tests and the PTX check skip without Triton: CI must not skip them
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r'^pip install "triton==[0-9.]+"', ci, re.M)
