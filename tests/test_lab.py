@@ -263,6 +263,8 @@ def test_warmup_check_runs_its_arms_on_their_caches_and_judges_the_targets(tmp_p
                 caches["qwen3.5-0.8b", "on_cold"]}) == 3
     targets = res["models"]["qwen3-0.6b"]["targets"]
     assert targets["on_cold.start_within_target"] and not any(k.startswith("off_cold") for k in targets)
+    # every arm with the warm-up on is judged on its first generate, with a next engine or without one
+    assert targets["on_warm.first_generate_no_compiles"] and targets["on_cold.first_generate_no_compiles"]
     assert res["ok"] and json.loads((tmp_path / "w.json").read_text())["ok"]
     assert "warmup_check" in sections.SECTIONS and "warmup" in lease.CALLS
 
