@@ -232,6 +232,7 @@ def test_the_generator_refuses_a_stale_lease_and_a_draft_says_why(tmp_path, caps
     assert "w1_06" in capsys.readouterr().err and not (tmp_path / "REPORT.md").exists()
     assert report_main([str(tmp_path), "--draft"]) == 0
     assert "**DRAFT" in (tmp_path / "REPORT.md").read_text()
+    assert "Not current: measured at" in (tmp_path / "REPORT.md").read_text()  # the serving section says so too
 
 
 # --- the committed report ---------------------------------------------------------------------------------------

@@ -29,9 +29,10 @@ def engine_paths(hybrid: bool) -> list[str]:
     return ENGINE + NOT_ENGINE + ([] if hybrid else [f":(exclude){p}" for p in HYBRID_ONLY])
 
 
-def newest_engine_change(hybrid: bool, rev: str = "HEAD") -> str:
-    """The newest commit (from `rev` back) that changed a file the figures of such a model depend on."""
-    out = git("log", "-1", "--format=%H", rev, "--", *engine_paths(hybrid))
+def newest_engine_change(hybrid: bool, rev: str = "HEAD", paths: list[str] | None = None) -> str:
+    """The newest commit (from `rev` back) that changed a file the figures of such a model depend on (or, given
+    `paths`, a file under those git pathspecs)."""
+    out = git("log", "-1", "--format=%H", rev, "--", *(paths or engine_paths(hybrid)))
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip())
     return out.stdout.strip()
@@ -52,12 +53,13 @@ class Verdict:
     why: str
 
 
-def check(commit: str, dirty: bool, hybrid: bool) -> Verdict:
-    """Whether a run at `commit` measured the engine as it is now for a model of this kind."""
+def check(commit: str, dirty: bool, hybrid: bool, paths: list[str] | None = None) -> Verdict:
+    """Whether a run at `commit` measured the engine as it is now for a model of this kind (given `paths`: the
+    files under those pathspecs as they are now, e.g. the server too for a serving figure)."""
     if dirty:
         return Verdict(False, False, f"measured on an uncommitted tree (commit {commit[:10]} plus changes)")
     try:
-        newest = newest_engine_change(hybrid)
+        newest = newest_engine_change(hybrid, paths=paths)
     except RuntimeError as exc:
         return Verdict(False, is_shallow(), f"git log failed: {exc}")
     if not known(commit):
@@ -71,14 +73,3 @@ def check(commit: str, dirty: bool, hybrid: bool) -> Verdict:
         subject = git("log", "-1", "--format=%h %s", newest).stdout.strip()
         return Verdict(False, False, f"measured at {commit[:10]}, before the engine change {subject[:70]}")
     return Verdict(False, is_shallow(), f"git merge-base failed: {r.stderr.strip()}")
-
-
-def newest_change_since(commit: str, paths: list[str]) -> str | None:
-    """'<hash> <subject>' of the newest commit touching `paths` that `commit` lacks; None when it has them all, or
-    when the history here cannot tell (a shallow clone, an unknown commit)."""
-    newest = git("log", "-1", "--format=%H", "HEAD", "--", *paths).stdout.strip()
-    if not newest or not known(commit):
-        return None
-    if git("merge-base", "--is-ancestor", newest, commit).returncode != 1:
-        return None
-    return git("log", "-1", "--format=%h %s", newest).stdout.strip()[:80]

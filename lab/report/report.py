@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lab.models import MODELS
-from lab.report import charts, floors, freshness
+from lab.report import charts, floors
 from lab.report.figures import BASELINE, HEADLINE, Book, Row, baseline, ceilings, hybrid, rows
 from lab.report.freshness import Verdict, check
 from lab.report.sources import Run, Sources, dig
@@ -522,10 +522,9 @@ def serving(page: Page) -> list[str]:
                   "Each load: 1,024-token prompts (random ids, seed 1), `sglang.bench_serving --backend vllm` "
                   "(streaming completions); the request rate, and all at once (`burst`). "
                   + ("Ratio: minisgl / SGLang." if names[:2] == ["minisgl", "sglang"] else ""), ""]
-        changed = freshness.newest_change_since(run.commit, ["minisgl"])
-        if changed:
-            lines += [f"The server or engine changed after this run ({changed}): these figures are of that commit.",
-                      ""]
+        verdict = check(run.commit, run.dirty, hybrid=False, paths=["minisgl"])  # the server counts here
+        if not verdict.ok and not verdict.unknown:
+            lines += [f"Not current: {verdict.why}. These figures are of the commit measured.", ""]
         head = ("| load | figure | " + " | ".join("SGLang" if n == "sglang" else n for n in names)
                 + (" | ratio |" if "sglang" in names else " |"))
         lines += [head, "|" + "---|" * (len(names) + 2 + ("sglang" in names))]
