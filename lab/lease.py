@@ -453,6 +453,7 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     for port, server in enumerate(servers, start=30001):
         argv = [a.format(port=port) for a in SERVERS[server]]
+        jsonl = os.path.join(out, f"{name}_{server}.jsonl")
         log = open(LOGS / f"server_{server}.log", "w")
         proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **server_env(server)}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -464,7 +465,7 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
                      "--model", SERVE_MODEL, "--tokenizer", SERVE_MODEL, "--dataset-name", "random-ids",
                      "--random-input-len", "1024", "--random-output-len", str(out_len), "--random-range-ratio",
                      str(ratio), "--num-prompts", str(prompts), "--request-rate", rate, "--seed", "1",
-                     "--output-file", os.path.join(out, f"{name}_{server}.jsonl")]
+                     "--output-file", jsonl]
             rc = subprocess.run(bench, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
             runs.append({"load": load, "returncode": rc})
         os.killpg(proc.pid, signal.SIGTERM)
@@ -473,7 +474,7 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         summary["servers"][server] = {"command": argv, "ready_s": ready, "runs": runs,
-                                      "results": serving_results(os.path.join(out, f"{name}_{server}.jsonl"), loads)}
+                                      "results": serving_results(jsonl, loads)}
         print(server, summary["servers"][server], flush=True)
     from minisgl.bench.runner import environment
     env = {**environment(), "time_utc": started}  # the call's start: the figures' time, as a section's

@@ -88,7 +88,8 @@ def facts(page: Page) -> tuple[Facts, list[tuple[str, bool | None]]]:
         return x.value if x else None
 
     # the rows' base: the defaults measured again, last, when the lease did (report.first_run_note says why)
-    d_w1 = arm("default_again", "w1", "output_tok_per_s") or arm("default", "w1", "output_tok_per_s")
+    again = arm("default_again", "w1", "output_tok_per_s")
+    d_w1 = again or arm("default", "w1", "output_tok_per_s")
     for name, label, keys, digits in (("eager_w1", "no_cuda_graph", ("w1", "output_tok_per_s"), 0),
                                       ("eager_tpot", "no_cuda_graph", ("w2", "tpot_ms_median"), 1),
                                       ("no_overlap_w1", "no_overlap", ("w1", "output_tok_per_s"), 0),
@@ -104,7 +105,7 @@ def facts(page: Page) -> tuple[Facts, list[tuple[str, bool | None]]]:
                 if label not in ("default", "default_again") and d_w1 and arm(label, "w1", "output_tok_per_s")}
     # the first W1 of the process slower than every later engine's, when the lease has no second default to
     # divide by: the W1 ratios then measure being first, and the prose says so instead of reading the switch
-    cost = first_run_cost(arms) if not arm("default_again", "w1", "output_tok_per_s") else None
+    cost = first_run_cost(arms) if not again else None
     if cost:
         f["first_run"] = "yes"
         f["later_lo"], f["later_hi"] = times(cost[0]), times(cost[1])
@@ -112,9 +113,6 @@ def facts(page: Page) -> tuple[Facts, list[tuple[str, bool | None]]]:
             f["topkp_vs_w1"] = times(ours("w1_topkp_06") / ours("w1_06"))
     else:
         f["no_first_run"] = "yes"
-    again = arm("default_again", "w1", "output_tok_per_s")
-    if again and arm("default", "w1", "output_tok_per_s"):
-        f["first_w1_x"] = times(arm("default", "w1", "output_tok_per_s") / again)
     for name, label in (("eager_w1_x", "no_cuda_graph"), ("no_overlap_w1_x", "no_overlap"),
                         ("no_radix_w1_x", "no_radix_cache")):
         if label in w1_ratio:

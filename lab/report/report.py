@@ -496,10 +496,11 @@ def mixes35(page: Page) -> list[str]:
     return lines + [""]
 
 
-# the client's figures a serving table shows: (bench_serving key, label, digits, higher is better)
-SERVING_FIGURES = (("median_ttft_ms", "median TTFT ms", 1, False), ("p99_ttft_ms", "P99 TTFT ms", 1, False),
-                   ("median_tpot_ms", "median TPOT ms", 2, False), ("median_itl_ms", "median ITL ms", 2, False),
-                   ("p99_itl_ms", "P99 ITL ms", 1, False), ("output_throughput", "output tok/s", 0, True))
+# the client's figures a serving table shows: (bench_serving key, label, digits); the chart's are the latencies
+SERVING_FIGURES = (("median_ttft_ms", "median TTFT ms", 1), ("p99_ttft_ms", "P99 TTFT ms", 1),
+                   ("median_tpot_ms", "median TPOT ms", 2), ("median_itl_ms", "median ITL ms", 2),
+                   ("p99_itl_ms", "P99 ITL ms", 1), ("output_throughput", "output tok/s", 0))
+SERVING_CHART = ("median_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 SERVING_SECTIONS = {"serving": "minisgl's server and SGLang's under SGLang's client",
                     "serving_mixed": "minisgl's server with the prefill of a step that also decodes capped"}
 
@@ -525,29 +526,27 @@ def serving(page: Page) -> list[str]:
         verdict = check(run.commit, run.dirty, hybrid=False, paths=["minisgl"])  # the server counts here
         if not verdict.ok and not verdict.unknown:
             lines += [f"Not current: {verdict.why}. These figures are of the commit measured.", ""]
-        head = ("| load | figure | " + " | ".join("SGLang" if n == "sglang" else n for n in names)
-                + (" | ratio |" if "sglang" in names else " |"))
-        lines += [head, "|" + "---|" * (len(names) + 2 + ("sglang" in names))]
+        theirs = names.index("sglang") if "sglang" in names else None  # the ratio column: first server / SGLang
+        head = "| load | figure | " + " | ".join("SGLang" if n == "sglang" else n for n in names) + " |"
+        lines += [head + (" ratio |" if theirs is not None else ""),
+                  "|" + "---|" * (len(names) + 2 + (theirs is not None))]
         for load in loads:
-            for key, label, digits, _ in SERVING_FIGURES:
+            for key, label, digits in SERVING_FIGURES:
                 vals = []
                 for name in names:
                     v = page.book.take(f"{section}.{name}.{load}.{key}",
                                        f"{section}.servers.{name}.results.{load}.{key}")
                     vals.append(v.value if v else None)
-                ratio = ""
-                if "sglang" in names and vals[0] and vals[names.index("sglang")]:
-                    ratio = f" {times(vals[0] / vals[names.index('sglang')])} |"
-                elif "sglang" in names:
-                    ratio = " |"
-                lines.append(f"| {load} | {label} | " + " | ".join(fmt(v, digits) for v in vals) + " |" + ratio)
+                row = f"| {load} | {label} | " + " | ".join(fmt(v, digits) for v in vals) + " |"
+                if theirs is not None:
+                    row += f" {times(vals[0] / vals[theirs]) if vals[0] and vals[theirs] else ''} |"
+                lines.append(row)
         lines.append("")
         rated = [load for load in loads if run.result["loads"][load][0] != "inf"]
         if len(rated) >= 2:
             rates = [float(run.result["loads"][load][0]) for load in rated]
             series = {name: {label: [dig(servers[name], [load, key]) for load in rated]
-                             for key, label, _, _ in SERVING_FIGURES if key in ("median_ttft_ms", "p99_itl_ms",
-                                                                                "median_tpot_ms")}
+                             for key, label, _ in SERVING_FIGURES if key in SERVING_CHART}
                       for name in names}
             charts.latency_vs_rate(rates, series, page.chart(section), f"Latency against request rate ({section})")
             lines += [f"![Latency against request rate, {section}](charts/{section}.png)", ""]
