@@ -53,6 +53,9 @@ MANIFEST = "MANIFEST.json"
 CARRY_LIMIT = 64 << 20  # what one call may bring: tracked + untracked files + carried paths
 CALL_LIMIT_S = 600  # the device's limit for one command
 CALL_BUDGET_S = 520  # what a call plans to use: it must end, logs packed, before its timeout_s (540)
+SERVER_GRACE_S = 6  # a server stopped by serve-bench: SIGTERM, then SIGKILL (inside STOP_GRACE_S below)
+STOP_GRACE_S = 12  # a step stopped at the budget gets SIGTERM, then SIGKILL this much later (serve-bench stops its
+#                    server in between: run16's serving step, killed outright, left SGLang's server answering)
 
 
 # --- steps ---------------------------------------------------------------------------------------------------
@@ -261,20 +264,19 @@ CALLS: dict[str, Call] = {
         steps=(SGLang("sglang8", 160, ("sglang_8.json",), "qwen3-8b", ("w1", "w1_topkp", "w2")),
                Lab("minisgl8", 265, ("qwen3_8b.json",), ("bench8", "hf8")),
                Timeline("timeline8", 55, ("decode_timeline_8b.json",), "qwen3-8b", "8b"))),
+    # run16: minisgl's server took 326 s for the four loads (66 s to start, ~50 s of client start and data
+    # preparation a load beside the runs themselves), SGLang's ~62 s to start: both in one call overran its budget
     "serving": Call(
-        "optional, on a machine calls 1-2 staged: online serving, minisgl's server and SGLang's, SGLang's "
-        "bench_serving client at 8, 24, 48 requests/s and 512 at once (the latency-vs-rate curve of issue 24)",
+        "optional, on a machine calls 1-2 staged: online serving (issue 24), minisgl's server under SGLang's "
+        "bench_serving client at 8, 24, 48 requests/s and 512 at once; the report's table puts SGLang's server "
+        "(serving_sglang, the next call) beside it",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
-        steps=(Serving("serving", 420, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),)),
-    "serving_mixed": Call(
-        "optional, on a machine calls 1-2 staged: issue 24's tail latency (P99 ITL 33 ms against SGLang's "
-        "21 at 24 req/s, run14): minisgl's server with the prefill tokens of a step that also decodes capped "
-        "(--mixed-prefill-tokens 2048, 1024) beside the default, SGLang's client at 24 and 48 requests/s",
+        steps=(Serving("serving", 350, ("serving.json", "serving_minisgl.jsonl"), servers=("minisgl",)),)),
+    "serving_sglang": Call(
+        "optional, right after `serving` on its machine: SGLang's server under the same client and loads",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
-        steps=(Serving("serving_mixed", 270, ("serving_mixed.json", "serving_mixed_minisgl.jsonl",
-                                              "serving_mixed_minisgl_mixed2048.jsonl",
-                                              "serving_mixed_minisgl_mixed1024.jsonl"),
-                       loads=("rate24", "rate48"), servers=("minisgl", "minisgl_mixed2048", "minisgl_mixed1024")),)),
+        steps=(Serving("serving_sglang", 330, ("serving_sglang.json", "serving_sglang_sglang.jsonl"),
+                       servers=("sglang",)),)),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "
@@ -358,8 +360,7 @@ def run_step(step: Step, out: str, remaining: float) -> str:
         try:
             rc = proc.wait(timeout=remaining)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the step's own process group: its children too
-            proc.wait()
+            stop_group(proc, grace_s=STOP_GRACE_S)  # the step's own process group: its children too
             rc = "stopped at the call's budget"
     tail = log.read_text(errors="replace").strip().splitlines()[-2:]
     return f"{step.name}: rc {rc}, {time.perf_counter() - t0:.0f} s (estimate {step.seconds}) | " + " | ".join(
@@ -403,8 +404,6 @@ SERVERS = {
                "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--grammar-backend", "none", "--host", "127.0.0.1", "--port", "{port}"],
 }
-SERVERS["minisgl_mixed2048"] = [*SERVERS["minisgl"], "--mixed-prefill-tokens", "2048"]
-SERVERS["minisgl_mixed1024"] = [*SERVERS["minisgl"], "--mixed-prefill-tokens", "1024"]
 
 
 def server_env(server: str) -> dict[str, str]:
@@ -439,49 +438,92 @@ def wait_healthy(proc: subprocess.Popen, port: int, limit_s: float = 300) -> flo
     return None
 
 
+def port_answers(port: int) -> bool:
+    """Something already listens there (a server a stopped step left behind would answer a new one's /health)."""
+    import socket
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to the process's group, SIGKILL after grace_s: a server and its workers, or a step and its children."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
 def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sglang"),
                 name: str = "serving") -> None:
     """Each server in turn: start it in its own process group, wait for /health, run SGLang's bench_serving at
-    each load (one JSON line each in $OUT/<name>_<server>.jsonl), stop the group. $OUT/<name>.json: commands,
-    start-up times, return codes."""
+    each load (one JSON line each in $OUT/<name>_<server>.jsonl), stop the group. $OUT/<name>.json (commands,
+    start-up times, return codes, each load's client figures) is written again after each server, so a step
+    stopped at its call's budget keeps what it measured; the server is stopped on SIGTERM too (main() turns it
+    into SystemExit), so no server outlives its step and answers the next step's client on the same port."""
     kit = ["bash", f"{KIT}/serving.sh", WHEEL_DIR]
     write_serve_model()
     if not (SERVE_SITE / ".done").is_file():  # the kit unpacks its wheels on first use; minisgl's server needs them
         subprocess.run([*kit, "bench", "--", "--help"], cwd=REPO, stdout=subprocess.DEVNULL,
                        stderr=subprocess.STDOUT, check=False)
+    from minisgl.bench.runner import environment
+    env = {**environment(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # the call's start
     summary: dict = {"loads": {k: LOADS[k] for k in loads}, "servers": {}}
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     for port, server in enumerate(servers, start=30001):
         argv = [a.format(port=port) for a in SERVERS[server]]
         jsonl = os.path.join(out, f"{name}_{server}.jsonl")
+        if port_answers(port):
+            summary["servers"][server] = {"command": argv, "ready_s": None, "runs": [], "results": {},
+                                          "error": f"port {port} already answers before the server starts: "
+                                                   "another process would be measured; not run"}
+            write_serving_summary(out, name, loads, servers, env, summary)
+            continue
         log = open(LOGS / f"server_{server}.log", "w")
         proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **server_env(server)}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        ready = wait_healthy(proc, port)
         runs = []
-        for load in loads if ready is not None else []:
-            rate, prompts, out_len, ratio = LOADS[load]
-            bench = [*kit, "bench", "--", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
-                     "--model", SERVE_MODEL, "--tokenizer", SERVE_MODEL, "--dataset-name", "random-ids",
-                     "--random-input-len", "1024", "--random-output-len", str(out_len), "--random-range-ratio",
-                     str(ratio), "--num-prompts", str(prompts), "--request-rate", rate, "--seed", "1",
-                     "--output-file", jsonl]
-            rc = subprocess.run(bench, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-            runs.append({"load": load, "returncode": rc})
-        os.killpg(proc.pid, signal.SIGTERM)
+        summary["servers"][server] = {"command": argv, "ready_s": None, "runs": runs}
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        summary["servers"][server] = {"command": argv, "ready_s": ready, "runs": runs,
-                                      "results": serving_results(jsonl, loads)}
+            ready = summary["servers"][server]["ready_s"] = wait_healthy(proc, port)
+            for load in loads if ready is not None else []:
+                rate, prompts, out_len, ratio = LOADS[load]
+                bench = [*kit, "bench", "--", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+                         "--model", SERVE_MODEL, "--tokenizer", SERVE_MODEL, "--dataset-name", "random-ids",
+                         "--random-input-len", "1024", "--random-output-len", str(out_len), "--random-range-ratio",
+                         str(ratio), "--num-prompts", str(prompts), "--request-rate", rate, "--seed", "1",
+                         "--output-file", jsonl]
+                rc = subprocess.run(bench, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+                runs.append({"load": load, "returncode": rc})
+        finally:
+            stop_group(proc, grace_s=SERVER_GRACE_S)
+            summary["servers"][server]["results"] = serving_results(jsonl, loads)
+            write_serving_summary(out, name, loads, servers, env, summary)
         print(server, summary["servers"][server], flush=True)
-    from minisgl.bench.runner import environment
-    env = {**environment(), "time_utc": started}  # the call's start: the figures' time, as a section's
+
+
+def write_serving_summary(out: str, name: str, loads: list[str], servers: list[str], env: dict,
+                          summary: dict) -> None:
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump({"environment": env, "command": f"python -m lab.lease serve-bench --loads {','.join(loads)} "
                    f"--servers {','.join(servers)} --name {name}", "sections": {name: {"result": summary}}}, f,
                   indent=1)
+
+
+def rebuild_serving_summary(out: str, loads: list[str], servers: list[str], name: str, environment_from: str,
+                            time_utc: str) -> None:
+    """The summary of a serve-bench that was stopped before it wrote it (run16's, before the summary was written
+    after each server): each server's client figures from the JSONL lines the client wrote, the machine's
+    environment from another file written on the same machine at the same commit, the time the step started."""
+    env = {**json.loads(Path(environment_from).read_text())["environment"], "time_utc": time_utc,
+           "rebuilt": f"from the client's JSONL lines by `python -m lab.lease serve-summary` (the step was stopped "
+                      f"before it wrote this file); environment from {Path(environment_from).name}"}
+    summary = {"loads": {k: LOADS[k] for k in loads},
+               "servers": {s: {"results": serving_results(os.path.join(out, f"{name}_{s}.jsonl"), loads)}
+                           for s in servers}}
+    write_serving_summary(out, name, loads, servers, env, summary)
 
 
 # what the report keeps of a bench_serving line (SGLang's client writes one per run)
@@ -588,7 +630,7 @@ def plan() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=[*CALLS, "plan", "split-wheels", "serve-bench", "api-wheels"])
+    ap.add_argument("what", choices=[*CALLS, "plan", "split-wheels", "serve-bench", "serve-summary", "api-wheels"])
     ap.add_argument("folder", nargs="?", default=WHEEL_DIR, help="split-wheels: the wheels' folder")
     ap.add_argument("--commit", help="the commit the device's tree is (it has no .git)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where the JSON goes (default $OUT)")
@@ -596,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", default=",".join(LOADS), help=f"serve-bench: of {', '.join(LOADS)}")
     ap.add_argument("--servers", default="minisgl,sglang", help=f"serve-bench: of {', '.join(SERVERS)}")
     ap.add_argument("--name", default="serving", help="serve-bench: the output files' prefix")
+    ap.add_argument("--environment-from", help="serve-summary: a JSON file of the same machine and commit")
+    ap.add_argument("--time-utc", help="serve-summary: when the serve-bench step started")
     a = ap.parse_args(argv)
     if a.what == "plan":
         return plan()
@@ -607,11 +651,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not a.out:
         ap.error("--out or $OUT is required")
-    if a.what == "serve-bench":
-        LOGS.mkdir(parents=True, exist_ok=True)
+    if a.what in ("serve-bench", "serve-summary"):
         unknown = set(a.servers.split(",")) - set(SERVERS)
         if unknown:
             ap.error(f"unknown servers {sorted(unknown)}")
+    if a.what == "serve-summary":
+        if not (a.environment_from and a.time_utc):
+            ap.error("serve-summary needs --environment-from and --time-utc")
+        rebuild_serving_summary(a.out, a.loads.split(","), a.servers.split(","), a.name, a.environment_from,
+                                a.time_utc)
+        return 0
+    if a.what == "serve-bench":
+        LOGS.mkdir(parents=True, exist_ok=True)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped step: finally-blocks stop the server
         serve_bench(a.out, a.loads.split(","), a.servers.split(","), a.name)
         return 0
     run_call(a.what, a.out, a.commit, set(a.steps.split(",")) if a.steps else None)

@@ -348,3 +348,56 @@ def test_serve_bench_writes_a_lab_section_with_each_servers_client_figures(tmp_p
     assert server["ready_s"] is not None and [r["returncode"] for r in server["runs"]] == [0, 0]
     assert server["results"]["rate24"]["median_ttft_ms"] == 44.0 and server["results"]["rate48"]["p99_itl_ms"] == 30
     assert (tmp_path / "serving_x_stand_in.jsonl").is_file()
+
+
+def test_serve_bench_never_measures_a_server_it_did_not_start_and_stops_its_own_when_stopped(tmp_path, monkeypatch):
+    """run16: a serving step stopped at its call's budget left SGLang's server running, and the next call's
+    client, on the same port, measured it as minisgl's. Now a port that already answers is refused (the server
+    is recorded as not run), and a step stopped mid-client (SIGTERM, which serve-bench's main turns into
+    SystemExit) still stops its server and keeps the summary of what ran."""
+    import subprocess as sp
+    import time as _time
+    monkeypatch.setattr(lease, "write_serve_model", lambda: None)
+    (tmp_path / "site-serve").mkdir()
+    (tmp_path / "site-serve" / ".done").write_text("")
+    monkeypatch.setattr(lease, "SERVE_SITE", tmp_path / "site-serve")
+    monkeypatch.setattr(lease, "LOGS", tmp_path / "logs")
+    (tmp_path / "logs").mkdir()
+    for name in ("first", "second"):
+        monkeypatch.setitem(lease.SERVERS, name, [sys.executable, "-c", FAKE_SERVER, "{port}"])
+    squatter = sp.Popen([sys.executable, "-c", FAKE_SERVER, "30001"], start_new_session=True)
+    try:
+        for _ in range(100):
+            if lease.port_answers(30001):
+                break
+            _time.sleep(0.1)
+        real_run = sp.run
+
+        def run(argv, *args, **kwargs):
+            if "bench" not in argv:
+                return real_run(argv, *args, **kwargs)
+            raise SystemExit(143)  # the step's SIGTERM arrives while the client runs
+
+        monkeypatch.setattr(lease.subprocess, "run", run)
+        with pytest.raises(SystemExit):
+            lease.serve_bench(str(tmp_path), ["rate24"], ["first", "second"], "serving_y")
+    finally:
+        squatter.kill()
+        squatter.wait()
+    servers = json.loads((tmp_path / "serving_y.json").read_text())["sections"]["serving_y"]["result"]["servers"]
+    assert "already answers" in servers["first"]["error"] and servers["first"]["runs"] == []
+    assert servers["second"]["ready_s"] is not None and servers["second"]["results"] == {}
+    assert not lease.port_answers(30002)  # the server serve-bench started is gone
+
+
+def test_serve_summary_rebuilds_a_stopped_steps_summary_from_the_client_lines(tmp_path):
+    (tmp_path / "serving_minisgl.jsonl").write_text(json.dumps({"request_rate": 24.0, "median_ttft_ms": 14.1}) + "\n")
+    (tmp_path / "env.json").write_text(json.dumps({"environment": {"git_commit": "abc", "gpu": "NVIDIA H200"}}))
+    assert lease.main(["serve-summary", "--out", str(tmp_path), "--servers", "minisgl,sglang", "--loads",
+                       "rate24,rate48", "--environment-from", str(tmp_path / "env.json"), "--time-utc", "T"]) == 0
+    data = json.loads((tmp_path / "serving.json").read_text())
+    assert data["environment"]["git_commit"] == "abc" and data["environment"]["time_utc"] == "T"
+    assert "rebuilt" in data["environment"]
+    servers = data["sections"]["serving"]["result"]["servers"]
+    assert servers["minisgl"]["results"] == {"rate24": {**dict.fromkeys(lease.SERVING_KEYS), "median_ttft_ms": 14.1}}
+    assert servers["sglang"]["results"] == {}

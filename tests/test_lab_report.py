@@ -187,11 +187,13 @@ def synthetic_lease(folder: Path, commit: str) -> None:
         return {"completed": 300, "median_ttft_ms": ttft, "p99_ttft_ms": 3 * ttft, "median_tpot_ms": 2.0,
                 "median_itl_ms": 1.8, "p99_itl_ms": itl99, "output_throughput": tok_s}
     loads = {"rate8": ["8", 300, 256, 0.5], "rate24": ["24", 300, 256, 0.5], "burst": ["inf", 512, 512, 0.25]}
+    # the two servers come from two calls (serving, serving_sglang); SGLang's rate8 did not run
     sections_file(folder / "serving.json", e, {"serving": {"loads": loads, "servers": {
         "minisgl": {"results": {"rate8": client(15.0, 9.0, 1500), "rate24": client(19.7, 33.5, 4709),
-                                "burst": client(2300.0, 60.0, 8216)}},
-        "sglang": {"results": {"rate8": client(25.0, 12.0, 1490), "rate24": client(28.7, 20.7, 4680),
-                               "burst": client(2301.0, 50.0, 7751)}}}}}, command="python -m lab.lease serve-bench")
+                                "burst": client(2300.0, 60.0, 8216)}}}}}, command="python -m lab.lease serve-bench")
+    sections_file(folder / "serving_sglang.json", e, {"serving_sglang": {"loads": loads, "servers": {
+        "sglang": {"results": {"rate24": client(28.7, 20.7, 4680), "burst": client(2301.0, 50.0, 7751)}}}}},
+        command="python -m lab.lease serve-bench")
     (folder / "README.md").write_text("# run99: a synthetic lease for the generator's test\n")
 
 
@@ -209,6 +211,7 @@ def test_the_generator_writes_a_current_report_and_post_from_a_lease(tmp_path):
     assert "| load | figure | minisgl | SGLang | ratio |" in report
     assert "| rate24 | P99 ITL ms | 33.5 | 20.7 | 1.62x |" in report
     assert "| burst | output tok/s | 8,216 | 7,751 | 1.06x |" in report and "(charts/serving.png)" in report
+    assert "| rate8 | median TTFT ms | 15.0 | — |  |" in report  # a load one server did not run
     for page in (report, post):
         for image in re.findall(r"\]\((charts/[\w.]+)\)", page):
             assert (tmp_path / image).stat().st_size > 5000, image

@@ -1,9 +1,14 @@
 """Write REPORT.md, BLOG.md, HISTORY.md, figures.json and charts/ for a GPU's reports folder.
 
-    python -m lab.report                         # reports/h200, from its newest lease folder; fails unless current
+    python -m lab.report                         # reports/h200, from its newest full lease (and any later
+                                                 # optional calls' folders); fails unless current
     python -m lab.report --lease run14           # a given lease folder
     python -m lab.report --draft                 # the newest result of each section across every lease: a layout
                                                  # review; the page says what it lacks instead of failing
+
+A full lease holds the headline (calls 1-3); a later folder with only optional calls (serving, checks, warm-up)
+adds its sections to it, each still checked for freshness. A folder `invalid/` inside a lease holds files that are
+kept but not used (its README says why).
 
 A current report needs every headline figure measured in that lease, at a commit that contains the newest engine
 change behind it (lab.report.freshness), its ablation tables from the headline's commit, and SGLang beside it;
@@ -22,6 +27,8 @@ from lab.report import blog, history
 from lab.report.report import Page, audit, write
 from lab.report.sources import Sources, lease_folders
 
+HEADLINE_SECTION = "bench06"  # what makes a lease folder a full one (call 1's headline and ablation)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,10 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         sources = Sources.of(root)
     else:
         leases = lease_folders(root)
-        lease = root / a.lease if a.lease else (leases[-1] if leases else None)
+        full = [d for d in leases if Sources.of(d).result(HEADLINE_SECTION)]
+        lease = root / a.lease if a.lease else (full[-1] if full else None)
         if lease is None:
-            raise SystemExit(f"no lease folder under {root}")
-        sources = Sources.of(lease)
+            raise SystemExit(f"no lease folder with the headline ({HEADLINE_SECTION}) under {root}")
+        later = [] if a.lease else leases[leases.index(lease) + 1:]
+        sources = Sources.of(lease, *later)
     page = Page(sources, root)
     audit(page)
     report = write(page, a.draft)

@@ -501,55 +501,58 @@ SERVING_FIGURES = (("median_ttft_ms", "median TTFT ms", 1), ("p99_ttft_ms", "P99
                    ("median_tpot_ms", "median TPOT ms", 2), ("median_itl_ms", "median ITL ms", 2),
                    ("p99_itl_ms", "P99 ITL ms", 1), ("output_throughput", "output tok/s", 0))
 SERVING_CHART = ("median_ttft_ms", "median_tpot_ms", "p99_itl_ms")
-SERVING_SECTIONS = {"serving": "minisgl's server and SGLang's under SGLang's client",
-                    "serving_mixed": "minisgl's server with the prefill of a step that also decodes capped"}
+# one table: minisgl's server and SGLang's, each a call of its own since run16 (one call could not hold both)
+SERVING_SECTIONS = ("serving", "serving_sglang")
 
 
 def serving(page: Page) -> list[str]:
     """Online serving (issue 24): each server of the lease's serving calls at each load, SGLang's bench_serving
     client, and the latency-against-rate curve. The server's code counts here, so the section says when it
     changed after the run (the headline's freshness check leaves the server out)."""
-    lines: list[str] = []
-    for section, about in SERVING_SECTIONS.items():
-        run = page.sources.result(section)
-        if run is None:
-            continue
-        servers = {name: s.get("results", {}) for name, s in run.result.get("servers", {}).items()}
-        loads = [load for load in run.result.get("loads", {}) if any(load in r for r in servers.values())]
-        if not loads:
-            continue
-        names = list(servers)
-        lines += [f"## Serving: {about} (`{run.file}`, commit {run.commit[:10]})", "",
-                  "Each load: 1,024-token prompts (random ids, seed 1), `sglang.bench_serving --backend vllm` "
-                  "(streaming completions); the request rate, and all at once (`burst`). "
-                  + ("Ratio: minisgl / SGLang." if names[:2] == ["minisgl", "sglang"] else ""), ""]
-        verdict = check(run.commit, run.dirty, hybrid=False, paths=["minisgl"])  # the server counts here
-        if not verdict.ok and not verdict.unknown:
-            lines += [f"Not current: {verdict.why}. These figures are of the commit measured.", ""]
-        theirs = names.index("sglang") if "sglang" in names else None  # the ratio column: first server / SGLang
-        head = "| load | figure | " + " | ".join("SGLang" if n == "sglang" else n for n in names) + " |"
-        lines += [head + (" ratio |" if theirs is not None else ""),
-                  "|" + "---|" * (len(names) + 2 + (theirs is not None))]
-        for load in loads:
-            for key, label, digits in SERVING_FIGURES:
-                vals = []
-                for name in names:
-                    v = page.book.take(f"{section}.{name}.{load}.{key}",
-                                       f"{section}.servers.{name}.results.{load}.{key}")
-                    vals.append(v.value if v else None)
-                row = f"| {load} | {label} | " + " | ".join(fmt(v, digits) for v in vals) + " |"
-                if theirs is not None:
-                    row += f" {times(vals[0] / vals[theirs]) if vals[0] and vals[theirs] else ''} |"
-                lines.append(row)
-        lines.append("")
-        rated = [load for load in loads if run.result["loads"][load][0] != "inf"]
-        if len(rated) >= 2:
-            rates = [float(run.result["loads"][load][0]) for load in rated]
-            series = {name: {label: [dig(servers[name], [load, key]) for load in rated]
-                             for key, label, _ in SERVING_FIGURES if key in SERVING_CHART}
-                      for name in names}
-            charts.latency_vs_rate(rates, series, page.chart(section), f"Latency against request rate ({section})")
-            lines += [f"![Latency against request rate, {section}](charts/{section}.png)", ""]
+    runs = [run for run in map(page.sources.result, SERVING_SECTIONS) if run is not None]
+    servers, where, loads = {}, {}, {}
+    for run in runs:
+        for name, s in run.result.get("servers", {}).items():
+            if name not in servers and s.get("results"):
+                servers[name], where[name] = s["results"], run
+        loads.update(run.result.get("loads", {}))
+    names = sorted(servers, key=lambda n: n != "minisgl")  # minisgl first: the ratio column is minisgl / SGLang
+    loads = {load: spec for load, spec in loads.items() if any(load in r for r in servers.values())}
+    if not loads:
+        return []
+    ours = where[names[0]]
+    lines = [f"## Serving: minisgl's server and SGLang's under SGLang's client "
+             f"({', '.join(sorted({f'`{r.file}`' for r in where.values()}))}, commit {ours.commit[:10]})", "",
+             "Each load: 1,024-token prompts (random ids, seed 1), `sglang.bench_serving --backend vllm` "
+             "(streaming completions); the request rate, and all at once (`burst`). A dash: that load did not "
+             "run. " + ("Ratio: minisgl / SGLang." if "sglang" in names else ""), ""]
+    verdict = check(ours.commit, ours.dirty, hybrid=False, paths=["minisgl"])  # the server counts here
+    if not verdict.ok and not verdict.unknown:
+        lines += [f"Not current: {verdict.why}. These figures are of the commit measured.", ""]
+    theirs = names.index("sglang") if "sglang" in names else None
+    head = "| load | figure | " + " | ".join("SGLang" if n == "sglang" else n for n in names) + " |"
+    lines += [head + (" ratio |" if theirs is not None else ""),
+              "|" + "---|" * (len(names) + 2 + (theirs is not None))]
+    for load in loads:
+        for key, label, digits in SERVING_FIGURES:
+            vals = []
+            for name in names:
+                v = page.book.take(f"serving.{name}.{load}.{key}",
+                                   f"{where[name].section}.servers.{name}.results.{load}.{key}")
+                vals.append(v.value if v else None)
+            row = f"| {load} | {label} | " + " | ".join(fmt(v, digits) for v in vals) + " |"
+            if theirs is not None:
+                row += f" {times(vals[0] / vals[theirs]) if vals[0] and vals[theirs] else ''} |"
+            lines.append(row)
+    lines.append("")
+    rated = [load for load in loads if loads[load][0] != "inf"]
+    if len(rated) >= 2:
+        rates = [float(loads[load][0]) for load in rated]
+        series = {name: {label: [dig(servers[name], [load, key]) for load in rated]
+                         for key, label, _ in SERVING_FIGURES if key in SERVING_CHART}
+                  for name in names}
+        charts.latency_vs_rate(rates, series, page.chart("serving"), "Latency against request rate")
+        lines += ["![Latency against request rate](charts/serving.png)", ""]
     return lines
 
 

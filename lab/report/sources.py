@@ -89,10 +89,11 @@ class Sources:
 
     @classmethod
     def of(cls, *paths: str | Path) -> Sources:
-        """Folders (every *.json under them) and files."""
+        """Folders (every *.json under them, but not under a folder named `invalid`) and files."""
         files: list[Path] = []
         for p in map(Path, paths):
-            files += sorted(p.rglob("*.json")) if p.is_dir() else [p]
+            files += sorted(f for f in p.rglob("*.json") if "invalid" not in f.relative_to(p).parts[:-1]) \
+                if p.is_dir() else [p]
         return cls(files)
 
     def runs_of(self, section: str, defaults_only: bool = True) -> list[Run]:
