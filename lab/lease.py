@@ -2,28 +2,30 @@
 
 Here (the CPU machine), before the lease:
 
-    python -m lab.lease split-wheels .sglang-whl     # SGLang's wheels in two halves that each fit beside the tree
+    python -m lab.lease split-wheels .sglang-whl     # SGLang's wheels in three parts that each fit beside the tree
     python -m lab.lease plan                          # every call: its exact command, carry list and minutes
 
 On the device, each call is one command (the plan prints them with the commit filled in):
 
     python3 -m lab.lease call1 --commit SHA          # minisgl Qwen3-0.6B: ceilings, headline + ablation, sweep
-    python3 -m lab.lease call2 --commit SHA          # SGLang Qwen3-0.6B and Qwen3.5; minisgl Qwen3.5; HF 0.6B
-    python3 -m lab.lease call3 --commit SHA          # Qwen3-8B both engines, HF 8B, the profiler diagnosis
-    python3 -m lab.lease serving --commit SHA        # optional: online serving, both servers (issue 24)
+    python3 -m lab.lease call2 --commit SHA          # minisgl Qwen3.5 and Qwen3-8B, HF 0.6B and 8B, 8B profile
+    python3 -m lab.lease call3 --commit SHA          # SGLang on Qwen3-0.6B, Qwen3.5 and Qwen3-8B
+    python3 -m lab.lease serving --commit SHA        # optional: online serving, minisgl's server (issue 24)
+    python3 -m lab.lease serving_sglang --commit SHA # optional, right after: SGLang's server, the same loads
     python3 -m lab.lease warmup --commit SHA         # optional: the kernel warm-up at engine start (issue 29)
 
-SGLang's wheels (~50 MB) and the tree (~37 MB) do not fit in one call's 64 MiB, so call1 carries half `a` and
-call2 half `b`: each call copies the half it carries into /tmp/sglwhl on the machine, and once every wheel of
-the manifest is there the kit's run_sglang.sh unpacks them into /tmp/site. Calls 2 and 3 must therefore land on
-the machine call 1 warmed (a call within 30 s of the last one's end). If one lands on a fresh machine, its SGLang
-steps are skipped with a message naming the missing half, its minisgl steps still run, and `--steps` re-runs
-what was skipped (e.g. `python3 -m lab.lease call2 --steps sglang06,sglang35` carrying both halves' missing one).
+SGLang's wheels (~50 MB) and the tree (~38 MB) do not fit in one call's 64 MiB, so each of calls 1-3 carries one
+part (`a`, `b`, `c`): each call copies the part it carries into /tmp/sglwhl on the machine, and once every wheel
+of the manifest is there the kit's run_sglang.sh unpacks them into /tmp/site. Calls 2 and 3 must therefore land
+on the machine call 1 warmed (a call within 30 s of the last one's end). If one lands on a fresh machine, its
+SGLang steps are skipped with a message naming the missing parts, its minisgl steps still run, and `--steps`
+re-runs what was skipped (`--steps none` only stages the part carried: e.g. `call1 --steps none`, `call2 --steps
+none` and then `call3` on a fresh machine).
 
 Each step's output goes to /tmp/lease-logs/<step>.log, packed into $OUT/logs_<call>.tgz at the end; a step that
-would run past the call's budget is skipped (said in the output), and one that overruns is stopped, so the
-JSON of every step that finished comes back. The device returns at most 8 files a call: each call writes at most
-six JSON files and the logs.
+would run past the call's budget is skipped (said in the output), and one that overruns is stopped (SIGTERM,
+then SIGKILL), so the JSON of every step that finished comes back, and a serving step stops its server. The
+device returns at most 8 files a call: each call writes at most six JSON files and the logs.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from pathlib import Path
 from lab import REPO
 
 LOGS = Path("/tmp/lease-logs")
-WHEELS = Path("/tmp/sglwhl")  # the carried halves, gathered on the machine across calls
+WHEELS = Path("/tmp/sglwhl")  # the carried parts, gathered on the machine across calls
 SITE = Path("/tmp/site")  # where the kit's run_sglang.sh unpacks them (its stamp: /tmp/site/.sglang-kit)
 KIT = ".sglang-kit"
 WHEEL_DIR = ".sglang-whl"
@@ -227,7 +229,7 @@ class Call:
     about: str
     carry: tuple[str, ...]
     steps: tuple[Step, ...]
-    stage: str | None = None  # the wheel half this call carries and stages
+    stage: str | None = None  # the wheel part this call carries and stages
     budget_s: int = CALL_BUDGET_S
 
     @property
@@ -239,6 +241,8 @@ class Call:
 # 330 s plus ~25 s for the default measured again, sglang06 213 s, minisgl35 57 s, sglang35 96 s, sglang8 159 s,
 # minisgl8 235 s plus ~30 s, the 0.6B profiles 87 s and the 8B ones 36 s (plus a process start each), the timelines
 # 40 and 55 s. run15's call 3 held all of Qwen3-8B and both profiles, ~620 s: more than a call's budget.
+# SGLang's wheels travel in three parts (run16: the tree grew to 38.4 MiB, and two halves of 25 MiB left <1 MiB of
+# room), one a call; SGLang's steps all run in call 3, once the three are on the machine.
 CALLS: dict[str, Call] = {
     "call1": Call(
         "minisgl Qwen3-0.6B at this commit: the card's ceilings, the headline workloads and the ablation table "
@@ -249,25 +253,26 @@ CALLS: dict[str, Call] = {
                Timeline("timeline06", 40, ("decode_timeline_06.json",), "qwen3-0.6b", "06"),
                Lab("diagnosis", 95, ("diagnosis.json",), ("profile",)))),
     "call2": Call(
-        "SGLang beside us on Qwen3-0.6B (W1, W1 top-k/top-p, W2, W3, W4, the sweep) and Qwen3.5-0.8B (W1, W2); "
-        "minisgl on Qwen3.5-0.8B; transformers on Qwen3-0.6B; Qwen3-8B's profiler diagnosis",
+        "minisgl on Qwen3.5-0.8B and Qwen3-8B (headline and ablations), transformers on Qwen3-0.6B and 8B, "
+        "Qwen3-8B's profiler diagnosis and batch-1 step timeline",
         carry=(KIT, f"{WHEEL_DIR}/b"), stage="b",
-        steps=(SGLang("sglang06", 215, ("sglang_06.json",), "qwen3-0.6b", ("w1", "w1_topkp", "w2", "w3", "w4",
-                                                                          "sweep")),
-               Lab("minisgl35", 60, ("qwen35_hf06.json",), ("qwen35", "hf06")),
-               SGLang("sglang35", 100, ("sglang_35.json",), "qwen3.5-0.8b", ("w1", "w2")),
-               Lab("diagnosis8", 45, ("diagnosis8.json",), ("profile8",)))),
-    "call3": Call(
-        "Qwen3-8B: SGLang beside us (W1, W1 top-k/top-p, W2), minisgl's headline and ablations, transformers, the "
-        "batch-1 step's timeline",
-        carry=(KIT,),
-        steps=(SGLang("sglang8", 160, ("sglang_8.json",), "qwen3-8b", ("w1", "w1_topkp", "w2")),
+        steps=(Lab("minisgl35", 60, ("qwen35_hf06.json",), ("qwen35", "hf06")),
+               Lab("diagnosis8", 45, ("diagnosis8.json",), ("profile8",)),
                Lab("minisgl8", 265, ("qwen3_8b.json",), ("bench8", "hf8")),
                Timeline("timeline8", 55, ("decode_timeline_8b.json",), "qwen3-8b", "8b"))),
+    "call3": Call(
+        "SGLang beside us, on the machine calls 1-2 staged their parts on: Qwen3-0.6B (W1, W1 top-k/top-p, W2, "
+        "W3, W4, the sweep), Qwen3.5-0.8B (W1, W2), Qwen3-8B (W1, W1 top-k/top-p, W2)",
+        carry=(KIT, f"{WHEEL_DIR}/c"), stage="c",
+        steps=(SGLang("sglang06", 215, ("sglang_06.json",), "qwen3-0.6b", ("w1", "w1_topkp", "w2", "w3", "w4",
+                                                                          "sweep")),
+               SGLang("sglang35", 100, ("sglang_35.json",), "qwen3.5-0.8b", ("w1", "w2")),
+               SGLang("sglang8", 160, ("sglang_8.json",), "qwen3-8b", ("w1", "w1_topkp", "w2")))),
     # run16: minisgl's server took 326 s for the four loads (66 s to start, ~50 s of client start and data
     # preparation a load beside the runs themselves), SGLang's ~62 s to start: both in one call overran its budget
     "serving": Call(
-        "optional, on a machine calls 1-2 staged: online serving (issue 24), minisgl's server under SGLang's "
+        "optional, on a machine calls 1-3 staged (`--steps none` stages only): online serving (issue 24), "
+        "minisgl's server under SGLang's "
         "bench_serving client at 8, 24, 48 requests/s and 512 at once; the report's table puts SGLang's server "
         "(serving_sglang, the next call) beside it",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
@@ -284,7 +289,7 @@ CALLS: dict[str, Call] = {
         carry=(),
         steps=(Lab("warmup", 470, ("warmup.json",), ("warmup_check",)),)),
     "mixes": Call(
-        "optional, on a machine calls 1-2 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
+        "optional, on a machine calls 1-3 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
         "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "
         "SGLang on the same requests",
         carry=(KIT,),
@@ -310,39 +315,39 @@ CALLS: dict[str, Call] = {
 # --- on the device -------------------------------------------------------------------------------------------
 
 
-def missing_halves() -> list[str] | None:
-    """The wheel halves not yet staged on this machine; None when none was (no manifest)."""
+def missing_parts() -> list[str] | None:
+    """The wheel parts not yet staged on this machine; None when none was (no manifest)."""
     manifest = WHEELS / MANIFEST
     if not manifest.is_file():
         return None
-    halves = json.loads(manifest.read_text())
-    return [half for half, names in halves.items() if not all((WHEELS / n).is_file() for n in names)]
+    parts = json.loads(manifest.read_text())
+    return [part for part, names in parts.items() if not all((WHEELS / n).is_file() for n in names)]
 
 
 def wheels_missing() -> str:
-    missing = missing_halves()
+    missing = missing_parts()
     if missing is None:
-        return f"no SGLang wheels on this machine ({WHEELS} is empty: a fresh machine, or no half carried yet)"
-    return (f"SGLang's wheel half {'/'.join(missing) or '(none)'} is not on this machine: carry "
+        return f"no SGLang wheels on this machine ({WHEELS} is empty: a fresh machine, or no part carried yet)"
+    return (f"SGLang's wheel part {'/'.join(missing) or '(none)'} is not on this machine: carry "
             f"{', '.join(f'{WHEEL_DIR}/{h}' for h in missing)} in a call on it")
 
 
-def stage_wheels(half: str) -> str:
-    """Copy the carried half into WHEELS; once every half of the manifest is there, unpack them with the kit."""
-    src = REPO / WHEEL_DIR / half
+def stage_wheels(part: str) -> str:
+    """Copy the carried part into WHEELS; once every part of the manifest is there, unpack them with the kit."""
+    src = REPO / WHEEL_DIR / part
     if not src.is_dir():
-        return f"{WHEEL_DIR}/{half} is not carried: SGLang steps will wait for it"
+        return f"{WHEEL_DIR}/{part} is not carried: SGLang steps will wait for it"
     WHEELS.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if not (WHEELS / f.name).exists():
             shutil.copy2(f, WHEELS / f.name)
     if (SITE / ".sglang-kit").is_file():
         return "SGLang's wheels were already unpacked on this machine"
-    if missing_halves() != []:
-        return f"staged half {half}; {wheels_missing()}"
+    if missing_parts() != []:
+        return f"staged part {part}; {wheels_missing()}"
     rc = subprocess.run(["bash", str(REPO / KIT / "run_sglang.sh"), str(WHEELS), "--", "--help"],
                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT).returncode
-    return f"staged half {half}; unpacked every wheel into {SITE} (kit's run_sglang.sh, rc {rc})"
+    return f"staged part {part}; unpacked every wheel into {SITE} (kit's run_sglang.sh, rc {rc})"
 
 
 def run_step(step: Step, out: str, remaining: float) -> str:
@@ -564,16 +569,16 @@ def path_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
-def split_wheels(folder: Path, halves: tuple[str, ...] = ("a", "b"), root: Path = REPO) -> dict[str, list[str]]:
+def split_wheels(folder: Path, parts: tuple[str, ...] = ("a", "b", "c"), root: Path = REPO) -> dict[str, list[str]]:
     """Copy the wheels at the top of `folder` (the kit's prepare_wheels.sh output) into folder/a, folder/b, ...,
-    largest first into the lightest half, and write the manifest (every half's names) into each half."""
+    largest first into the lightest part, and write the manifest (every part's names) into each part."""
     wheels = sorted((f for f in folder.iterdir() if f.is_file() and f.name != MANIFEST),
                     key=lambda f: -f.stat().st_size)
     if not wheels:
         raise SystemExit(f"no wheels at the top of {folder} (bash ../shared/sglang-kit/prepare_wheels.sh {folder})")
-    plan: dict[str, list[Path]] = {h: [] for h in halves}
+    plan: dict[str, list[Path]] = {h: [] for h in parts}
     for f in wheels:
-        lightest = min(halves, key=lambda h: sum(x.stat().st_size for x in plan[h]))
+        lightest = min(parts, key=lambda h: sum(x.stat().st_size for x in plan[h]))
         plan[lightest].append(f)
     manifest = {h: sorted(f.name for f in fs) for h, fs in plan.items()}
     room = CARRY_LIMIT - tree_bytes(root) - path_bytes(root / KIT)

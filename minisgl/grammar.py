@@ -17,8 +17,6 @@ import json
 import threading
 from collections.abc import Callable
 
-import numpy as np
-
 from minisgl.errors import RequestError
 from minisgl.sampling_params import StructuredOutput
 
@@ -72,16 +70,14 @@ class Grammars:
     def matcher(self, so: StructuredOutput):
         return self.xgr.GrammarMatcher(self.compile(so))
 
-    def fill(self, matchers: list) -> np.ndarray:
-        """The next-token bitmask of each matcher, `[G, words]` int32; a terminated matcher (its request has
-        finished: the token of a step still in flight is dropped) allows everything."""
-        mask = np.full((len(matchers), bitmask_words(self.vocab_size)), -1, dtype=np.int32)
-        import torch
-        view = torch.from_numpy(mask)
+    def fill(self, matchers: list, mask) -> None:
+        """Write the next-token bitmask of each matcher into `mask` (a torch int32 tensor `[G, words]`, words =
+        bitmask_words(vocab_size)); a terminated matcher (its request has finished: the token of a step still in
+        flight is dropped) allows everything."""
+        mask.fill_(-1)
         for i, m in enumerate(matchers):
             if not m.is_terminated():
-                m.fill_next_token_bitmask(view, i)
-        return mask
+                m.fill_next_token_bitmask(mask, i)
 
 
 def grammar_stop_check(stop_check: Callable | None) -> Callable:

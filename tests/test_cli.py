@@ -21,6 +21,7 @@ from minisgl.config import EngineConfig, KernelOptions, add_engine_args, engine_
 REPO = Path(__file__).resolve().parents[1]
 
 ALL_FLAGS = ["--prefill-graph-max-tokens", "512", "--prefill-graph-max-reqs", "4", "--disable-kernel-warmup",
+             "--disable-gc-freeze",
              "--tp-size", "2",
              "--dtype", "float32", "--device", "cpu", "--load-format", "dummy", "--random-seed", "3",
              "--context-length", "256", "--page-size", "4", "--num-pages", "100", "--kv-memory-fraction", "0.5",
@@ -40,7 +41,8 @@ ALL_KWARGS = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, ma
                   cuda_graph_max_bs=16, cuda_graph_split=False, gemv=False, pdl=False, decode_fused_store=False,
                   decode_fused_merge=True, mixed_decode_split=False, gemv_configs="t.json", gemv_pdl_early_tiles=1,
                   sampler_skip_blocks=False, sampler_top_k_bound=False, attention_backend="torch",
-                  prefill_graph_max_tokens=512, prefill_graph_max_reqs=4, kernel_warmup=False, tp_size=2,
+                  prefill_graph_max_tokens=512, prefill_graph_max_reqs=4, kernel_warmup=False, gc_freeze=False,
+                  tp_size=2,
                   state_snapshots=5,
                   state_snapshot_memory_fraction=0.1, cpu_threads=3)
 

@@ -1,5 +1,5 @@
 """The measurement tooling (lab/) on a CPU: the section table, kernel options applied and restored, a bench on the
-tiny model, lab.run's JSON, the lease's plan and its runner (budget, skips, logs), SGLang's wheel halves."""
+tiny model, lab.run's JSON, the lease's plan and its runner (budget, skips, logs), SGLang's wheel parts."""
 
 from __future__ import annotations
 
@@ -196,15 +196,15 @@ def test_lease_call_runs_steps_skips_and_stops_them_and_packs_the_logs(tmp_path,
     assert os.environ["MINISGL_GIT_COMMIT"] == "0" * 40
 
 
-def test_wheel_halves_are_split_staged_and_unpacked_once_complete(tmp_path, monkeypatch):
+def test_wheel_parts_are_split_staged_and_unpacked_once_complete(tmp_path, monkeypatch):
     repo = tmp_path / "repo"
     (repo / lease.WHEEL_DIR).mkdir(parents=True)
     for name, size in (("big.whl", 9000), ("mid.whl", 5000), ("small.tar.gz", 4000), ("tiny.whl", 100)):
         (repo / lease.WHEEL_DIR / name).write_bytes(b"x" * size)
     manifest = lease.split_wheels(repo / lease.WHEEL_DIR, root=REPO)
-    assert sorted(manifest["a"] + manifest["b"]) == ["big.whl", "mid.whl", "small.tar.gz", "tiny.whl"]
+    assert sorted(sum(manifest.values(), [])) == ["big.whl", "mid.whl", "small.tar.gz", "tiny.whl"]
     sizes = {h: sum((repo / lease.WHEEL_DIR / h / n).stat().st_size for n in names) for h, names in manifest.items()}
-    assert abs(sizes["a"] - sizes["b"]) <= 100  # largest first into the lighter half: 9,100 and 9,000 bytes
+    assert sizes == {"a": 9000, "b": 5000, "c": 4100}  # largest first into the lightest part
     assert json.loads((repo / lease.WHEEL_DIR / "b" / lease.MANIFEST).read_text()) == manifest
     # the kit's installer, faked: it stamps /tmp/site once every wheel is there
     kit = repo / lease.KIT
@@ -217,9 +217,10 @@ def test_wheel_halves_are_split_staged_and_unpacked_once_complete(tmp_path, monk
     monkeypatch.setattr(lease, "SITE", site)
     step = lease.SGLang("s", 10, ("s.json",), "qwen3-0.6b", ("w1",))
     assert "no SGLang wheels" in step.ready()
-    assert "half b is not on this machine" in lease.stage_wheels("a")
-    assert "carry .sglang-whl/b" in step.ready()
-    assert "unpacked every wheel" in lease.stage_wheels("b")
+    assert "part b/c is not on this machine" in lease.stage_wheels("a")
+    assert "carry .sglang-whl/b, .sglang-whl/c" in step.ready()
+    assert "part c is not on this machine" in lease.stage_wheels("b")
+    assert "unpacked every wheel" in lease.stage_wheels("c")
     assert step.ready() is None and (site / ".sglang-kit").is_file()
     assert "already unpacked" in lease.stage_wheels("a")
 
@@ -317,17 +318,23 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
-def test_serve_bench_writes_a_lab_section_with_each_servers_client_figures(tmp_path, monkeypatch):
-    """serve-bench (issue 24) without the kit: a stand-in server that answers /health, a stand-in client that
-    writes bench_serving's line per load; the summary is a lab section (commit, each load's figures by rate), the
-    report's serving section reads."""
-    import subprocess as sp
+@pytest.fixture
+def serve_bench_here(tmp_path, monkeypatch):
+    """serve-bench without the device: no model folder, the kit's serve wheels marked unpacked, logs in tmp_path."""
     monkeypatch.setattr(lease, "write_serve_model", lambda: None)
     (tmp_path / "site-serve").mkdir()
     (tmp_path / "site-serve" / ".done").write_text("")
     monkeypatch.setattr(lease, "SERVE_SITE", tmp_path / "site-serve")
     monkeypatch.setattr(lease, "LOGS", tmp_path / "logs")
     (tmp_path / "logs").mkdir()
+
+
+def test_serve_bench_writes_a_lab_section_with_each_servers_client_figures(tmp_path, monkeypatch,
+                                                                            serve_bench_here):
+    """serve-bench (issue 24) without the kit: a stand-in server that answers /health, a stand-in client that
+    writes bench_serving's line per load; the summary is a lab section (commit, each load's figures by rate), the
+    report's serving section reads."""
+    import subprocess as sp
     monkeypatch.setitem(lease.SERVERS, "stand_in", [sys.executable, "-c", FAKE_SERVER, "{port}"])
     real_run = sp.run
 
@@ -350,19 +357,14 @@ def test_serve_bench_writes_a_lab_section_with_each_servers_client_figures(tmp_p
     assert (tmp_path / "serving_x_stand_in.jsonl").is_file()
 
 
-def test_serve_bench_never_measures_a_server_it_did_not_start_and_stops_its_own_when_stopped(tmp_path, monkeypatch):
+def test_serve_bench_never_measures_a_server_it_did_not_start_and_stops_its_own_when_stopped(tmp_path, monkeypatch,
+                                                                                               serve_bench_here):
     """run16: a serving step stopped at its call's budget left SGLang's server running, and the next call's
     client, on the same port, measured it as minisgl's. Now a port that already answers is refused (the server
     is recorded as not run), and a step stopped mid-client (SIGTERM, which serve-bench's main turns into
     SystemExit) still stops its server and keeps the summary of what ran."""
     import subprocess as sp
     import time as _time
-    monkeypatch.setattr(lease, "write_serve_model", lambda: None)
-    (tmp_path / "site-serve").mkdir()
-    (tmp_path / "site-serve" / ".done").write_text("")
-    monkeypatch.setattr(lease, "SERVE_SITE", tmp_path / "site-serve")
-    monkeypatch.setattr(lease, "LOGS", tmp_path / "logs")
-    (tmp_path / "logs").mkdir()
     for name in ("first", "second"):
         monkeypatch.setitem(lease.SERVERS, name, [sys.executable, "-c", FAKE_SERVER, "{port}"])
     squatter = sp.Popen([sys.executable, "-c", FAKE_SERVER, "30001"], start_new_session=True)

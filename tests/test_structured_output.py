@@ -125,3 +125,35 @@ def test_bad_kinds_are_refused():
     for kind, spec in (("yaml", "a: 1"), ("regex", ""), ("json_schema", 5)):
         with pytest.raises(RequestError):
             StructuredOutput(kind, spec)
+
+
+def test_masks_go_through_one_reused_host_buffer_and_a_finished_matcher_allows_everything(make_llm):
+    """A step's grammar masks are written into the runner's host buffer (pinned on a GPU), the same memory from
+    step to step, grown when a step has more rows; a row whose matcher has terminated is all ones even where the
+    buffer held an older mask."""
+    import torch
+
+    from minisgl.grammar import Grammars, bitmask_words
+
+    llm = make_llm(TINY_QWEN3_ASSET)
+    runner = llm.engine.runner
+    a, b = runner.mask_buffer(2), runner.mask_buffer(1)
+    assert a.data_ptr() == b.data_ptr() and a.dtype == torch.int32
+    assert a.shape == (2, bitmask_words(llm.engine.model_config.vocab_size))
+    grown = runner.mask_buffer(40)
+    assert grown.shape[0] == 40 and runner.mask_buffer(3).data_ptr() == grown.data_ptr()
+
+    class Matcher:
+        def __init__(self, done: bool):
+            self.done = done
+
+        def is_terminated(self) -> bool:
+            return self.done
+
+        def fill_next_token_bitmask(self, mask, i: int) -> None:
+            mask[i] = 5
+
+    mask = runner.mask_buffer(2)
+    mask.zero_()  # an older step's masks
+    Grammars.fill(None, [Matcher(False), Matcher(True)], mask)
+    assert (mask[0] == 5).all() and (mask[1] == -1).all()

@@ -116,6 +116,7 @@ def test_host_phases_times_steps_and_puts_the_methods_back(qwen3_path):
     assert all(v >= 0 for k, v in phases.items() if k != "other") and phases["launch"] > 0
     assert abs(sum(v for k, v in phases.items() if k != "step") - phases["step"]) < 1e-6
     assert "schedule" not in vars(engine.scheduler) and "forward" not in vars(engine.runner)
+    assert "step" not in vars(engine)
     assert StepOutput.wait is wait
     engine.run(reqs)
     assert [r.output_ids for r in reqs] == [t[:12] for t in hf_greedy(qwen3_path, PROMPTS[:3], 12)]

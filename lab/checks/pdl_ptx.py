@@ -222,7 +222,7 @@ def record_launches() -> list[tuple]:
     _record(smp, ["_stats_kernel", "_init_kernel", "_search_kernel", "_narrow_kernel", "_draw_kernel"], sampling,
             calls)
 
-    def logits_processing():  # penalties and a grammar's token mask, on the rows that ask for them (issue 26)
+    def logits_processing():  # penalties, a grammar's token mask, logprobs: the rows that ask (issue 26)
         rows, slots = torch.tensor([1]), torch.tensor([0])
         counts = torch.randint(0, 4, (2, vocab), generator=gen, dtype=torch.int32)
         smp.apply_penalties_(logits, rows, slots, counts, torch.tensor([0.5]), torch.tensor([0.5]),
@@ -230,7 +230,10 @@ def record_launches() -> list[tuple]:
         smp.apply_token_bitmask_(logits, rows, torch.randint(-2**31, 2**31 - 1, (1, (vocab + 31) // 32),
                                                              generator=gen, dtype=torch.int32))
 
-    _record(smp, ["_penalty_kernel", "_bitmask_kernel"], logits_processing, calls)
+        smp.token_logprobs_packed(logits, rows, torch.tensor([0, 3]), 5)
+
+    _record(smp, ["_penalty_kernel", "_bitmask_kernel", "_logprob_chunk_kernel", "_logprob_merge_kernel"],
+            logits_processing, calls)
     return calls
 
 

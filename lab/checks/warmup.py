@@ -93,37 +93,10 @@ def timed_generate(llm, w) -> dict:
 
     import torch
 
+    from minisgl.bench.profile import timed_phases
     from minisgl.bench.runner import _new_variants, flush_prefix_cache, triton_variants
-    from minisgl.engine.model_runner import StepOutput
 
-    engine = llm.engine
     flush_prefix_cache(llm)
-    phases = {"schedule": 0.0, "launch": 0.0, "wait": 0.0}
-    steps: list[tuple[float, float, float, float]] = []  # (step, schedule, launch, wait) seconds
-    current = {"schedule": 0.0, "launch": 0.0, "wait": 0.0}
-
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                current[name] += time.perf_counter() - t0
-        return wrapper
-
-    def step_timed(fn):
-        def wrapper(*args, **kwargs):
-            for k in current:
-                current[k] = 0.0
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                steps.append((time.perf_counter() - t0, current["schedule"], current["launch"], current["wait"]))
-                for k in phases:
-                    phases[k] += current[k]
-        return wrapper
-
     collections = []
     gc_start = {}
 
@@ -133,24 +106,19 @@ def timed_generate(llm, w) -> dict:
         elif "t" in gc_start:
             collections.append((info["generation"], time.perf_counter() - gc_start.pop("t")))
 
-    sched, runner, original_wait = engine.scheduler, engine.runner, StepOutput.wait
-    sched.schedule = timed("schedule", sched.schedule)
-    runner.forward = timed("launch", runner.forward)
-    StepOutput.wait = timed("wait", original_wait)
-    engine.step = step_timed(engine.step)
     gc.callbacks.append(on_gc)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     before, allocs, clock = triton_variants(), _alloc_counters(), _sm_clock_mhz()
     try:
-        sync()
-        t = time.perf_counter()
-        llm.generate(w.prompts, w.params, progress=False)
-        sync()
-        wall = time.perf_counter() - t
-    finally:  # back to the class's methods
-        del sched.schedule, runner.forward, engine.step
-        StepOutput.wait = original_wait
+        with timed_phases(llm.engine) as times:
+            sync()
+            t = time.perf_counter()
+            llm.generate(w.prompts, w.params, progress=False)
+            sync()
+            wall = time.perf_counter() - t
+    finally:
         gc.callbacks.remove(on_gc)
+    phases, steps = times.totals, times.steps
     after = _alloc_counters()
     slowest = sorted(steps, reverse=True)[:10]
     return {

@@ -7,6 +7,11 @@ so the report can draw a timeline.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
 import torch
 
 from minisgl.bench.workloads import w1_offline
@@ -51,15 +56,25 @@ def _time_by_kind(kernels) -> dict[str, list]:
     return by_kind
 
 
-def host_phases(engine, steps: int) -> dict:
-    """Host time per step by phase, timed without the profiler: scheduling, preparing and launching the step,
-    waiting for the device's tokens, and the rest (handing tokens to requests, releasing finished ones).
-    Under the overlap loop `wait` is the device's lead over the host: near zero means the host is the bottleneck."""
-    import time
+PHASES = ("schedule", "launch", "wait")
 
+
+@dataclass
+class PhaseTimes:
+    """Host seconds of the engine's steps by phase: scheduling, preparing and launching the step (the runner's
+    forward), waiting for the device's tokens. `steps` holds each step's (whole step, schedule, launch, wait)."""
+
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    steps: list[tuple[float, float, float, float]] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def timed_phases(engine) -> Iterator[PhaseTimes]:
+    """Time every `engine.step()` inside the block by phase, without the profiler (wrappers on the scheduler's
+    schedule, the runner's forward, StepOutput.wait and the engine's step; the class's methods come back after)."""
     from minisgl.engine.model_runner import StepOutput
 
-    totals = {"schedule": 0.0, "launch": 0.0, "wait": 0.0}
+    times, current = PhaseTimes(), dict.fromkeys(PHASES, 0.0)
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -67,22 +82,44 @@ def host_phases(engine, steps: int) -> dict:
             try:
                 return fn(*args, **kwargs)
             finally:
-                totals[name] += time.perf_counter() - t0
+                current[name] += time.perf_counter() - t0
+        return wrapper
+
+    def step_timed(fn):
+        def wrapper(*args, **kwargs):
+            for k in current:
+                current[k] = 0.0
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times.steps.append((time.perf_counter() - t0, *(current[k] for k in PHASES)))
+                for k in PHASES:
+                    times.totals[k] += current[k]
         return wrapper
 
     sched, runner, original_wait = engine.scheduler, engine.runner, StepOutput.wait
     sched.schedule = timed("schedule", sched.schedule)
     runner.forward = timed("launch", runner.forward)
     StepOutput.wait = timed("wait", original_wait)
+    engine.step = step_timed(engine.step)
     try:
+        yield times
+    finally:  # back to the class's methods
+        del sched.schedule, runner.forward, engine.step
+        StepOutput.wait = original_wait
+
+
+def host_phases(engine, steps: int) -> dict:
+    """Host time per step by phase (`timed_phases`), in ms, with the rest of a step (handing tokens to requests,
+    releasing finished ones) as `other`. Under the overlap loop `wait` is the device's lead over the host: near
+    zero means the host is the bottleneck."""
+    with timed_phases(engine) as times:
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
         total = time.perf_counter() - t0
-    finally:  # back to the class's methods
-        del sched.schedule, runner.forward
-        StepOutput.wait = original_wait
-    per_step = {k: 1e3 * v / steps for k, v in totals.items()}
+    per_step = {k: 1e3 * v / steps for k, v in times.totals.items()}
     per_step["other"] = 1e3 * total / steps - sum(per_step.values())
     per_step["step"] = 1e3 * total / steps
     return per_step

@@ -219,7 +219,7 @@ class Engine:
         takes them when `_resolve` will take the token: when it has not finished."""
         lp = out.logprobs
         if lp is not None:
-            chosen, top_ids, top_lps = lp.token_logprobs.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+            chosen, top_ids, top_lps = lp.lists()
             for j, k in enumerate(lp.rows):
                 req = out.batch.reqs[out.batch.sample_rows[k]]
                 if not req.finished:
@@ -237,7 +237,9 @@ class Engine:
         """Sample a launched step that waited for grammar masks: every token before it has reached the host
         (and its request's matcher), so the masks are built now, while the device may still run its forward."""
         reqs = [out.batch.reqs[out.batch.sample_rows[k]] for k in out.grammar_rows]
-        self.runner.sample_processed(out, self.grammars().fill([r.grammar for r in reqs]))
+        mask = self.runner.mask_buffer(len(reqs))  # pinned, reused: the step before has read it (its tokens came)
+        self.grammars().fill([r.grammar for r in reqs], mask)
+        self.runner.sample_processed(out, mask)
 
     def grammars(self):
         """The grammar compiler of this model's tokenizer (minisgl/grammar.py), made when first needed."""

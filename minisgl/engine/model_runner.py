@@ -11,6 +11,7 @@ has seen it yet (the overlap loop), and the scheduler writes only what the devic
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -27,6 +28,8 @@ from minisgl.engine.runtimes import make_runtime
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_bytes
 from minisgl.environment import omp_threads_set
+from minisgl.grammar import bitmask_words
+from minisgl.kernels import sampling as fused_sampling
 from minisgl.kernels.options import use_options
 from minisgl.kvcache import KVCache, ReqToTokenPool
 from minisgl.loader import DTYPES, load_model
@@ -66,9 +69,21 @@ class StepLogprobs:
     the host once the step's `ready` fires: the sampled token's logprob and the top_n most likely tokens."""
 
     rows: list[int]
-    token_logprobs: torch.Tensor  # [L] float32
-    top_ids: torch.Tensor  # [L, top_n] int64
-    top_logprobs: torch.Tensor  # [L, top_n] float32
+    packed: torch.Tensor  # [L, 1 + 2 * top_n] float32: the token's logprob, top_n logprobs, top_n ids (int32 bits)
+    top_n: int
+
+    @classmethod
+    def pack(cls, rows: list[int], chosen: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor
+             ) -> StepLogprobs:
+        """From token_logprobs' three tensors (the torch path): one tensor, so one copy to the host."""
+        ids = top_ids.to(torch.int32).contiguous().view(torch.float32)
+        return cls(rows, torch.cat([chosen.view(-1, 1).float(), top_logprobs.float(), ids], dim=1),
+                   top_ids.shape[1])
+
+    def lists(self) -> tuple[list[float], list[list[int]], list[list[float]]]:
+        """(each row's token logprob, its top_n ids, their logprobs), on the host."""
+        p, n = self.packed, self.top_n
+        return p[:, 0].tolist(), p[:, 1 + n:].contiguous().view(torch.int32).tolist(), p[:, 1:1 + n].tolist()
 
 
 @dataclass
@@ -114,6 +129,9 @@ class ModelRunner:
         """Stop the other tensor-parallel ranks (nothing to do with one rank); safe to call more than once."""
         if self.tp is not None:
             self.tp.close()
+        if getattr(self, "gc_frozen", False):  # a closed engine's cycles must be collectable again
+            gc.unfreeze()
+            self.gc_frozen = False
         # ---
 
     def _setup(self, config: EngineConfig, rank: int, tp_link: tuple | None) -> None:
@@ -198,6 +216,14 @@ class ModelRunner:
         # --- end prefill graphs ---
         # the count table of penalised requests (engine/logits_processing.py): no memory until one arrives
         self.penalties = PenaltyTable(mc.vocab_size, self.device)
+        self._mask_host: torch.Tensor | None = None  # mask_buffer's
+        # Start-up leaves many Python objects (modules, Triton's compiled kernels, graph captures); the first full
+        # collection inside a workload would walk them all. Collected once here, the survivors frozen: later
+        # collections skip them. GPU only (CPU tests build hundreds of engines per process, and close() thaws).
+        self.gc_frozen = config.gc_freeze and self.device.type == "cuda"
+        if self.gc_frozen:
+            gc.collect()
+            gc.freeze()
         if self.tp is not None:
             self.tp.ready()
 
@@ -374,8 +400,7 @@ class ModelRunner:
                 return host
             out.tokens_host = pinned(tokens)
             if lp is not None:
-                lp.token_logprobs, lp.top_ids, lp.top_logprobs = map(
-                    pinned, (lp.token_logprobs, lp.top_ids, lp.top_logprobs))
+                lp.packed = pinned(lp.packed)
             out.ready = torch.cuda.Event()
             out.ready.record()
         else:
@@ -434,27 +459,42 @@ class ModelRunner:
             self.sample_processed(out)
         return out
 
+    def mask_buffer(self, rows: int) -> torch.Tensor:
+        """Host memory for a step's grammar masks, `[rows, words]` int32, pinned on a GPU and the same from step to
+        step (grown when a step has more rows): the host writes it after the step before was sampled, whose copy of
+        it the stream had ordered before that step's tokens, which the host has by then."""
+        words = bitmask_words(self.model_config.vocab_size)
+        if self._mask_host is None or self._mask_host.shape[0] < rows:
+            self._mask_host = torch.empty((max(rows, 8), words), dtype=torch.int32,
+                                          pin_memory=self.device.type == "cuda")
+        return self._mask_host[:rows]
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, proc: LogitsProcessing) -> StepLogprobs:
+        rows, host_rows = proc.logprob_rows, proc.logprob_rows_host
+        fused = fused_sampling.triton is not None and (logits.is_cuda or self.config.kernels.triton_on_cpu)
+        if fused:  # one read of each asking row (kernels/sampling.py)
+            return StepLogprobs(host_rows, fused_sampling.token_logprobs_packed(logits, rows, tokens, proc.top_n),
+                                proc.top_n)
+        if len(host_rows) == tokens.numel():  # every row asks: no gathered copy of the logits
+            return StepLogprobs.pack(host_rows, *token_logprobs(logits, tokens, proc.top_n))
+        return StepLogprobs.pack(host_rows, *token_logprobs(logits[rows], tokens[rows], proc.top_n))
+
     @torch.inference_mode()
-    def sample_processed(self, out: StepOutput, bitmask: np.ndarray | None = None) -> None:
+    def sample_processed(self, out: StepOutput, bitmask: torch.Tensor | None = None) -> None:
         """Process a launched step's logits, sample, write the tokens to the token table and start their copy to
         the host (with the logprobs asked for). The logits are a graph's shared buffer or the step's own: either
         way nothing else writes them before this, which the stream orders after the forward."""
         logits, sampling, proc, token_dst = out.unsampled
         out.unsampled = None
         if bitmask is not None:  # built on the host while the forward ran (Engine._sample_launched)
-            proc.bitmask = self._to_device(bitmask)
+            proc.bitmask = bitmask.to(self.device, non_blocking=True)  # from pinned memory: no staging copy
         with use_options(self.config.kernels):  # the fused sampler's switches, as in `forward`
             process_logits(logits, proc, self.penalties)
             tokens = sample(logits, sampling)
+            if proc.logprob_rows is not None:
+                out.logprobs = self._logprobs(logits, tokens, proc)
         self.store_tokens(token_dst, tokens)
         if proc.penalty_rows is not None:
             self.penalties.count(proc.penalty_slots, tokens[proc.penalty_rows])
-        if proc.logprob_rows is not None:
-            rows = proc.logprob_rows
-            if len(proc.logprob_rows_host) == tokens.numel():  # every row asks: no gathered copy of the logits
-                chosen, top_ids, top_lp = token_logprobs(logits, tokens, proc.top_n)
-            else:
-                chosen, top_ids, top_lp = token_logprobs(logits[rows], tokens[rows], proc.top_n)
-            out.logprobs = StepLogprobs(proc.logprob_rows_host, chosen, top_ids, top_lp)
         out.tokens_device = tokens
         self._to_host(out, copy=False)

@@ -36,7 +36,7 @@ What the engine launches eagerly, and so is warmed here (on scratch inputs, `eag
 - decode steps no graph serves (CUDA graphs off, or larger than the largest graph: split off, or a step whose
   logits are processed): a variant per split count (`split_groups`), GEMV row count (1-4) and size class:
   `eager_decode_sizes`;
-- logits processing: the penalty and grammar-mask kernels.
+- logits processing: the penalty, grammar-mask and logprob kernels.
 
 How, in three phases:
 
@@ -86,6 +86,7 @@ from minisgl.engine.cuda_graph import default_batch_sizes
 from minisgl.engine.logits_processing import LogitsProcessing, process_logits
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.kernels.attention import decode_num_splits
+from minisgl.sampling_params import MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ def _run_step(runner, step: Step, graph: bool = False) -> None:
 
 def _run_processing(runner) -> None:
     """The penalty and grammar-mask kernels (engine/logits_processing.py) on scratch logits and counts, laid out as
-    ModelRunner.processing lays them out."""
+    ModelRunner.processing lays them out; the logprob kernels at each of their top-N sizes."""
     dev, vocab = runner.device, runner.model_config.vocab_size
     logits = torch.zeros(4, vocab, dtype=runner.dtype, device=dev)
     table = SimpleNamespace(counts=torch.zeros(4, vocab, dtype=torch.int32, device=dev))
@@ -235,6 +236,10 @@ def _run_processing(runner) -> None:
                                 presence=floats[1, :p], repetition=floats[2, :p], mask_rows=rows, mask_rows_host=[],
                                 bitmask=torch.full((p, (vocab + 31) // 32), -1, dtype=torch.int32, device=dev))
         process_logits(logits, proc, table)
+    from minisgl.kernels import sampling as fused
+    tokens = torch.zeros(4, dtype=torch.int64, device=dev)
+    for top in fused.LOGPROB_TOPS:  # top_n is not specialised: one variant per kept-per-chunk size
+        fused.token_logprobs_packed(logits, rows, tokens, min(top, MAX_TOP_LOGPROBS))
 
 
 # --- Triton: discovery hook and parallel compile ---------------------------------------------------------------

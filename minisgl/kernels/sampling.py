@@ -354,6 +354,70 @@ if triton is not None:
         tl.store(logits_ptr + row * stride + idx, float("-inf"), mask=inside & ~allowed)
 
 
+if triton is not None:
+    # Logprobs (issue 26) of the rows that ask, in one read of each such row: the log-sum-exp and the top-N of the
+    # processed logits (before temperature), split into vocabulary chunks and merged in a fixed order. The torch
+    # reference is engine/logits_processing.token_logprobs (a float copy, logsumexp and topk: three more passes
+    # over every row, which cost W1 with top-5 logprobs 21% of its throughput on the H200, run16).
+
+    @triton.jit(do_not_specialize=["num_chunks"])
+    def _logprob_chunk_kernel(logits_ptr, stride, vocab, rows_ptr, part_max_ptr, part_sum_ptr, part_val_ptr,
+                              part_idx_ptr, num_chunks, CHUNK: tl.constexpr, TOP: tl.constexpr,
+                              USE_PDL: tl.constexpr):
+        """grid (rows, chunks): a chunk's max, sum of exp(x - max) and its TOP largest (value, index)."""
+        if USE_PDL:  # before any global access (kernels/pdl.py)
+            pdl_enter()
+        i = tl.program_id(0)
+        c = tl.program_id(1)
+        row = tl.load(rows_ptr + i).to(tl.int64)
+        idx = c * CHUNK + tl.arange(0, CHUNK)
+        inside = idx < vocab
+        x = tl.load(logits_ptr + row * stride + idx, mask=inside, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        shift = tl.where(m == float("-inf"), 0.0, m)  # a chunk masked out entirely sums to 0, not NaN
+        out = i * num_chunks + c
+        tl.store(part_max_ptr + out, m)
+        tl.store(part_sum_ptr + out, tl.sum(tl.exp(x - shift), axis=0))
+        alive = inside
+        for j in tl.static_range(TOP):  # the largest left, ties to the lowest index (as the merge below)
+            v = tl.max(tl.where(alive, x, float("-inf")), axis=0)
+            k = tl.min(tl.where(alive & (x == v), idx, 2147483647), axis=0)
+            tl.store(part_val_ptr + out * TOP + j, v)
+            tl.store(part_idx_ptr + out * TOP + j, k)
+            alive = alive & (idx != k)
+
+    @triton.jit(do_not_specialize=["num_chunks", "top_n", "out_stride"])
+    def _logprob_merge_kernel(logits_ptr, stride, rows_ptr, tokens_ptr, part_max_ptr, part_sum_ptr, part_val_ptr,
+                              part_idx_ptr, out_ptr, out_stride, num_chunks, top_n, CHUNKS: tl.constexpr,
+                              TOP: tl.constexpr, USE_PDL: tl.constexpr):
+        """grid (rows,): the row's log-sum-exp from its chunks, then [logprob of its token, top_n logprobs, top_n
+        token ids (int32 bits)] into its row of `out`."""
+        if USE_PDL:  # before any global access (kernels/pdl.py)
+            pdl_enter()
+        i = tl.program_id(0)
+        row = tl.load(rows_ptr + i).to(tl.int64)
+        c = tl.arange(0, CHUNKS)
+        pm = tl.load(part_max_ptr + i * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+        ps = tl.load(part_sum_ptr + i * num_chunks + c, mask=c < num_chunks, other=0.0)
+        big = tl.max(pm, axis=0)
+        lse = big + tl.log(tl.sum(ps * tl.exp(pm - big), axis=0))
+        token = tl.load(tokens_ptr + row)
+        base = out_ptr + i * out_stride
+        tl.store(base, tl.load(logits_ptr + row * stride + token).to(tl.float32) - lse)
+        q = tl.arange(0, CHUNKS * TOP)
+        ok = q < num_chunks * TOP
+        v = tl.load(part_val_ptr + i * num_chunks * TOP + q, mask=ok, other=float("-inf"))
+        ids = tl.load(part_idx_ptr + i * num_chunks * TOP + q, mask=ok, other=2147483647)
+        alive = ok
+        for j in tl.static_range(TOP):
+            best = tl.max(tl.where(alive, v, float("-inf")), axis=0)
+            k = tl.min(tl.where(alive & (v == best), ids, 2147483647), axis=0)
+            if j < top_n:
+                tl.store(base + 1 + j, best - lse)
+                tl.store(base + 1 + top_n + j, k.to(tl.float32, bitcast=True))
+            alive = alive & (ids != k)
+
+
 PROCESS_BLOCK = 2048  # vocabulary entries per program of the processing kernels
 
 
@@ -375,6 +439,31 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torc
     _bitmask_kernel[(rows.numel(), triton.cdiv(vocab, PROCESS_BLOCK))](
         logits, logits.stride(0), vocab, rows, bitmask, bitmask.stride(0), BLOCK=PROCESS_BLOCK, USE_PDL=bool(kw),
         **kw)
+
+
+LOGPROB_CHUNK = 2048  # vocabulary entries per program of the logprob chunk kernel
+LOGPROB_TOPS = (8, 32)  # the top-N kept per chunk: 8 for top_n <= 8 (OpenAI's usual 0-5), 32 up to the limit 20
+
+
+def token_logprobs_packed(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, top_n: int) -> torch.Tensor:
+    """engine/logits_processing.token_logprobs of `logits[rows]` and `tokens[rows]` in two launches, packed as
+    `[L, 1 + 2 * top_n]` float32: each row's token logprob, its top_n logprobs, then the top_n token ids as int32
+    bits (`packed[:, 1 + top_n:].view(torch.int32)`): one copy to the host. Ties: the lowest token id first."""
+    num, vocab = rows.numel(), logits.shape[1]
+    top = next(t for t in LOGPROB_TOPS if top_n <= t)
+    chunks = triton.cdiv(vocab, LOGPROB_CHUNK)
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    part_max, part_sum = torch.empty(num, chunks, **f32), torch.empty(num, chunks, **f32)
+    part_val = torch.empty(num, chunks, top, **f32)
+    part_idx = torch.empty(num, chunks, top, dtype=torch.int32, device=logits.device)
+    out = torch.empty(num, 1 + 2 * top_n, **f32)
+    kw = pdl_launch(logits)
+    _logprob_chunk_kernel[(num, chunks)](logits, logits.stride(0), vocab, rows, part_max, part_sum, part_val,
+                                         part_idx, chunks, CHUNK=LOGPROB_CHUNK, TOP=top, USE_PDL=bool(kw), **kw)
+    _logprob_merge_kernel[(num,)](logits, logits.stride(0), rows, tokens, part_max, part_sum, part_val, part_idx,
+                                  out, out.stride(0), chunks, top_n, CHUNKS=triton.next_power_of_2(chunks), TOP=top,
+                                  USE_PDL=bool(kw), **kw)
+    return out
 
 
 def row_flags(temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
