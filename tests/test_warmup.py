@@ -57,6 +57,18 @@ def test_gc_freeze_switch_is_gpu_only_and_close_thaws(qwen3_path, make_llm):
     assert gc.get_freeze_count() == 0 and not llm.engine.runner.gc_frozen
 
 
+def test_startup_phases_are_recorded_in_order(qwen3_path, make_llm):
+    """Where an engine's start-up time goes (issue 29: 36.6 s on a fresh H200 against a 30 s target): each phase's
+    host seconds, in the order they ran, together no longer than the whole start."""
+    import time
+    t0 = time.perf_counter()
+    llm = make_llm(qwen3_path)
+    total = time.perf_counter() - t0
+    phases = llm.engine.runner.startup
+    assert list(phases) == ["load", "pools", "kernel_warmup", "decode_graphs", "prefill_graphs", "gc"]
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= total
+
+
 # --- the plan -------------------------------------------------------------------------------------------------
 
 

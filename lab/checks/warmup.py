@@ -153,6 +153,7 @@ def child(model: str, warmup: bool, out: str, sweep: bool, next_engine: bool = F
     t0 = time.perf_counter()
     llm = LLM(model_path(model), load_format="dummy", dtype="bfloat16", kernel_warmup=warmup)
     res["startup_s"] = time.perf_counter() - t0
+    res["startup_phases"] = llm.engine.runner.startup  # load, pools, kernel_warmup, graphs, gc (host seconds)
     report = llm.engine.runner.warmup
     res["warmup"] = report
     started = sum(triton_variants().values())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -136,6 +137,14 @@ class ModelRunner:
 
     def _setup(self, config: EngineConfig, rank: int, tp_link: tuple | None) -> None:
         self.config = config
+        self.startup: dict[str, float] = {}  # host seconds of each start-up phase, in order (issue 29's start time)
+        clock = [time.perf_counter()]
+
+        def lap(phase: str) -> None:
+            now = time.perf_counter()
+            self.startup[phase] = round(now - clock[0], 3)
+            clock[0] = now
+
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":  # before the weights load: their conversion runs on these threads too
             torch.set_num_threads(cpu_threads(config))
@@ -170,6 +179,7 @@ class ModelRunner:
             from minisgl.models.layers import MLP
             # few-row matmuls stream the weights (kernels/gemv.py); more rows stay cuBLAS
             self.gemv_linears = use_gemv(self.model, fold=(MLP,))
+        lap("load")
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.page_size = config.page_size
         # max_running_requests 0/None: sized from memory here, and the rest of the engine sees the resolved count
@@ -193,6 +203,7 @@ class ModelRunner:
                                    num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                                    head_dim=mc.head_dim, scale=mc.head_dim ** -0.5,
                                    max_context_len=self.max_model_len)
+        lap("pools")
         graphs = config.cuda_graph and self.device.type == "cuda" and self.attn.supports_cuda_graph
         max_bs = graph_max_bs(config.cuda_graph_max_bs, config.max_running_requests) if graphs else 0
         prefill_graphs = (graphs and config.prefill_graph_max_tokens > 0
@@ -203,9 +214,11 @@ class ModelRunner:
             from minisgl.engine.warmup import warm_up_kernels
             self.warmup = warm_up_kernels(self, max_bs, prefill_graphs)
         # --- end kernel warm-up ---
+        lap("kernel_warmup")
         self.graph_runner = None
         if graphs:
             self.graph_runner = self.runtime.decode_graphs(self, max_bs)
+        lap("decode_graphs")
         # --- prefill graphs (engine/prefill_graph.py): extend steps replayed per token bucket ---
         self.prefill_graph = None
         if self.graph_runner is not None and prefill_graphs:
@@ -214,6 +227,7 @@ class ModelRunner:
                                                       config.prefill_graph_max_reqs,
                                                       pool=graph_pool_of(self.graph_runner))
         # --- end prefill graphs ---
+        lap("prefill_graphs")
         # the count table of penalised requests (engine/logits_processing.py): no memory until one arrives
         self.penalties = PenaltyTable(mc.vocab_size, self.device)
         self._mask_host: torch.Tensor | None = None  # mask_buffer's
@@ -224,6 +238,7 @@ class ModelRunner:
         if self.gc_frozen:
             gc.collect()
             gc.freeze()
+        lap("gc")
         if self.tp is not None:
             self.tp.ready()
 

@@ -388,6 +388,8 @@ def _warm_up(runner, graph_max_bs: int, prefill_graphs: bool, num_sms: int, why_
                 with _recording(skip=True) as found:  # 1. discovery
                     for run in _graph_steps(runner, graph_max_bs, prefill_graphs):
                         run()
+                    torch.cuda.synchronize(runner.device)
+                    t_graphs = time.perf_counter()
                     for step in plan:
                         _run_step(runner, step)
                     _run_processing(runner)
@@ -400,7 +402,10 @@ def _warm_up(runner, graph_max_bs: int, prefill_graphs: bool, num_sms: int, why_
                     for step in plan:
                         _run_step(runner, step)
                     _run_processing(runner)
-            report.update(discovery_s=t1 - t0, compile_s=t2 - t1, compile_workers=compile_workers(len(found.found)),
+                torch.cuda.synchronize(runner.device)
+                report["launch_s"] = time.perf_counter() - t2
+            report.update(discovery_s=t1 - t0, discovery_graph_steps_s=t_graphs - t0, compile_s=t2 - t1,
+                          compile_workers=compile_workers(len(found.found)),
                           precompiled=dict(compiled), precompile_failed=failed,
                           late_compiles=dict(Counter(name for name, _, _ in late.found.values())))
         else:
