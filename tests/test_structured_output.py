@@ -157,3 +157,20 @@ def test_masks_go_through_one_reused_host_buffer_and_a_finished_matcher_allows_e
     mask.zero_()  # an older step's masks
     Grammars.fill(None, [Matcher(False), Matcher(True)], mask)
     assert (mask[0] == 5).all() and (mask[1] == -1).all()
+
+
+def test_the_api_checks_timing_of_a_structured_step_splits_the_hosts_time(make_llm):
+    """lab.checks.h200_api_check's diagnosis of the json arms' extra TPOT: per step, the host's phases and, inside
+    them, the masks' fill and the processed sampling; the engine's methods are its own again afterwards."""
+    from lab.checks.h200_api_check import where_time_goes
+    from minisgl.bench.workloads import Workload
+
+    llm = make_llm(TINY_QWEN3_ASSET)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                             structured_output=StructuredOutput("json_object"))]
+    where = where_time_goes(llm, Workload("w2_json", [[1, 2, 3, 4]], params))
+    assert where["steps"] >= 6 and where["grammar_fill_ms"] > 0 and where["sample_processed_ms"] > 0
+    assert where["launch_ms"] + where["wait_ms"] + where["schedule_ms"] <= where["step_ms"]
+    assert "sample_processed" not in vars(llm.engine.runner) and "fill" not in vars(llm.engine.grammars())
+    plain = where_time_goes(llm, Workload("w2", [[1, 2, 3, 4]], [SamplingParams(temperature=0, max_tokens=6)]))
+    assert plain["grammar_fill_ms"] == 0 and plain["sample_processed_ms"] == 0

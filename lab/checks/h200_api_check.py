@@ -74,6 +74,42 @@ def ab(llm, run, base: Workload, other: Workload, repeats: int, key: str) -> dic
     return {"median": med, "ratio": med["feature"] / med["base"], "runs": runs}
 
 
+def where_time_goes(llm, w: Workload) -> dict:
+    """One run of `w` (W2: batch 1, where the host's loop is as long as the device's step) with the host's
+    milliseconds per step by phase (minisgl.bench.profile.timed_phases: schedule, launch, wait) and, inside them,
+    the grammar masks' fill and the processed steps' sampling: where a structured request's extra TPOT goes."""
+    import time
+
+    from minisgl.bench.profile import timed_phases
+
+    engine = llm.engine
+    inner = {"grammar_fill": 0.0, "sample_processed": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inner[name] += time.perf_counter() - t0
+        return wrapper
+
+    grammars = engine.grammars() if any(p.structured_output for p in w.params) else None
+    if grammars is not None:
+        grammars.fill = timed("grammar_fill", grammars.fill)
+    engine.runner.sample_processed = timed("sample_processed", engine.runner.sample_processed)
+    try:
+        with timed_phases(engine) as times:
+            run_latency(llm, w)
+    finally:
+        del engine.runner.sample_processed
+        if grammars is not None:
+            del grammars.fill
+    n = max(len(times.steps), 1)
+    return {"steps": len(times.steps), "step_ms": 1e3 * sum(t[0] for t in times.steps) / n,
+            **{f"{k}_ms": 1e3 * v / n for k, v in {**times.totals, **inner}.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
@@ -99,6 +135,8 @@ def main() -> None:
         long_w2 = with_params(w2, structured_output=StructuredOutput("json_schema", json.dumps(LONG_SCHEMA)))
         result["w2_json_long_string"] = ab(llm, run_latency, w2, long_w2, a.repeats, "tpot_ms_median")
         result["bars"]["w2_tpot_json_long_string_le_1.05x"] = result["w2_json_long_string"]["ratio"] <= 1.05
+        result["w2_where_time_goes"] = {arm: where_time_goes(llm, w) for arm, w in
+                                        (("base", w2), ("json_object", json_w2), ("json_long_string", long_w2))}
     except ImportError:
         result["w2_json_object"] = result["w2_json_long_string"] = "skipped: xgrammar is not installed"
 
