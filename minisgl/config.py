@@ -212,8 +212,8 @@ class EngineConfig:
                                "that needs them (engine/warmup.py; on: every variant compiled at start, on a "
                                "thread pool, and the eager steps launched once)", disable=True)
     gc_freeze: bool = _opt(True, "--disable-gc-freeze",
-                           "leave the start-up's Python objects to the garbage collector: a full collection inside "
-                           "the first workload walks them all (0.22-0.26 s on the H200, run16; on: collected "
+                           "leave the start-up's Python objects to the garbage collector: the first workload's "
+                           "collections walk them (0.22-0.26 s of the first W1 on the H200, run16; on: collected "
                            "once at the end of start-up and the survivors frozen, GPU only)", disable=True)
     attention_backend: str = _opt("auto", "--attention-backend",
                                   "attention kernels (auto = triton on a GPU, torch on a CPU; torch runs a decode "

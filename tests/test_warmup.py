@@ -40,8 +40,8 @@ def test_switch_is_on_by_default_and_off_by_config_and_flag():
 
 
 def test_gc_freeze_switch_is_gpu_only_and_close_thaws(qwen3_path, make_llm):
-    """The start-up's objects are frozen out of the garbage collector's walks (run16: a full collection of them
-    cost the first W1 0.22-0.26 s) on a GPU only: on a CPU nothing is frozen (the suite builds hundreds of
+    """The start-up's objects are frozen out of the garbage collector's walks (run16: collections cost the first
+    W1 0.22-0.26 s) on a GPU only: on a CPU nothing is frozen (the suite builds hundreds of
     engines in one process), and a runner that froze thaws on close, so a closed engine's cycles are collectable."""
     import gc
     assert EngineConfig("m").gc_freeze and not make_config("m", gc_freeze=False).gc_freeze

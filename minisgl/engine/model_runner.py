@@ -231,9 +231,10 @@ class ModelRunner:
         # the count table of penalised requests (engine/logits_processing.py): no memory until one arrives
         self.penalties = PenaltyTable(mc.vocab_size, self.device)
         self._mask_host: torch.Tensor | None = None  # mask_buffer's
-        # Start-up leaves many Python objects (modules, Triton's compiled kernels, graph captures); the first full
-        # collection inside a workload would walk them all. Collected once here, the survivors frozen: later
-        # collections skip them. GPU only (CPU tests build hundreds of engines per process, and close() thaws).
+        # Start-up leaves many Python objects (modules, Triton's compiled kernels, graph captures) that the first
+        # workload's collections would walk (run16: 0.22-0.26 s of the first W1). Collected once here, the survivors
+        # frozen: later collections skip them. GPU only (CPU tests build hundreds of engines per process), and
+        # close() thaws.
         self.gc_frozen = config.gc_freeze and self.device.type == "cuda"
         if self.gc_frozen:
             gc.collect()
