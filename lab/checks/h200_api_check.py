@@ -78,26 +78,14 @@ def where_time_goes(llm, w: Workload) -> dict:
     """One run of `w` (W2: batch 1, where the host's loop is as long as the device's step) with the host's
     milliseconds per step by phase (minisgl.bench.profile.timed_phases: schedule, launch, wait) and, inside them,
     the grammar masks' fill and the processed steps' sampling: where a structured request's extra TPOT goes."""
-    import time
-
-    from minisgl.bench.profile import timed_phases
+    from minisgl.bench.profile import adding_seconds, timed_phases
 
     engine = llm.engine
     inner = {"grammar_fill": 0.0, "sample_processed": 0.0}
-
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                inner[name] += time.perf_counter() - t0
-        return wrapper
-
     grammars = engine.grammars() if any(p.structured_output for p in w.params) else None
     if grammars is not None:
-        grammars.fill = timed("grammar_fill", grammars.fill)
-    engine.runner.sample_processed = timed("sample_processed", engine.runner.sample_processed)
+        grammars.fill = adding_seconds(inner, "grammar_fill", grammars.fill)
+    engine.runner.sample_processed = adding_seconds(inner, "sample_processed", engine.runner.sample_processed)
     try:
         with timed_phases(engine) as times:
             run_latency(llm, w)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +68,17 @@ class PhaseTimes:
     steps: list[tuple[float, float, float, float]] = field(default_factory=list)
 
 
+def adding_seconds(totals: dict[str, float], name: str, fn: Callable) -> Callable:
+    """`fn`, each call of which adds its seconds to totals[name]."""
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - t0
+    return wrapper
+
+
 @contextlib.contextmanager
 def timed_phases(engine) -> Iterator[PhaseTimes]:
     """Time every `engine.step()` inside the block by phase, without the profiler (wrappers on the scheduler's
@@ -75,15 +86,6 @@ def timed_phases(engine) -> Iterator[PhaseTimes]:
     from minisgl.engine.model_runner import StepOutput
 
     times, current = PhaseTimes(), dict.fromkeys(PHASES, 0.0)
-
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                current[name] += time.perf_counter() - t0
-        return wrapper
 
     def step_timed(fn):
         def wrapper(*args, **kwargs):
@@ -99,9 +101,9 @@ def timed_phases(engine) -> Iterator[PhaseTimes]:
         return wrapper
 
     sched, runner, original_wait = engine.scheduler, engine.runner, StepOutput.wait
-    sched.schedule = timed("schedule", sched.schedule)
-    runner.forward = timed("launch", runner.forward)
-    StepOutput.wait = timed("wait", original_wait)
+    sched.schedule = adding_seconds(current, "schedule", sched.schedule)
+    runner.forward = adding_seconds(current, "launch", runner.forward)
+    StepOutput.wait = adding_seconds(current, "wait", original_wait)
     engine.step = step_timed(engine.step)
     try:
         yield times
