@@ -705,8 +705,11 @@ def main(out_dir: str | Path = "fuzz-out", seconds: float = 1200, seed: int = 0,
     distinct failure, each replayable with --case) and returns its content."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("cases-w*.jsonl"):  # an earlier run's cases (the reference cache stays): not this run's
+        old.unlink()
     paths = build_models(out / "models")
     start = time.time()
+    exit_codes = [0]
     if workers <= 1:
         _worker(str(out), seconds, seed, 0, paths)
     else:
@@ -716,8 +719,9 @@ def main(out_dir: str | Path = "fuzz-out", seconds: float = 1200, seed: int = 0,
             p.start()
         for p in procs:
             p.join()
+        exit_codes = [p.exitcode for p in procs]  # a worker that died (e.g. minisgl not importable) ran nothing
     summary = dict(seed=seed, seconds=seconds, workers=workers, wall_seconds=round(time.time() - start, 1),
-                   **summarize(out))
+                   worker_exit_codes=exit_codes, **summarize(out))
     (out / "fuzz_engine.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -863,7 +867,7 @@ def cli(argv=None) -> int:
         return 0
     summary = main(out, args.seconds, args.seed, args.workers)
     print(json.dumps({k: v for k, v in summary.items() if k != "values_covered"}, indent=1))
-    return 0 if not summary["distinct_failures"] else 1
+    return 0 if not summary["distinct_failures"] and not any(summary["worker_exit_codes"]) else 1
 
 
 if __name__ == "__main__":
