@@ -6,6 +6,8 @@ Each arm is a fresh process (a child of this one) on dummy bf16 weights, with it
 arm of the same model filled. Arms, in order: on_cold, off_cold, on_warm (kernel_warmup on/off). Each measures
 
 - `startup_s`: LLM(...) built, from the call to its return (the model, the pools, the warm-up, the captures);
+  `startup_phases`: its host seconds by phase (ModelRunner.startup: load, pools, kernel_warmup, decode_graphs,
+  prefill_graphs, gc);
 - the warm-up's own report (variants precompiled, compile seconds and threads, late compiles) and
   `start_compiles_outside_warmup`: variants compiled during start that the warm-up did not (what the graph
   captures compiled one after another because discovery missed them; with the warm-up off, all of them);
