@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
 # --- building and running --------------------------------------------------------------------------------
 def build_state(model: str, served_model_name: str | None = None, watchdog_timeout: float | None = None,
                 log_level: str = "warning", **engine_kwargs):
-    """Start the engine process, load the tokenizer meanwhile, wait until the engine is ready; returns the
-    app's ServerState. When the engine cannot start, the exception it raised in its process (traceback logged at
-    debug level)."""
+    """Start the engine process, wait until it is ready, then load the tokenizer of the folder it resolved;
+    returns the app's ServerState. When the engine cannot start, the exception it raised in its process
+    (traceback logged at debug level)."""
     from minisgl.server.app import ServerState
     from minisgl.server.engine_client import EngineClient
     from minisgl.tokenizer import load_tokenizer
