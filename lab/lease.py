@@ -272,9 +272,8 @@ CALLS: dict[str, Call] = {
     # preparation a load beside the runs themselves), SGLang's ~62 s to start: both in one call overran its budget
     "serving": Call(
         "optional, on a machine calls 1-3 staged (`--steps none` stages only): online serving (issue 24), "
-        "minisgl's server under SGLang's "
-        "bench_serving client at 8, 24, 48 requests/s and 512 at once; the report's table puts SGLang's server "
-        "(serving_sglang, the next call) beside it",
+        "minisgl's server under SGLang's bench_serving client at 8, 24, 48 requests/s and 512 at once; the "
+        "report's table puts SGLang's server (serving_sglang, the next call) beside it",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("serving", 350, ("serving.json", "serving_minisgl.jsonl"), servers=("minisgl",)),)),
     "serving_sglang": Call(
@@ -504,6 +503,7 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
                 runs.append({"load": load, "returncode": rc})
         finally:
             stop_group(proc, grace_s=SERVER_GRACE_S)
+            log.close()
             summary["servers"][server]["results"] = serving_results(jsonl, loads)
             write_serving_summary(out, name, loads, servers, env, summary)
         print(server, summary["servers"][server], flush=True)

@@ -229,7 +229,6 @@ def record_launches() -> list[tuple]:
                              torch.tensor([1.1]), (1 << 30) - 1)
         smp.apply_token_bitmask_(logits, rows, torch.randint(-2**31, 2**31 - 1, (1, (vocab + 31) // 32),
                                                              generator=gen, dtype=torch.int32))
-
         smp.token_logprobs_packed(logits, rows, torch.tensor([0, 3]), 5)
 
     _record(smp, ["_penalty_kernel", "_bitmask_kernel", "_logprob_chunk_kernel", "_logprob_merge_kernel"],

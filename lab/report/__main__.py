@@ -41,11 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         sources = Sources.of(root)
     else:
         leases = lease_folders(root)
-        full = [d for d in leases if Sources.of(d).result(HEADLINE_SECTION)]
+        folders = [d for d, _ in leases]
+        full = [d for d, src in leases if src.result(HEADLINE_SECTION)]
         lease = root / a.lease if a.lease else (full[-1] if full else None)
         if lease is None:
             raise SystemExit(f"no lease folder with the headline ({HEADLINE_SECTION}) under {root}")
-        later = [] if a.lease else leases[leases.index(lease) + 1:]
+        later = [] if a.lease else folders[folders.index(lease) + 1:]
         sources = Sources.of(lease, *later)
     page = Page(sources, root)
     audit(page)

@@ -92,8 +92,10 @@ class Sources:
         """Folders (every *.json under them, but not under a folder named `invalid`) and files."""
         files: list[Path] = []
         for p in map(Path, paths):
-            files += sorted(f for f in p.rglob("*.json") if "invalid" not in f.relative_to(p).parts[:-1]) \
-                if p.is_dir() else [p]
+            if p.is_dir():
+                files += sorted(f for f in p.rglob("*.json") if "invalid" not in f.relative_to(p).parts[:-1])
+            else:
+                files.append(p)
         return cls(files)
 
     def runs_of(self, section: str, defaults_only: bool = True) -> list[Run]:
@@ -130,14 +132,15 @@ def dig(d, keys: list[str]):
     return d
 
 
-def lease_folders(root: str | Path) -> list[Path]:
-    """The lease folders under a reports folder (runN/ with JSON in them), oldest first by their newest file."""
+def lease_folders(root: str | Path) -> list[tuple[Path, Sources]]:
+    """The lease folders under a reports folder (runN/ with JSON in them) with their runs, oldest first by their
+    newest file."""
     found = []
     for d in Path(root).glob("run*/"):
-        runs = Sources.of(d).runs
-        if runs:
-            found.append((max(r.time_utc for r in runs), d))
-    return [d for _, d in sorted(found)]
+        src = Sources.of(d)
+        if src.runs:
+            found.append((max(r.time_utc for r in src.runs), d, src))
+    return [(d, src) for _, d, src in sorted(found, key=lambda x: x[:2])]
 
 
 def resolve(entry: dict, root: Path = REPO):

@@ -31,6 +31,7 @@ from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_b
 from minisgl.environment import omp_threads_set
 from minisgl.grammar import bitmask_words
 from minisgl.kernels import sampling as fused_sampling
+from minisgl.kernels.elementwise import _use_triton as use_triton
 from minisgl.kernels.options import use_options
 from minisgl.kvcache import KVCache, ReqToTokenPool
 from minisgl.loader import DTYPES, load_model
@@ -487,8 +488,7 @@ class ModelRunner:
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, proc: LogitsProcessing) -> StepLogprobs:
         rows, host_rows = proc.logprob_rows, proc.logprob_rows_host
-        fused = fused_sampling.triton is not None and (logits.is_cuda or self.config.kernels.triton_on_cpu)
-        if fused:  # one read of each asking row (kernels/sampling.py)
+        if use_triton(logits):  # one read of each asking row (kernels/sampling.py)
             return StepLogprobs(host_rows, fused_sampling.token_logprobs_packed(logits, rows, tokens, proc.top_n),
                                 proc.top_n)
         if len(host_rows) == tokens.numel():  # every row asks: no gathered copy of the logits

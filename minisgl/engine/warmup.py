@@ -237,7 +237,7 @@ def _run_processing(runner) -> None:
                                 bitmask=torch.full((p, (vocab + 31) // 32), -1, dtype=torch.int32, device=dev))
         process_logits(logits, proc, table)
     from minisgl.kernels import sampling as fused
-    tokens = torch.zeros(4, dtype=torch.int64, device=dev)
+    rows, tokens = _device_ints(np.arange(4), dev), torch.zeros(4, dtype=torch.int64, device=dev)
     for top in fused.LOGPROB_TOPS:  # top_n is not specialised: one variant per kept-per-chunk size
         fused.token_logprobs_packed(logits, rows, tokens, min(top, MAX_TOP_LOGPROBS))
 
