@@ -8,6 +8,7 @@ travels without an install, and the same commands work there.
     lab.run          one device call's measurements: named sections (lab.sections), JSON under --out
     lab.lease        a lease as a few device calls (the plan, the calls, SGLang beside us through the kit)
     lab.sglang       SGLang on the same requests (run under the kit's wheels by lab.lease)
+    lab.serve_client SGLang's serving client at several loads in one process (lab.lease serve-bench runs it)
     lab.timeline     where a batch-1 decode step's time goes (profiler timeline)
     lab.checks.*     GPU self-checks of the kernels, the sampler, prefill graphs, PDL, Gated DeltaNet, TP
     lab.tune.*       launch-shape tunes (the decode GEMV against cuBLAS, the fused sampler)

@@ -10,17 +10,17 @@ On the device, each call is one command (the plan prints them with the commit fi
     python3 -m lab.lease call1 --commit SHA          # minisgl Qwen3-0.6B: ceilings, headline + ablation, sweep
     python3 -m lab.lease call2 --commit SHA          # minisgl Qwen3.5 and Qwen3-8B, HF 0.6B and 8B, 8B profile
     python3 -m lab.lease call3 --commit SHA          # SGLang on Qwen3-0.6B, Qwen3.5 and Qwen3-8B
-    python3 -m lab.lease serving --commit SHA        # optional: online serving, minisgl's server (issue 24)
-    python3 -m lab.lease serving_sglang --commit SHA # optional, right after: SGLang's server, the same loads
+    python3 -m lab.lease serving --commit SHA        # optional: online serving, both servers (issue 24)
     python3 -m lab.lease warmup --commit SHA         # optional: the kernel warm-up at engine start (issue 29)
 
 SGLang's wheels (~50 MB) and the tree (~38 MB) do not fit in one call's 64 MiB, so each of calls 1-3 carries one
-part (`a`, `b`, `c`): each call copies the part it carries into /tmp/sglwhl on the machine, and once every wheel
-of the manifest is there the kit's run_sglang.sh unpacks them into /tmp/site. Calls 2 and 3 must therefore land
-on the machine call 1 warmed (a call within 30 s of the last one's end). If one lands on a fresh machine, its
-SGLang steps are skipped with a message naming the missing parts, its minisgl steps still run, and `--steps`
-re-runs what was skipped (`--steps none` only stages the part carried: e.g. `call1 --steps none`, `call2 --steps
-none` and then `call3` on a fresh machine).
+part (`a`, `b`, `c`): every call copies each part it carries (any call may carry one where it has room: the plan
+says which fit) into /tmp/sglwhl on the machine, and once every wheel of the manifest is there the kit's
+run_sglang.sh unpacks them into /tmp/site. Calls 2 and 3 must therefore land on the machine call 1 warmed (a call
+within 30 s of the last one's end). If one lands on a fresh machine, its SGLang steps are skipped with a message
+naming the missing parts, its minisgl steps still run, and `--steps` re-runs what was skipped (`--steps none`
+only stages the parts carried: e.g. `call1 --steps none`, `call2 --steps none` and then `call3` on a fresh
+machine).
 
 Each step's output goes to /tmp/lease-logs/<step>.log, packed into $OUT/logs_<call>.tgz at the end; a step that
 would run past the call's budget is skipped (said in the output), and one that overruns is stopped (SIGTERM,
@@ -229,7 +229,6 @@ class Call:
     about: str
     carry: tuple[str, ...]
     steps: tuple[Step, ...]
-    stage: str | None = None  # the wheel part this call carries and stages
     budget_s: int = CALL_BUDGET_S
 
     @property
@@ -248,14 +247,14 @@ CALLS: dict[str, Call] = {
         "minisgl Qwen3-0.6B at this commit: the card's ceilings, the headline workloads and the ablation table "
         "(each switch off in turn), the batch-mix sweep; the profiler diagnosis (W1 slices with each switch, "
         "batch-1/64 decode) and the batch-1 step's timeline",
-        carry=(KIT, f"{WHEEL_DIR}/a"), stage="a",
+        carry=(KIT, f"{WHEEL_DIR}/a"),
         steps=(Lab("minisgl06", 360, ("qwen3_06.json",), ("ceilings", "bench06", "sweep06")),
                Timeline("timeline06", 40, ("decode_timeline_06.json",), "qwen3-0.6b", "06"),
                Lab("diagnosis", 95, ("diagnosis.json",), ("profile",)))),
     "call2": Call(
         "minisgl on Qwen3.5-0.8B and Qwen3-8B (headline and ablations), transformers on Qwen3-0.6B and 8B, "
         "Qwen3-8B's profiler diagnosis and batch-1 step timeline",
-        carry=(KIT, f"{WHEEL_DIR}/b"), stage="b",
+        carry=(KIT, f"{WHEEL_DIR}/b"),
         steps=(Lab("minisgl35", 60, ("qwen35_hf06.json",), ("qwen35", "hf06")),
                Lab("diagnosis8", 45, ("diagnosis8.json",), ("profile8",)),
                Lab("minisgl8", 265, ("qwen3_8b.json",), ("bench8", "hf8")),
@@ -263,24 +262,20 @@ CALLS: dict[str, Call] = {
     "call3": Call(
         "SGLang beside us, on the machine calls 1-2 staged their parts on: Qwen3-0.6B (W1, W1 top-k/top-p, W2, "
         "W3, W4, the sweep), Qwen3.5-0.8B (W1, W2), Qwen3-8B (W1, W1 top-k/top-p, W2)",
-        carry=(KIT, f"{WHEEL_DIR}/c"), stage="c",
+        carry=(KIT, f"{WHEEL_DIR}/c"),
         steps=(SGLang("sglang06", 215, ("sglang_06.json",), "qwen3-0.6b", ("w1", "w1_topkp", "w2", "w3", "w4",
                                                                           "sweep")),
                SGLang("sglang35", 100, ("sglang_35.json",), "qwen3.5-0.8b", ("w1", "w2")),
                SGLang("sglang8", 160, ("sglang_8.json",), "qwen3-8b", ("w1", "w1_topkp", "w2")))),
-    # run16: minisgl's server took 326 s for the four loads (66 s to start, ~50 s of client start and data
-    # preparation a load beside the runs themselves), SGLang's ~62 s to start: both in one call overran its budget
+    # run16: minisgl's server took 326 s for the four loads (66 s to start, ~28 s of client start a load beside the
+    # runs themselves), SGLang's ~100 s to start: both in one call overran its budget. The client now starts once
+    # per server (lab.serve_client): ~190 + ~210 s, then ~50 s offline.
     "serving": Call(
-        "optional, on a machine calls 1-3 staged (`--steps none` stages only): online serving (issue 24), "
-        "minisgl's server under SGLang's bench_serving client at 8, 24, 48 requests/s and 512 at once; the "
-        "report's table puts SGLang's server (serving_sglang, the next call) beside it",
+        "optional, on a machine calls 1-3 staged (or carry the last part along): online serving (issue 24), "
+        "minisgl's server and then SGLang's under SGLang's bench_serving client at 8, 24, 48 requests/s and 512 "
+        "at once, then the all-at-once requests through the offline engine (the server/offline ratio)",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
-        steps=(Serving("serving", 350, ("serving.json", "serving_minisgl.jsonl"), servers=("minisgl",)),)),
-    "serving_sglang": Call(
-        "optional, right after `serving` on its machine: SGLang's server under the same client and loads",
-        carry=(KIT, f"{WHEEL_DIR}/serve"),
-        steps=(Serving("serving_sglang", 330, ("serving_sglang.json", "serving_sglang_sglang.jsonl"),
-                       servers=("sglang",)),)),
+        steps=(Serving("serving", 460, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),)),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "
@@ -298,10 +293,11 @@ CALLS: dict[str, Call] = {
         "optional: issue 27, W1/W2 at the defaults and two engines with different kernel options in one process "
         "(lab.checks.engine_options); issue 26, the API features' cost: json_object at batch 1, top-5 logprobs "
         "and penalties on W1 (lab.checks.h200_api_check; its structured-output arms need .sglang-whl/api: "
-        "`python -m lab.lease api-wheels`)",
+        "`python -m lab.lease api-wheels`); issue 29, where Qwen3.5's time goes on the 512-request mix",
         carry=(API_WHEELS,),
         steps=(Lab("options", 120, ("engine_options.json",), ("options_check",)),
-               ApiCheck("api", 200, ("api_check.json",)))),
+               ApiCheck("api", 200, ("api_check.json",)),
+               Lab("mix_phases35", 110, ("qwen35_mix_phases.json",), ("mix_phases35",)))),
     "serving_ours": Call(
         "optional: minisgl's server under minisgl's own client (minisgl.bench.serving: the same loads, the "
         "server's CPU seconds), then the same all-at-once requests offline (the server/offline ratio; notebook "
@@ -329,6 +325,12 @@ def wheels_missing() -> str:
         return f"no SGLang wheels on this machine ({WHEELS} is empty: a fresh machine, or no part carried yet)"
     return (f"SGLang's wheel part {'/'.join(missing) or '(none)'} is not on this machine: carry "
             f"{', '.join(f'{WHEEL_DIR}/{h}' for h in missing)} in a call on it")
+
+
+def carried_parts(root: Path = REPO) -> list[str]:
+    """The wheel parts in this tree (on the device: the ones this call carried, or an earlier call left)."""
+    folder = root / WHEEL_DIR
+    return sorted(d.name for d in folder.iterdir() if (d / MANIFEST).is_file()) if folder.is_dir() else []
 
 
 def stage_wheels(part: str) -> str:
@@ -382,8 +384,8 @@ def run_call(name: str, out: str, commit: str | None, only: set[str] | None = No
         raise SystemExit("no .git here: pass --commit SHA (python -m lab.lease plan prints it)")
     print(f"{name}: {call.about}", flush=True)
     try:
-        if call.stage:
-            print(stage_wheels(call.stage), flush=True)
+        for part in carried_parts():
+            print(stage_wheels(part), flush=True)
         for step in call.steps:
             if only and step.name not in only:
                 continue
@@ -461,21 +463,51 @@ def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
         pass
 
 
+def unpack_serve_wheels() -> None:
+    """The kit's `serve` wheels (aiohttp, requests, ...: what SGLang's client and the HTTP servers import beside the
+    main wheels) into SERVE_SITE, as the kit's serving.sh does on its first use (the same stamp)."""
+    import zipfile
+    if (SERVE_SITE / ".done").is_file():
+        return
+    for f in sorted((REPO / WHEEL_DIR / "serve").glob("*.whl")):
+        zipfile.ZipFile(f).extractall(SERVE_SITE)
+    (SERVE_SITE / ".done").write_text("")
+
+
+def client_env() -> dict[str, str]:
+    """SGLang's client (lab.serve_client) under the kit's wheels and the serve half, as serving.sh runs it."""
+    env = kit_env()
+    return {**env, "PYTHONPATH": os.pathsep.join([str(SITE), str(SERVE_SITE), str(REPO / KIT / "sgstub"),
+                                                  str(REPO)])}
+
+
+def client_argv(port: int, load: str, jsonl: str) -> list[str]:
+    """bench_serving's arguments for one load (the kit's serving.sh recipe)."""
+    rate, prompts, out_len, ratio = LOADS[load]
+    return ["--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}", "--model", SERVE_MODEL,
+            "--tokenizer", SERVE_MODEL, "--dataset-name", "random-ids", "--random-input-len", "1024",
+            "--random-output-len", str(out_len), "--random-range-ratio", str(ratio), "--num-prompts", str(prompts),
+            "--request-rate", rate, "--seed", "1", "--output-file", jsonl]
+
+
+OFFLINE_LOAD = "burst"  # the load whose requests the offline engine runs too (the server/offline ratio)
+
+
 def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sglang"),
                 name: str = "serving") -> None:
-    """Each server in turn: start it in its own process group, wait for /health, run SGLang's bench_serving at
-    each load (one JSON line each in $OUT/<name>_<server>.jsonl), stop the group. $OUT/<name>.json (commands,
-    start-up times, return codes, each load's client figures) is written again after each server, so a step
-    stopped at its call's budget keeps what it measured; the server is stopped on SIGTERM too (main() turns it
-    into SystemExit), so no server outlives its step and answers the next step's client on the same port."""
-    kit = ["bash", f"{KIT}/serving.sh", WHEEL_DIR]
+    """Each server in turn: start it in its own process group, wait for /health, run SGLang's client at every load
+    (lab.serve_client: one process, one JSON line a load in $OUT/<name>_<server>.jsonl), stop the group. Then,
+    when minisgl's server ran the all-at-once load, the same requests through the offline engine (`LLM`), for the
+    server's share of its token rate. $OUT/<name>.json (commands, start-up times, return codes, each load's client
+    figures, the offline run) is written again after each part, so a step stopped at its call's budget keeps what
+    it measured; the server is stopped on SIGTERM too (main() turns it into SystemExit), so no server outlives
+    its step and answers the next step's client on the same port."""
     write_serve_model()
-    if not (SERVE_SITE / ".done").is_file():  # the kit unpacks its wheels on first use; minisgl's server needs them
-        subprocess.run([*kit, "bench", "--", "--help"], cwd=REPO, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.STDOUT, check=False)
+    unpack_serve_wheels()  # minisgl's server takes fastapi/uvicorn from them; SGLang's client its aiohttp
     from minisgl.bench.runner import environment
     env = {**environment(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # the call's start
     summary: dict = {"loads": {k: LOADS[k] for k in loads}, "servers": {}}
+    kept = os.path.join(LOGS, f"{name}_{OFFLINE_LOAD}_requests.json")
     for port, server in enumerate(servers, start=30001):
         argv = [a.format(port=port) for a in SERVERS[server]]
         jsonl = os.path.join(out, f"{name}_{server}.jsonl")
@@ -488,25 +520,50 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
         log = open(LOGS / f"server_{server}.log", "w")
         proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **server_env(server)}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        runs = []
-        summary["servers"][server] = {"command": argv, "ready_s": None, "runs": runs}
+        summary["servers"][server] = {"command": argv, "ready_s": None, "runs": []}
         try:
             ready = summary["servers"][server]["ready_s"] = wait_healthy(proc, port)
-            for load in loads if ready is not None else []:
-                rate, prompts, out_len, ratio = LOADS[load]
-                bench = [*kit, "bench", "--", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
-                         "--model", SERVE_MODEL, "--tokenizer", SERVE_MODEL, "--dataset-name", "random-ids",
-                         "--random-input-len", "1024", "--random-output-len", str(out_len), "--random-range-ratio",
-                         str(ratio), "--num-prompts", str(prompts), "--request-rate", rate, "--seed", "1",
-                         "--output-file", jsonl]
-                rc = subprocess.run(bench, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-                runs.append({"load": load, "returncode": rc})
+            if ready is not None:
+                summary["servers"][server]["runs"] = run_client(port, loads, jsonl, server, kept)
         finally:
             stop_group(proc, grace_s=SERVER_GRACE_S)
             log.close()
             summary["servers"][server]["results"] = serving_results(jsonl, loads)
             write_serving_summary(out, name, loads, servers, env, summary)
         print(server, summary["servers"][server], flush=True)
+    ours = summary["servers"].get("minisgl", {}).get("results", {}).get(OFFLINE_LOAD)
+    if ours and os.path.isfile(kept):
+        summary["offline"] = offline_same_requests(kept)
+        summary["server_over_offline"] = ours["output_throughput"] / summary["offline"]["output_tok_s"]
+        write_serving_summary(out, name, loads, servers, env, summary)
+        print("offline", summary["offline"], "server/offline", round(summary["server_over_offline"], 3), flush=True)
+
+
+def run_client(port: int, loads: list[str], jsonl: str, server: str, kept: str) -> list[dict]:
+    """SGLang's client at each load against the server on `port` (one process); each load's return code. The
+    requests of OFFLINE_LOAD are kept (into `kept`) from minisgl's run."""
+    runs_file, status_file = LOGS / f"client_{server}_runs.json", LOGS / f"client_{server}_status.json"
+    runs_file.write_text(json.dumps([{"load": load, "argv": client_argv(port, load, jsonl)} for load in loads]))
+    status_file.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "lab.serve_client", "--runs", str(runs_file), "--status", str(status_file)]
+    if server == "minisgl":
+        argv += ["--keep", OFFLINE_LOAD, "--keep-out", kept]
+    with open(LOGS / f"client_{server}.log", "w") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **client_env()}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait()
+        finally:
+            stop_group(proc, grace_s=SERVER_GRACE_S)
+    return json.loads(status_file.read_text()) if status_file.is_file() else []
+
+
+def offline_same_requests(kept: str) -> dict:
+    """The requests minisgl's server got at OFFLINE_LOAD, through `minisgl.LLM` on the serving model (greedy, each
+    to its length, as the client asks); its output tokens per second."""
+    from minisgl.bench.serving import run_offline
+    reqs = [(r["prompt"], r["output_len"]) for r in json.loads(Path(kept).read_text())]
+    return run_offline(SERVE_MODEL, ["--load-format", "dummy"], reqs)
 
 
 def write_serving_summary(out: str, name: str, loads: list[str], servers: list[str], env: dict,
@@ -619,6 +676,11 @@ def plan() -> int:
               f"run(command={json.dumps(command)}, carry={json.dumps(list(call.carry))}, timeout_s=540)\n"
               f"  ~{minutes:.1f} min ({', '.join(f'{s.name} ~{s.seconds} s' for s in call.steps)}); carries "
               f"{carried / 2**20:.1f} MiB; brings back {files} files\n")
+        if not any(c.startswith(f"{WHEEL_DIR}/") and c.endswith(tuple(carried_parts())) for c in call.carry):
+            kit = 0 if KIT in call.carry else path_bytes(REPO / KIT)
+            along = [p for p in carried_parts() if carried + kit + path_bytes(REPO / WHEEL_DIR / p) <= CARRY_LIMIT]
+            if along:
+                print(f"  room to carry one part along (with {KIT}), staged on the machine: {', '.join(along)}\n")
         missing = [c for c in call.carry if not (REPO / c).exists()]
         if missing:
             problems.append(f"{name}: {', '.join(missing)} not here (see the module docstring)")

@@ -30,7 +30,7 @@ from lab.engines import KERNEL_OPTIONS, free_gpu, log, with_engine
 from lab.hf import hf_peer, parity
 from lab.timing import time_us
 from minisgl import SamplingParams
-from minisgl.bench.runner import RUNNERS, flush_prefix_cache, run_sweep, run_throughput, warm_up
+from minisgl.bench.runner import RUNNERS, _sync, flush_prefix_cache, run_sweep, run_throughput, warm_up
 from minisgl.bench.workloads import MIXES, WORKLOADS, Workload, mix_workload, sweep_cells, sweep_workload
 from minisgl.kernels.options import use_options
 
@@ -252,38 +252,83 @@ def sweep_phases(model: str, requests: int = 256, prompt_lo: int = 1024) -> dict
             res["runs"].append({"sampling": sampling,
                                 **{k: v for k, v in r.items() if not isinstance(v, (list, dict))}})
             log("sweep_phases", sampling, round(r["output_tok_per_s"]))
-        runner = llm.engine.runner
-        forward = runner.forward
-        for sampling in ("greedy", "topkp"):
-            steps = []
+        for sampling in ("greedy", "topkp"):  # the engine is warm from the runs above
+            res[f"timed_{sampling}"] = timed_steps(llm, sweep_workload(cells[sampling], vocab))
+        return res
 
-            def timed(batch, _steps=steps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = forward(batch)
-                torch.cuda.synchronize()
-                _steps.append((batch.is_decode, batch.size, batch.num_tokens,
-                               sum(batch.prefix_lens) + batch.num_tokens, time.perf_counter() - t0))
-                return out
+    return with_engine(model, body)
 
-            w = sweep_workload(cells[sampling], vocab)
-            flush_prefix_cache(llm)
-            runner.forward = timed  # the engine is warm from the runs above
+
+def timed_steps(llm, w: Workload) -> dict:
+    """The workload all at once with every step synchronised and timed (the runner's forward wrapped), split into
+    prefill (and mixed) steps and decode steps, each step's batch size, tokens, K/V tokens and milliseconds. Timing
+    serialises the overlap loop: the wall time is not the workload's throughput, the split is what it shows."""
+    runner = llm.engine.runner
+    forward, steps = runner.forward, []
+
+    def timed(batch):
+        _sync()
+        t0 = time.perf_counter()
+        out = forward(batch)
+        _sync()
+        steps.append((batch.is_decode, batch.size, batch.num_tokens, sum(batch.prefix_lens) + batch.num_tokens,
+                      time.perf_counter() - t0))
+        return out
+
+    flush_prefix_cache(llm)
+    runner.forward = timed
+    try:
+        t0 = time.perf_counter()
+        llm.generate(w.prompts, w.params, progress=False)
+        wall = time.perf_counter() - t0
+    finally:
+        runner.forward = forward
+    decode = [s for s in steps if s[0]]
+    prefill = [s for s in steps if not s[0]]
+    return {"wall_s": wall, "prefill_steps": len(prefill), "prefill_s": sum(s[4] for s in prefill),
+            "prefill_tokens": sum(s[2] for s in prefill), "decode_steps": len(decode),
+            "decode_s": sum(s[4] for s in decode), "decode_tokens": sum(s[2] for s in decode),
+            "decode_kv_tokens": sum(s[3] for s in decode),  # K/V tokens the decode steps attend over
+            "steps": [[int(d), b, n, kv, round(dt * 1e3, 3)] for d, b, n, kv, dt in steps],
+            "steps_columns": ["is_decode", "batch_size", "tokens", "kv_tokens", "ms"]}
+
+
+def mix_phases(model: str, mix: str = "mix512") -> dict:
+    """Where a mix's time goes (issue 29: Qwen3.5 on the 512-request long-prompt mix): the mix run normally with
+    the host's time per step by phase (schedule, launch, wait for the device: near-zero wait means the host is
+    the bottleneck) and each step's batch, then again with every step synchronised and timed (`timed_steps`:
+    device time of prefill against decode steps, by batch size)."""
+    from minisgl.bench.profile import timed_phases
+
+    def body(llm) -> dict:
+        w = mix_workload(mix, llm.engine.model_config.vocab_size)
+        run_throughput(llm, w)  # warm: every batch shape of the mix once
+        sched, batches = llm.engine.scheduler, []
+        flush_prefix_cache(llm)
+        with timed_phases(llm.engine) as times:
+            schedule = sched.schedule  # timed_phases' wrapper, which its exit removes
+
+            def schedule_seen(*args, **kwargs):
+                batch = schedule(*args, **kwargs)
+                if hasattr(batch, "num_tokens"):  # not None, not the scheduler's NEED_SYNC
+                    batches.append((int(batch.is_decode), batch.size, batch.num_tokens))
+                return batch
+
+            sched.schedule = schedule_seen
             try:
                 t0 = time.perf_counter()
                 llm.generate(w.prompts, w.params, progress=False)
                 wall = time.perf_counter() - t0
             finally:
-                runner.forward = forward
-            decode = [s for s in steps if s[0]]
-            prefill = [s for s in steps if not s[0]]
-            res[f"timed_{sampling}"] = {
-                "wall_s": wall, "prefill_steps": len(prefill), "prefill_s": sum(s[4] for s in prefill),
-                "prefill_tokens": sum(s[2] for s in prefill), "decode_steps": len(decode),
-                "decode_s": sum(s[4] for s in decode), "decode_tokens": sum(s[2] for s in decode),
-                "decode_kv_tokens": sum(s[3] for s in decode),  # K/V tokens the decode steps attend over
-                "steps": [[int(d), b, n, kv, round(dt * 1e3, 3)] for d, b, n, kv, dt in steps],
-                "steps_columns": ["is_decode", "batch_size", "tokens", "kv_tokens", "ms"]}
+                sched.schedule = schedule
+        res = {"mix": mix, "output_tok_per_s": w.total_output_tokens / wall, "wall_s": wall,
+               "max_running_requests": sched.max_running, "host_s": times.totals,
+               "steps_host": [[round(x * 1e3, 3) for x in step] for step in times.steps],
+               "steps_host_columns": ["step_ms", "schedule_ms", "launch_ms", "wait_ms"],
+               "batches": batches, "batches_columns": ["is_decode", "batch_size", "tokens"],
+               "timed": timed_steps(llm, w)}
+        log(model, "mix_phases", mix, round(res["output_tok_per_s"]), "host", {k: round(v, 2) for k, v in
+                                                                             times.totals.items()})
         return res
 
     return with_engine(model, body)
@@ -492,6 +537,9 @@ SECTIONS: dict[str, Section] = {
     "mixes35": section(lambda: mixes("qwen3.5-0.8b"),
                        "issue 29's Qwen3.5 mixes (512 requests, 16-2k prompts, greedy; 384 in 24 shared-prefix "
                        "groups, mixed sampling), running requests sized from memory"),
+    "mix_phases35": section(lambda: mix_phases("qwen3.5-0.8b"),
+                            "Qwen3.5 on the 512-request mix: host time per step by phase, each step's batch, and "
+                            "each step synchronised and timed (prefill against decode)"),
     "mixes35_rows256": section(lambda: mixes("qwen3.5-0.8b", max_running_requests=256),
                                "the same mixes at 256 running requests (the old hybrid cap): the sizing's A/B"),
     "sweep06": section(lambda: sweep("qwen3-0.6b"), "the batch-mix sweep on Qwen3-0.6B, defaults"),

@@ -123,6 +123,21 @@ def test_mixes_section_records_throughput_batch_steps_and_resolved_rows(tiny_mod
     assert res["mixes"]["mix512"]["cell"]["name"] == "n6_in4-40_out2-6_greedy"
 
 
+def test_mix_phases_splits_host_and_device_time_of_a_mix_by_step(tiny_model, monkeypatch):
+    """Issue 29's diagnosis of the Qwen3.5 mix, on the tiny model with the mix shrunk: each step's host phases and
+    batch in a normal run, then each step synchronised and timed; the steps add up to the workload's tokens."""
+    from minisgl.bench import workloads
+    monkeypatch.setitem(workloads.MIXES, "mix512", workloads.SweepCell(6, 4, 40, 2, 6, "greedy"))
+    res = sections.mix_phases(tiny_model)
+    assert res["output_tok_per_s"] > 0 and set(res["host_s"]) == {"schedule", "launch", "wait"}
+    assert len(res["steps_host"]) >= len(res["batches"]) > 0 and len(res["steps_host"][0]) == 4
+    decode_rows = sum(size for is_decode, size, _ in res["batches"] if is_decode)
+    timed = res["timed"]
+    assert timed["decode_steps"] > 0 and timed["prefill_steps"] > 0 and timed["decode_s"] > 0
+    assert decode_rows == timed["decode_tokens"]  # the same requests, the same decode steps
+    assert sum(n for _, _, n, _, _ in timed["steps"]) == timed["prefill_tokens"] + timed["decode_tokens"]
+
+
 def test_lab_run_writes_each_section_as_it_ends(tmp_path, monkeypatch):
     def boom():
         raise RuntimeError("kernel fell over")
@@ -329,32 +344,70 @@ def serve_bench_here(tmp_path, monkeypatch):
     (tmp_path / "logs").mkdir()
 
 
-def test_serve_bench_writes_a_lab_section_with_each_servers_client_figures(tmp_path, monkeypatch,
-                                                                            serve_bench_here):
-    """serve-bench (issue 24) without the kit: a stand-in server that answers /health, a stand-in client that
-    writes bench_serving's line per load; the summary is a lab section (commit, each load's figures by rate), the
-    report's serving section reads."""
-    import subprocess as sp
-    monkeypatch.setitem(lease.SERVERS, "stand_in", [sys.executable, "-c", FAKE_SERVER, "{port}"])
-    real_run = sp.run
+# SGLang's client module as lab.serve_client imports it: cli_main reads sys.argv, calls get_dataset by its global
+# name, writes bench_serving's line; a rate of 99 makes it give up as the real one does (sys.exit)
+FAKE_CLIENT = """
+import json, sys
+from types import SimpleNamespace
 
-    def run(argv, *args, **kwargs):
-        if "bench" not in argv:
-            return real_run(argv, *args, **kwargs)
-        rate = float(argv[argv.index("--request-rate") + 1])
-        with open(argv[argv.index("--output-file") + 1], "a") as f:
-            f.write(json.dumps({"request_rate": rate, "completed": 300, "median_ttft_ms": 20.0 + rate,
-                                "p99_itl_ms": 30.0, "output_throughput": 4700.0}) + "\n")
-        return sp.CompletedProcess(argv, 0)
+def get_dataset(args, tokenizer, model_id=None):
+    return [SimpleNamespace(prompt="two words", output_len=4), SimpleNamespace(prompt=[5, 6, 7], output_len=2)]
 
-    monkeypatch.setattr(lease.subprocess, "run", run)
-    lease.serve_bench(str(tmp_path), ["rate24", "rate48"], ["stand_in"], "serving_x")
+def cli_main():
+    a = sys.argv
+    rate = float(a[a.index("--request-rate") + 1])
+    rows = get_dataset(None, None)
+    if rate == 99:
+        sys.exit(1)
+    with open(a[a.index("--output-file") + 1], "a") as f:
+        f.write(json.dumps({"request_rate": rate, "completed": len(rows), "median_ttft_ms": 20.0 + rate,
+                            "p99_itl_ms": 30.0, "output_throughput": 4700.0}) + "\\n")
+"""
+
+
+def test_serve_bench_runs_the_client_once_a_server_and_the_offline_engine_on_the_same_requests(
+        tmp_path, monkeypatch, serve_bench_here):
+    """serve-bench (issue 24) without the kit: a stand-in server that answers /health and a stand-in for SGLang's
+    client module, run by the real lab.serve_client (one process for every load, the all-at-once load's requests
+    kept); the summary is a lab section (commit, each load's figures by rate, return codes), and the offline run
+    gets the very requests the client generated."""
+    fake = tmp_path / "fake-sglang"
+    (fake / "sglang" / "benchmark").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "benchmark" / "__init__.py").write_text("")
+    (fake / "sglang" / "benchmark" / "serving.py").write_text(FAKE_CLIENT)
+    monkeypatch.setattr(lease, "client_env", lambda: {"PYTHONPATH": os.pathsep.join([str(fake), str(REPO)])})
+    monkeypatch.setitem(lease.SERVERS, "minisgl", [sys.executable, "-c", FAKE_SERVER, "{port}"])
+    monkeypatch.setitem(lease.LOADS, "rate99", ("99", 2, 4, 0.5))
+    offline_got = []
+
+    def offline(kept):
+        offline_got.append(json.loads(Path(kept).read_text()))
+        return {"requests": 2, "output_tok_s": 5000.0}
+
+    monkeypatch.setattr(lease, "offline_same_requests", offline)
+    lease.serve_bench(str(tmp_path), ["rate24", "rate99", "burst"], ["minisgl"], "serving_x")
     data = json.loads((tmp_path / "serving_x.json").read_text())
-    assert data["environment"]["git_commit"] and "--servers stand_in" in data["command"]
-    server = data["sections"]["serving_x"]["result"]["servers"]["stand_in"]
-    assert server["ready_s"] is not None and [r["returncode"] for r in server["runs"]] == [0, 0]
-    assert server["results"]["rate24"]["median_ttft_ms"] == 44.0 and server["results"]["rate48"]["p99_itl_ms"] == 30
-    assert (tmp_path / "serving_x_stand_in.jsonl").is_file()
+    assert data["environment"]["git_commit"] and "--servers minisgl" in data["command"]
+    result = data["sections"]["serving_x"]["result"]
+    server = result["servers"]["minisgl"]
+    assert server["ready_s"] is not None
+    assert server["runs"] == [{"load": "rate24", "returncode": 0}, {"load": "rate99", "returncode": 1},
+                              {"load": "burst", "returncode": 0}]
+    assert server["results"]["rate24"]["median_ttft_ms"] == 44.0 and "rate99" not in server["results"]
+    assert offline_got == [[{"prompt": "two words", "output_len": 4}, {"prompt": [5, 6, 7], "output_len": 2}]]
+    assert result["offline"]["output_tok_s"] == 5000.0 and result["server_over_offline"] == 4700.0 / 5000.0
+    assert (tmp_path / "serving_x_minisgl.jsonl").is_file() and not lease.port_answers(30001)
+
+
+def test_the_offline_run_takes_the_kept_requests_text_or_ids(tmp_path, monkeypatch, qwen3_tok_path):
+    """What the offline half of serve-bench runs: the kept requests (random-ids prompts come as text, which the
+    engine tokenizes as the server does), greedy, each to its length; every output token counted."""
+    kept = tmp_path / "kept.json"
+    kept.write_text(json.dumps([{"prompt": "hello there", "output_len": 3}, {"prompt": [5, 6, 7], "output_len": 2}]))
+    monkeypatch.setattr(lease, "SERVE_MODEL", str(qwen3_tok_path))
+    got = lease.offline_same_requests(str(kept))
+    assert got["requests"] == 2 and got["output_tokens"] == 5 and got["output_tok_s"] > 0
 
 
 def test_serve_bench_never_measures_a_server_it_did_not_start_and_stops_its_own_when_stopped(tmp_path, monkeypatch,
@@ -373,14 +426,11 @@ def test_serve_bench_never_measures_a_server_it_did_not_start_and_stops_its_own_
             if lease.port_answers(30001):
                 break
             _time.sleep(0.1)
-        real_run = sp.run
 
-        def run(argv, *args, **kwargs):
-            if "bench" not in argv:
-                return real_run(argv, *args, **kwargs)
+        def client(*args, **kwargs):
             raise SystemExit(143)  # the step's SIGTERM arrives while the client runs
 
-        monkeypatch.setattr(lease.subprocess, "run", run)
+        monkeypatch.setattr(lease, "run_client", client)
         with pytest.raises(SystemExit):
             lease.serve_bench(str(tmp_path), ["rate24"], ["first", "second"], "serving_y")
     finally:

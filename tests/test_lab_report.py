@@ -187,12 +187,12 @@ def synthetic_lease(folder: Path, commit: str) -> None:
         return {"completed": 300, "median_ttft_ms": ttft, "p99_ttft_ms": 3 * ttft, "median_tpot_ms": 2.0,
                 "median_itl_ms": 1.8, "p99_itl_ms": itl99, "output_throughput": tok_s}
     loads = {"rate8": ["8", 300, 256, 0.5], "rate24": ["24", 300, 256, 0.5], "burst": ["inf", 512, 512, 0.25]}
-    # the two servers come from two calls (serving, serving_sglang); SGLang's rate8 did not run
+    # both servers, then the offline engine on the all-at-once requests; SGLang's rate8 did not run
     sections_file(folder / "serving.json", e, {"serving": {"loads": loads, "servers": {
         "minisgl": {"results": {"rate8": client(15.0, 9.0, 1500), "rate24": client(19.7, 33.5, 4709),
-                                "burst": client(2300.0, 60.0, 8216)}}}}}, command="python -m lab.lease serve-bench")
-    sections_file(folder / "serving_sglang.json", e, {"serving_sglang": {"loads": loads, "servers": {
-        "sglang": {"results": {"rate24": client(28.7, 20.7, 4680), "burst": client(2301.0, 50.0, 7751)}}}}},
+                                "burst": client(2300.0, 60.0, 8216)}},
+        "sglang": {"results": {"rate24": client(28.7, 20.7, 4680), "burst": client(2301.0, 50.0, 7751)}}},
+        "offline": {"requests": 512, "output_tok_s": 8800.0}, "server_over_offline": 8216 / 8800}},
         command="python -m lab.lease serve-bench")
     (folder / "README.md").write_text("# run99: a synthetic lease for the generator's test\n")
 
@@ -212,6 +212,8 @@ def test_the_generator_writes_a_current_report_and_post_from_a_lease(tmp_path):
     assert "| rate24 | P99 ITL ms | 33.5 | 20.7 | 1.62x |" in report
     assert "| burst | output tok/s | 8,216 | 7,751 | 1.06x |" in report and "(charts/serving.png)" in report
     assert "| rate8 | median TTFT ms | 15.0 | — |  |" in report  # a load one server did not run
+    assert "512 all-at-once requests through the offline engine" in report and "8,800 output tok/s" in report
+    assert "delivered **93%** of that" in report
     for page in (report, post):
         for image in re.findall(r"\]\((charts/[\w.]+)\)", page):
             assert (tmp_path / image).stat().st_size > 5000, image

@@ -501,21 +501,19 @@ SERVING_FIGURES = (("median_ttft_ms", "median TTFT ms", 1), ("p99_ttft_ms", "P99
                    ("median_tpot_ms", "median TPOT ms", 2), ("median_itl_ms", "median ITL ms", 2),
                    ("p99_itl_ms", "P99 ITL ms", 1), ("output_throughput", "output tok/s", 0))
 SERVING_CHART = ("median_ttft_ms", "median_tpot_ms", "p99_itl_ms")
-# one table: minisgl's server and SGLang's, each a call of its own since run16 (one call could not hold both)
-SERVING_SECTIONS = ("serving", "serving_sglang")
 
 
 def serving(page: Page) -> list[str]:
-    """Online serving (issue 24): each server of the lease's serving calls at each load, SGLang's bench_serving
-    client, and the latency-against-rate curve. The server's code counts here, so the section says when it
-    changed after the run (the headline's freshness check leaves the server out)."""
-    runs = [run for run in map(page.sources.result, SERVING_SECTIONS) if run is not None]
-    servers, where, loads = {}, {}, {}
-    for run in runs:
-        for name, s in run.result.get("servers", {}).items():
-            if name not in servers and s.get("results"):
-                servers[name], where[name] = s["results"], run
-        loads.update(run.result.get("loads", {}))
+    """Online serving (issue 24): each server of the lease's serving call at each load, SGLang's bench_serving
+    client, the latency-against-rate curve, and the server's all-at-once rate against the offline engine's on the
+    same requests. The server's code counts here, so the section says when it changed after the run (the
+    headline's freshness check leaves the server out)."""
+    run = page.sources.result("serving")
+    if run is None:
+        return []
+    servers = {name: s["results"] for name, s in run.result.get("servers", {}).items() if s.get("results")}
+    where = dict.fromkeys(servers, run)
+    loads = run.result.get("loads", {})
     names = sorted(servers, key=lambda n: n != "minisgl")  # minisgl first: the ratio column is minisgl / SGLang
     loads = {load: spec for load, spec in loads.items() if any(load in r for r in servers.values())}
     if not loads:
@@ -553,6 +551,12 @@ def serving(page: Page) -> list[str]:
                   for name in names}
         charts.latency_vs_rate(rates, series, page.chart("serving"), "Latency against request rate")
         lines += ["![Latency against request rate](charts/serving.png)", ""]
+    offline = page.book.take("serving.offline.output_tok_s", f"{run.section}.offline.output_tok_s")
+    share = page.book.take("serving.server_over_offline", f"{run.section}.server_over_offline")
+    if offline and share:
+        lines += [f"The same {fmt(dig(run.result, ['offline', 'requests']), 0)} all-at-once requests through the "
+                  f"offline engine (`minisgl.LLM`, the server stopped): {fmt(offline.value, 0)} output tok/s; "
+                  f"minisgl's server delivered **{share.value:.0%}** of that.", ""]
     return lines
 
 
