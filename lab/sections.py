@@ -297,8 +297,9 @@ def mix_phases(model: str, mix: str = "mix512") -> dict:
     """Where a mix's time goes (issue 29: Qwen3.5 on the 512-request long-prompt mix): the mix run normally with
     the host's time per step by phase (schedule, launch, wait for the device: near-zero wait means the host is
     the bottleneck) and each step's batch, then again with every step synchronised and timed (`timed_steps`:
-    device time of prefill against decode steps, by batch size)."""
-    from minisgl.bench.profile import timed_phases
+    device time of prefill against decode steps, by batch size), then its first steps under the profiler
+    (kernel time by kind: what a step of prefill chunks and joining decode rows spends its time on)."""
+    from minisgl.bench.profile import profile_slice, timed_phases
 
     def body(llm) -> dict:
         w = mix_workload(mix, llm.engine.model_config.vocab_size)
@@ -326,7 +327,10 @@ def mix_phases(model: str, mix: str = "mix512") -> dict:
                "steps_host": [[round(x * 1e3, 3) for x in step] for step in times.steps],
                "steps_host_columns": ["step_ms", "schedule_ms", "launch_ms", "wait_ms"],
                "batches": batches, "batches_columns": ["is_decode", "batch_size", "tokens"],
-               "timed": timed_steps(llm, w)}
+               "timed": timed_steps(llm, w),
+               # the mix's first steps under the profiler: prefill chunks of many prompts, decode rows joining
+               "prefill_profile": (profile_slice(llm, w.prompts, w.params, warm_steps=8, steps=6, top=16)
+                                   if torch.cuda.is_available() else "skipped: the profiler's view needs a GPU")}
         log(model, "mix_phases", mix, round(res["output_tok_per_s"]), "host", {k: round(v, 2) for k, v in
                                                                              times.totals.items()})
         return res

@@ -129,11 +129,22 @@ def host_phases(engine, steps: int) -> dict:
 
 def profile_w1_slice(llm, num_requests: int = 64, warm_steps: int = 40, steps: int = 30,
                      keep_intervals: int = 3000, top: int = 12) -> dict:
+    """`profile_slice` of W1's first `num_requests` requests: past their prefills, into steady decoding."""
+    w = w1_offline()
+    return profile_slice(llm, w.prompts[:num_requests], w.params[:num_requests], warm_steps, steps,
+                         keep_intervals, top)
+
+
+def profile_slice(llm, prompts: list, params: list, warm_steps: int, steps: int, keep_intervals: int = 0,
+                  top: int = 12) -> dict:
+    """The requests added at once, `warm_steps` steps unprofiled, then `steps` steps under the profiler (kernel
+    time by kind and name, GPU busy fraction, graph hits) and as many again timed by host phase; then every
+    request is aborted and the engine drained."""
     from torch.profiler import ProfilerActivity, profile
 
-    w = w1_offline()
     engine = llm.engine
-    reqs = [engine.add_request(p, sp) for p, sp in zip(w.prompts[:num_requests], w.params[:num_requests])]
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    num_requests = len(reqs)
     for _ in range(warm_steps):  # past the prefills, into steady decoding
         engine.step()
     before = dict(engine.stats)
