@@ -204,7 +204,10 @@ def api_wheels(root: Path = REPO) -> list[str]:
 
 @dataclass(frozen=True)
 class ApiCheck(Step):
-    """lab.checks.h200_api_check (issue 26's bars) with xgrammar importable when .sglang-whl/api is carried."""
+    """A check with xgrammar importable when .sglang-whl/api is carried: lab.checks.h200_api_check (issue 26's
+    bars), or another module of the same kind (`module`, run as `python -m module OUT`)."""
+
+    module: str = "lab.checks.h200_api_check"
 
     def prepare(self) -> None:
         import zipfile
@@ -218,7 +221,7 @@ class ApiCheck(Step):
         return {"PYTHONPATH": os.pathsep.join([str(API_SITE), str(REPO)])}
 
     def argv(self, out: str) -> list[str]:
-        return [sys.executable, "-m", "lab.checks.h200_api_check", out]
+        return [sys.executable, "-m", self.module, out]
 
 
 # --- calls ---------------------------------------------------------------------------------------------------
@@ -298,6 +301,13 @@ CALLS: dict[str, Call] = {
         steps=(Lab("options", 120, ("engine_options.json",), ("options_check",)),
                ApiCheck("api", 200, ("api_check.json",)),
                Lab("mix_phases35", 110, ("qwen35_mix_phases.json",), ("mix_phases35",)))),
+    "diag": Call(
+        "optional: issue 26's structured-output regression, the grammar masks' path four ways (lab.checks."
+        "grammar_path_ab, needs .sglang-whl/api); issue 29, where Qwen3.5's time goes on the 512-request mix, with "
+        "its first steps profiled",
+        carry=(API_WHEELS,),
+        steps=(ApiCheck("grammar_ab", 170, ("grammar_path_ab.json",), module="lab.checks.grammar_path_ab"),
+               Lab("mix_phases35", 130, ("qwen35_mix_phases.json",), ("mix_phases35",)))),
     "serving_ours": Call(
         "optional: minisgl's server under minisgl's own client (minisgl.bench.serving: the same loads, the "
         "server's CPU seconds), then the same all-at-once requests offline (the server/offline ratio; notebook "
