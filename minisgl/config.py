@@ -57,9 +57,10 @@ class GdnLaunch:
     compiled for sm_90, deeper pipelining of the chunk loop took 150-260 KB of shared memory and spilled more);
     recurrent_block_v / recurrent_warps: the recurrent kernel on a prefill; dot_precision: the chunked kernels'
     fp32 tl.dot ("tf32", "tf32x3" or "ieee"); conv_search_steps: binary-search steps the varlen conv kernel
-    compiles in (its rows find their sequence in cu_seqlens). A compile-time constant, so each distinct value is
-    a Triton compile. 0 = exactly the steps the batch needs, ceil(log2 N): a new compile the first time a step
-    holds 17+, 33+, 65+, 129+, 257+ sequences (about 2 s each for sm_90 on a 2-core CPU,
+    and the chunk prepare compile in (their rows / chunks find their sequence in cu_seqlens). A compile-time
+    constant, so each distinct value is a Triton compile. 0 = exactly the steps the batch needs, ceil(log2 N):
+    a new compile the first time a step holds 17+, 33+, 65+, 129+, 257+ sequences (about 2 s each for sm_90 on a
+    2-core CPU,
     reports/cpu/w1_host_study.json), which W1's timed run hit five times (its warm-up and the prefill graphs reach
     N = 16). A fixed count (default 16: N up to 65,536) is one variant for every batch; the extra steps are
     no-ops (`lo < hi` is false once the search converged, and their loads are masked), a few integer ops per row.

@@ -106,7 +106,7 @@ def test_causal_conv1d_search_steps(force_triton, gdn_launch, search_steps):
     weight, bias = torch.randn(c, kw, generator=gen), torch.randn(c, generator=gen)
     state = torch.randn(num_slots, c, kw - 1, generator=gen)
     cu, slots = _batch(lens, num_slots, gen)
-    assert gdn.conv_search_steps(len(lens)) == max(6, search_steps)
+    assert gdn.search_steps(len(lens)) == max(6, search_steps)
     ref_state = state.clone()
     ref = gdn.causal_conv1d_ref(x, weight, bias, ref_state, slots, cu)
     out = gdn.causal_conv1d(x, weight, bias, state, slots, cu)
@@ -118,7 +118,7 @@ def test_conv_search_steps_one_variant_for_engine_batches():
     """With the default fixed count every batch an engine builds (up to 1,024 running requests plus a chunk's
     prefills) compiles the same variant; 0 restores one per power of two (the W1 compiles in a timed run)."""
     from minisgl.config import GdnLaunch
-    assert {gdn.conv_search_steps(n) for n in range(1, 2048)} == {GdnLaunch().conv_search_steps}
+    assert {gdn.search_steps(n) for n in range(1, 2048)} == {GdnLaunch().conv_search_steps}
     exact = {max(1, (n - 1).bit_length()) for n in range(1, 300)}
     assert exact == set(range(1, 10))
 
@@ -175,6 +175,21 @@ def test_gated_delta_rule_decode(force_triton, gdn_launch, dtype):
 def test_gated_delta_rule_chunks_cross(force_triton, gdn_launch):
     """Sequences over one chunk of 64 (and one ending on its boundary), no head sharing, Dk = Dv = 32."""
     _check_gdr([70, 64, 3], 2, 2, 32, torch.float32, "chunked", gdn_launch, seed=3)
+
+
+@pytest.mark.parametrize("search_steps", [0, 16])
+def test_gated_delta_rule_chunk_slots_of_a_mixed_step(force_triton, gdn_launch, search_steps):
+    """A mixed step's layout: decode rows (sequences of one token) beside prefill chunks that start off the
+    64-token grid and span several chunks, an empty sequence among them. The prepare kernel's program per chunk
+    slot (sequence s owns slots s + cu[s] // 64 ..) finds every chunk by binary search, with exactly the steps
+    the batch needs (0) or more (the engine's one variant)."""
+    lens = [1] * 9 + [130, 0, 64, 65, 3, 1, 200, 1]
+    gdn_launch(prefill="chunked", dot_precision="ieee", conv_search_steps=search_steps)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, g, beta, state, slots, cu = _gdr_inputs(lens, 1, 2, 16, torch.float32, len(lens) + 2, gen)
+    out, ref, ref_state = _both(q, k, v, g, beta, state, slots, cu)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
 
 
 def test_gated_delta_rule_chunked_similar_keys(force_triton, gdn_launch):

@@ -247,25 +247,40 @@ def _dot(a, b, PRECISION: tl.constexpr):
 # so D = U - W S0 with Tinv = (I + L)^-1, U = Tinv (b V), W = Tinv (b gamma K); D's rows are b_t (v_t - the
 # prediction of the state before token t). Then
 #   O = (gamma Q) S0 + A D,  A = tril(Q K^T * Gam);     S = gamma_last S0 + (K * gamma_last / gamma)^T D.
-# _gdr_chunk_prepare_kernel computes W, U and A of every chunk in parallel (the solve is 64 dependent steps);
-# _gdr_chunk_kernel then walks each sequence's chunks in order: products with the state only.
+# _gdr_chunk_prepare_kernel computes W, U and A of every chunk in parallel (the solve is up to 64 dependent
+# steps); _gdr_chunk_kernel then walks each sequence's chunks in order: products with the state only.
+#
+# The prepare grid has a program per chunk *slot*: sequence s owns the slots F(s) .. F(s+1) - 1, with
+# F(s) = s + cu[s] // BT. F(s+1) - F(s) = 1 + cu[s+1] // BT - cu[s] // BT is at least the sequence's chunk count
+# (and at least 1: F grows strictly), so every chunk has a slot, a sequence has at most one spare, and the grid
+# is N + T // BT slots: for a step of 256 sequences (decode rows of a mixed step count as sequences of one
+# token) and 8k tokens, ~400 slots a head, where a (sequence, chunk of T) grid had 256 x 132 programs, nearly all
+# of which only found out they had nothing to do. A program finds its sequence by binary search over F.
 
 
-@_jit
+@_jit(do_not_specialize=["N"])
 def _gdr_chunk_prepare_kernel(
-    Q, K, V, G, Beta, Cu, Wt, Ut, At,
+    Q, K, V, G, Beta, Cu, Wt, Ut, At, N,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
     stride_wt, stride_wh, stride_ut, stride_uh, stride_at, stride_ah, scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BT: tl.constexpr, PRECISION: tl.constexpr,
+    BT: tl.constexpr, PRECISION: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
-    # One (sequence, chunk, value head); row i of W / U / A stored at token row c0 + i. Tinv by forward
+    # One (chunk slot, value head); row i of W / U / A stored at token row c0 + i. Tinv by forward
     # substitution (not by (I - L)(I + L^2)(I + L^4)...: with similar keys and b ~ 1 that cancels away).
-    n = tl.program_id(0)
-    c0 = tl.load(Cu + n).to(tl.int64) + tl.program_id(1) * BT
-    end = tl.load(Cu + n + 1).to(tl.int64)
-    if c0 < end:
-        h = tl.program_id(2)
+    slot = tl.program_id(0)
+    lo = 0  # the sequence: the largest s < N with F(s) <= slot (F(0) = 0)
+    hi = N - 1
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        up = mid + tl.load(Cu + mid) // BT <= slot
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid - 1)
+    start = tl.load(Cu + lo).to(tl.int64)
+    end = tl.load(Cu + lo + 1).to(tl.int64)
+    c0 = start + (slot - lo - start // BT) * BT
+    if (c0 >= start) & (c0 < end):
+        h = tl.program_id(1)
         hk = h // GROUP
         offs_t = tl.arange(0, BT)
         offs_k = tl.arange(0, BLOCK_K)
@@ -289,7 +304,10 @@ def _gdr_chunk_prepare_kernel(
         tl.store(At + rows[:, None] * stride_at + h * stride_ah + offs_t[None, :], amat, mask=rmask[:, None])
         lmat = tl.where(strict, _dot(k, tl.trans(k), PRECISION) * gam * b[:, None], 0.0)
         inv = (offs_t[:, None] == offs_t[None, :]).to(tl.float32)
-        for i in range(1, BT):  # row i = e_i - sum_{j < i} L[i, j] row j (rows j < i are final)
+        # row i = e_i - sum_{j < i} L[i, j] row j (rows j < i are final); rows past the sequence's end have
+        # L = 0 (their k is 0) and stay e_i, and are never stored: a chunk of n tokens takes n - 1 steps (a
+        # decode row riding in a mixed step: none)
+        for i in range(1, tl.minimum(end - c0, BT)):
             is_row = offs_t[:, None] == i
             l_i = tl.sum(tl.where(is_row, lmat, 0.0), 0)
             row = (offs_t == i).to(tl.float32) - tl.sum(l_i[:, None] * inv, 0)
@@ -359,8 +377,10 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def conv_search_steps(n: int) -> int:
-    """SEARCH_STEPS of the varlen conv kernel for a batch of n sequences (option gdn.conv_search_steps)."""
+def search_steps(n: int) -> int:
+    """SEARCH_STEPS of a kernel that finds a row's or chunk's sequence among n by binary search (the varlen conv,
+    the chunk prepare): enough for n, and at least the option gdn.conv_search_steps, so one variant serves every
+    batch the engine makes."""
     exact = max(1, (n - 1).bit_length())
     return max(exact, current_options().gdn.conv_search_steps)
 
@@ -402,7 +422,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if t:
         _conv_varlen_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc))](
             x, weight, b_arg, conv_state, slots, cu_seqlens, out, t, n, c, *common, out.stride(0), *w_strides,
-            *s_strides, K=kw, HAS_BIAS=has_bias, SEARCH_STEPS=conv_search_steps(n), BLOCK_T=bt,
+            *s_strides, K=kw, HAS_BIAS=has_bias, SEARCH_STEPS=search_steps(n), BLOCK_T=bt,
             BLOCK_C=bc, num_warps=cfg.conv_warps)
     bc = cfg.conv_decode_block_c
     _conv_state_kernel[(n, triton.cdiv(c, bc))](
@@ -470,17 +490,16 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         _gdr_recurrent_kernel[(n, hv, triton.cdiv(dv, bv))](*args, *strides, **shape, BLOCK_V=bv, num_warps=warps)
         return out
     # Scratch, row t for token t (chunks start at each sequence's first token): W [T, Hv, Dk], U [T, Hv, Dv],
-    # A [T, Hv, 64], fp32. The prepare grid bounds every sequence's chunk count by T's, so in a batch of many
-    # sequences most of its programs exit at once.
+    # A [T, Hv, 64], fp32. The prepare grid: a program per chunk slot and value head (see the kernel).
     wt = torch.empty(t, hv, dk, dtype=torch.float32, device=v.device)
     ut = torch.empty(t, hv, dv, dtype=torch.float32, device=v.device)
     at = torch.empty(t, hv, _CHUNK, dtype=torch.float32, device=v.device)
     scratch = (wt.stride(0), wt.stride(1), ut.stride(0), ut.stride(1), at.stride(0), at.stride(1))
     prec = cfg.dot_precision
-    _gdr_chunk_prepare_kernel[(n, triton.cdiv(t, _CHUNK), hv)](
-        q, k, v, g, beta, cu_seqlens, wt, ut, at, *strides[:10], *scratch, strides[-1], **shape,
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)), BT=_CHUNK, PRECISION=prec, num_warps=cfg.prepare_warps,
-        num_stages=1)
+    _gdr_chunk_prepare_kernel[(n + t // _CHUNK, hv)](
+        q, k, v, g, beta, cu_seqlens, wt, ut, at, n, *strides[:10], *scratch, strides[-1], **shape,
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)), BT=_CHUNK, PRECISION=prec, SEARCH_STEPS=search_steps(n),
+        num_warps=cfg.prepare_warps, num_stages=1)
     bv = _block_v(cfg.chunk_block_v, n, hv, dv)
     _gdr_chunk_kernel[(n, hv, triton.cdiv(dv, bv))](
         q, k, g, state, slots, cu_seqlens, wt, ut, at, out, *strides[:4], *strides[6:8], *strides[10:13],
