@@ -47,6 +47,16 @@ def note(unit: Path, root: Path) -> str:
     return re.sub(r"\s*\(\d{4}-\d\d-\d\d\)$", "", title)
 
 
+def reproduce(src: Sources, commits: list[str]) -> str:
+    """Each commit's lab commands: "at abc1234: `cmd`; `cmd`; at def5678: `cmd`" (a lease may span commits)."""
+    at: dict[str, set[str]] = {}
+    for f, command in src.commands.items():
+        commit = next((r.commit[:7] for r in src.runs if r.file == f), commits[-1])
+        at.setdefault(commit, set()).add(command)
+    order = sorted(at, key=lambda c: commits.index(c) if c in commits else len(commits))
+    return "; ".join(f"at {c}: " + "; ".join(f"`{x}`" for x in sorted(at[c])) for c in order)
+
+
 def write(root: Path) -> str:
     rows = []
     for unit in lease_units(root):
@@ -59,8 +69,7 @@ def write(root: Path) -> str:
                                                                           if r.commit.startswith(c)))
         sections = sorted({r.section for r in src.runs if not r.section.startswith("timeline:")})
         sglang = any(r.engine == "sglang" for r in src.runs)
-        how = (f"at {commits[-1]}: " + "; ".join(f"`{c}`" for c in sorted(set(src.commands.values())))
-               if src.commands else f"at {LAST_SCRIPTS}: `scripts/h200_run.py --sections ...`"
+        how = (reproduce(src, commits) if src.commands else f"at {LAST_SCRIPTS}: `scripts/h200_run.py --sections ...`"
                + (", `scripts/sglang_bench.py`" if sglang else ""))
         rows.append((when, f"| `{unit.relative_to(root)}` | {when[:16].replace('T', ' ')} | {', '.join(commits)} | "
                            f"{'yes' if sglang else 'no'} | {note(unit, root) or '—'} | "
