@@ -66,7 +66,8 @@ def test_startup_phases_are_recorded_in_order(qwen3_path, make_llm):
     total = time.perf_counter() - t0
     phases = llm.engine.runner.startup
     assert list(phases) == ["load", "pools", "kernel_warmup", "decode_graphs", "prefill_graphs", "gc"]
-    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= total
+    # each phase is rounded to the millisecond: together within half a millisecond each of the whole start
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= total + 0.0005 * len(phases)
 
 
 # --- the plan -------------------------------------------------------------------------------------------------
