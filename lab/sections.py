@@ -11,6 +11,7 @@ stays in reports/.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -259,6 +260,24 @@ def sweep_phases(model: str, requests: int = 256, prompt_lo: int = 1024) -> dict
     return with_engine(model, body)
 
 
+@contextlib.contextmanager
+def replaced(obj, name: str, value) -> Iterator[None]:
+    """obj.name is `value` inside the block, what it was after."""
+    before = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, before)
+
+
+def generate_wall(llm, w: Workload) -> float:
+    """Seconds of wall time to generate the whole workload at once."""
+    t0 = time.perf_counter()
+    llm.generate(w.prompts, w.params, progress=False)
+    return time.perf_counter() - t0
+
+
 def timed_steps(llm, w: Workload) -> dict:
     """The workload all at once with every step synchronised and timed (the runner's forward wrapped), split into
     prefill (and mixed) steps and decode steps, each step's batch size, tokens, K/V tokens and milliseconds. Timing
@@ -276,13 +295,8 @@ def timed_steps(llm, w: Workload) -> dict:
         return out
 
     flush_prefix_cache(llm)
-    runner.forward = timed
-    try:
-        t0 = time.perf_counter()
-        llm.generate(w.prompts, w.params, progress=False)
-        wall = time.perf_counter() - t0
-    finally:
-        runner.forward = forward
+    with replaced(runner, "forward", timed):
+        wall = generate_wall(llm, w)
     decode = [s for s in steps if s[0]]
     prefill = [s for s in steps if not s[0]]
     return {"wall_s": wall, "prefill_steps": len(prefill), "prefill_s": sum(s[4] for s in prefill),
@@ -315,13 +329,8 @@ def mix_phases(model: str, mix: str = "mix512") -> dict:
                     batches.append((int(batch.is_decode), batch.size, batch.num_tokens))
                 return batch
 
-            sched.schedule = schedule_seen
-            try:
-                t0 = time.perf_counter()
-                llm.generate(w.prompts, w.params, progress=False)
-                wall = time.perf_counter() - t0
-            finally:
-                sched.schedule = schedule
+            with replaced(sched, "schedule", schedule_seen):
+                wall = generate_wall(llm, w)
         res = {"mix": mix, "output_tok_per_s": w.total_output_tokens / wall, "wall_s": wall,
                "max_running_requests": sched.max_running, "host_s": times.totals,
                "steps_host": [[round(x * 1e3, 3) for x in step] for step in times.steps],
