@@ -42,14 +42,18 @@ def free_gpu() -> None:
 
 
 @contextlib.contextmanager
-def _module_value(module: str, name: str, value: Any) -> Iterator[None]:
-    mod = importlib.import_module(module)
-    saved = getattr(mod, name)
-    setattr(mod, name, value)
+def replaced(obj, name: str, value: Any) -> Iterator[None]:
+    """obj.name is `value` inside the block, what it was after."""
+    before = getattr(obj, name)
+    setattr(obj, name, value)
     try:
         yield
     finally:
-        setattr(mod, name, saved)
+        setattr(obj, name, before)
+
+
+def _module_value(module: str, name: str, value: Any):
+    return replaced(importlib.import_module(module), name, value)
 
 
 _TABLES: list[Path] = []  # the folder of GEMV tables written for `gemv_configs` (made on first use)

@@ -11,7 +11,6 @@ stays in reports/.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -21,13 +20,13 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from lab import REPO
-from lab.engines import KERNEL_OPTIONS, free_gpu, log, with_engine
+from lab.engines import KERNEL_OPTIONS, free_gpu, log, replaced, with_engine
 from lab.hf import hf_peer, parity
 from lab.timing import time_us
 from minisgl import SamplingParams
@@ -258,17 +257,6 @@ def sweep_phases(model: str, requests: int = 256, prompt_lo: int = 1024) -> dict
         return res
 
     return with_engine(model, body)
-
-
-@contextlib.contextmanager
-def replaced(obj, name: str, value) -> Iterator[None]:
-    """obj.name is `value` inside the block, what it was after."""
-    before = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, before)
 
 
 def generate_wall(llm, w: Workload) -> float:
