@@ -92,6 +92,7 @@ def test_bench_cli_writes_json(qwen3_path, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["settings"]["scale"] == 0.02 and data["environment"]["torch"]
+    assert data["environment"]["host_probe_ms"] > 0  # how fast this host ran a fixed piece of Python
     w1 = data["results"]["w1"]
     assert w1["output_tokens"] == w1["expected_output_tokens"] > 0 and w1["output_tok_per_s"] > 0
 

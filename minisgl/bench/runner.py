@@ -184,6 +184,20 @@ def run_workload(llm, name: str, scale: float = 1.0) -> dict:
     return RUNNERS[name](llm, w)
 
 
+def host_probe_ms(rounds: int = 3) -> float:
+    """Milliseconds of a fixed piece of pure-Python work (best of `rounds`): how fast this host runs the engine's
+    loop today. Batch-1 decode and structured output are host-bound on a slow host (run17: one H200 machine's
+    host ran every step phase about twice as long as another's), so a result records it beside the GPU's name."""
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(200_000):
+            acc += i & 7
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1e3, 2)
+
+
 def environment() -> dict:
     """What the numbers were measured with: commit, versions, hardware. (The engine's settings, kernel options
     included, are in each result's "engine" and in the CLI's "settings".)"""
@@ -200,7 +214,7 @@ def environment() -> dict:
         "git_dirty": dirty if dirty is not None else bool(git("status", "--porcelain")),
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
         "platform": platform.platform(), "cpu_count": os.cpu_count(),
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host_probe_ms": host_probe_ms(),
     }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
