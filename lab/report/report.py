@@ -107,6 +107,8 @@ def hardware(page: Page) -> list[str]:
             f"| software | torch {env.get('torch', '—')}, Triton {env.get('triton', '—')}, "
             f"CUDA {env.get('cuda', '—')}, transformers {env.get('transformers', '—')}, "
             f"Python {env.get('python', '—')} |",
+            *([f"| host speed | {env['host_probe_ms']} ms for a fixed piece of Python (`host_probe_ms`, best of 3: "
+               "batch-1 steps are host-bound on a slow host) |"] if env.get("host_probe_ms") else []),
             f"| SGLang | {', '.join(versions) or '—'}: Triton attention, torch sampling, seed 0, all else default "
             "(shared/anchors.md; its FA3 kernels are too large to bring to the machine) |",
             f"| minisgl commits measured | {', '.join(c[:10] for c in page.sources.commits() if c != '?')} |",
