@@ -296,11 +296,13 @@ CALLS: dict[str, Call] = {
         "optional: issue 27, W1/W2 at the defaults and two engines with different kernel options in one process "
         "(lab.checks.engine_options); issue 26, the API features' cost: json_object at batch 1, top-5 logprobs "
         "and penalties on W1 (lab.checks.h200_api_check; its structured-output arms need .sglang-whl/api: "
-        "`python -m lab.lease api-wheels`); issue 29, where Qwen3.5's time goes on the 512-request mix",
+        "`python -m lab.lease api-wheels`); issue 29, where Qwen3.5's time goes on the 512-request mix and the "
+        "chunk prepare's two solves there",
         carry=(API_WHEELS,),
-        steps=(Lab("options", 120, ("engine_options.json",), ("options_check",)),
-               ApiCheck("api", 200, ("api_check.json",)),
-               Lab("mix_phases35", 110, ("qwen35_mix_phases.json",), ("mix_phases35",)))),
+        steps=(Lab("options", 100, ("engine_options.json",), ("options_check",)),  # run17: 95 s, 177 s, 103 s
+               ApiCheck("api", 180, ("api_check.json",)),
+               Lab("mix_phases35", 100, ("qwen35_mix_phases.json",), ("mix_phases35",)),
+               Lab("gdn_solve35", 100, ("qwen35_gdn_solve.json",), ("gdn_solve35",)))),
     "diag": Call(
         "optional: issue 26's structured-output regression, the grammar masks' path four ways (lab.checks."
         "grammar_path_ab, needs .sglang-whl/api); issue 29, where Qwen3.5's time goes on the 512-request mix, with "

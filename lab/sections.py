@@ -335,6 +335,34 @@ def mix_phases(model: str, mix: str = "mix512") -> dict:
     return with_engine(model, body)
 
 
+def gdn_solve_ab(model: str = "qwen3.5-0.8b", mix: str = "mix512") -> dict:
+    """The chunk prepare's two triangular solves (gdn.prepare_solve "rows" / "blocks") on the 512-request mix:
+    output tok/s of each (a warm run, then the measured one), and the greedy tokens of the measured runs compared
+    request by request (the first differing position of each request that differs)."""
+    res: dict = {"mix": mix, "arms": {}}
+    tokens = {}
+    for solve in ("rows", "blocks"):
+        def body(llm, solve: str = solve) -> dict:
+            w = mix_workload(mix, llm.engine.model_config.vocab_size)
+            run_throughput(llm, w)  # warm: every batch shape once
+            flush_prefix_cache(llm)
+            t0 = time.perf_counter()
+            outs = llm.generate(w.prompts, w.params, progress=False)
+            wall = time.perf_counter() - t0
+            tokens[solve] = [o.token_ids for o in outs]
+            return {"output_tok_per_s": w.total_output_tokens / wall, "wall_s": wall,
+                    "kernel_options": kernel_record(llm)}
+        res["arms"][solve] = with_engine(model, body, kernel={"gdn": {"prepare_solve": solve}})
+        log(model, "gdn_solve_ab", solve, round(res["arms"][solve]["output_tok_per_s"]))
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else 0)
+                  for a, b in zip(tokens["rows"], tokens["blocks"])]
+    res["requests_identical"] = sum(d is None for d in first_diff)
+    res["requests"] = len(first_diff)
+    res["first_differences"] = [d for d in first_diff if d is not None]
+    res["blocks_over_rows"] = res["arms"]["blocks"]["output_tok_per_s"] / res["arms"]["rows"]["output_tok_per_s"]
+    return res
+
+
 def profile_slices(model: str, sizes=(1, 64), steps: int = 30, top: int = 12) -> dict:
     """Decode steps at several batch sizes of W1's requests (kernel time by kind and by name), then W2 requests'
     first tokens: three unprofiled, one profiled (host launch time against kernel time)."""
@@ -541,6 +569,8 @@ SECTIONS: dict[str, Section] = {
     "mix_phases35": section(lambda: mix_phases("qwen3.5-0.8b"),
                             "Qwen3.5 on the 512-request mix: host time per step by phase, each step's batch, and "
                             "each step synchronised and timed (prefill against decode)"),
+    "gdn_solve35": section(gdn_solve_ab, "Qwen3.5 on the 512-request mix with the chunk prepare's two triangular "
+                           "solves (rows, blocks): tok/s and greedy tokens compared"),
     "mixes35_rows256": section(lambda: mixes("qwen3.5-0.8b", max_running_requests=256),
                                "the same mixes at 256 running requests (the old hybrid cap): the sizing's A/B"),
     "sweep06": section(lambda: sweep("qwen3-0.6b"), "the batch-mix sweep on Qwen3-0.6B, defaults"),

@@ -52,7 +52,9 @@ class GdnLaunch:
     """Launch settings of the Gated DeltaNet kernels (kernels/gdn.py; lab/checks/gdn.py sweeps them).
 
     conv_*: channel block / token block / warps of the conv kernels; decode_block_v (0: by batch size) /
-    decode_warps: the recurrent kernel on a decode step; prefill: "chunked" or "recurrent"; prepare_warps,
+    decode_warps: the recurrent kernel on a decode step; prefill: "chunked" or "recurrent"; prepare_solve: the
+    chunk prepare's triangular solve, "rows" (one row a step, up to 63 steps) or "blocks" (16-token blocks, up to
+    15 steps, merged by two fp32 block products each: kernels/gdn.py); prepare_warps,
     chunk_block_v (0: by batch size) / chunk_warps / chunk_stages: the chunked path's two kernels (one stage:
     compiled for sm_90, deeper pipelining of the chunk loop took 150-260 KB of shared memory and spilled more);
     recurrent_block_v / recurrent_warps: the recurrent kernel on a prefill; dot_precision: the chunked kernels'
@@ -75,6 +77,7 @@ class GdnLaunch:
     decode_warps: int = 4
     prefill: str = "chunked"
     prepare_warps: int = 8
+    prepare_solve: str = "rows"
     chunk_block_v: int = 0
     chunk_warps: int = 4
     chunk_stages: int = 1
@@ -129,6 +132,8 @@ class KernelOptions:
             raise ValueError(f"gemv_pdl_early_tiles must be in 0..3, got {self.gemv_pdl_early_tiles}")
         if self.gdn.prefill not in ("chunked", "recurrent"):
             raise ValueError(f"gdn.prefill must be 'chunked' or 'recurrent', got {self.gdn.prefill!r}")
+        if self.gdn.prepare_solve not in ("rows", "blocks"):
+            raise ValueError(f"gdn.prepare_solve must be 'rows' or 'blocks', got {self.gdn.prepare_solve!r}")
         if self.gdn.dot_precision not in ("tf32", "tf32x3", "ieee"):
             raise ValueError(f"gdn.dot_precision must be 'tf32', 'tf32x3' or 'ieee', got {self.gdn.dot_precision!r}")
         launch = self.sampler_launch

@@ -177,14 +177,15 @@ def test_gated_delta_rule_chunks_cross(force_triton, gdn_launch):
     _check_gdr([70, 64, 3], 2, 2, 32, torch.float32, "chunked", gdn_launch, seed=3)
 
 
+@pytest.mark.parametrize("solve", ["rows", "blocks"])
 @pytest.mark.parametrize("search_steps", [0, 16])
-def test_gated_delta_rule_chunk_slots_of_a_mixed_step(force_triton, gdn_launch, search_steps):
+def test_gated_delta_rule_chunk_slots_of_a_mixed_step(force_triton, gdn_launch, search_steps, solve):
     """A mixed step's layout: decode rows (sequences of one token) beside prefill chunks that start off the
     64-token grid and span several chunks, an empty sequence among them. The prepare kernel's program per chunk
     slot (sequence s owns slots s + cu[s] // 64 ..) finds every chunk by binary search, with exactly the steps
     the batch needs (0) or more (the engine's one variant)."""
     lens = [1] * 9 + [130, 0, 64, 65, 3, 1, 200, 1]
-    gdn_launch(prefill="chunked", dot_precision="ieee", conv_search_steps=search_steps)
+    gdn_launch(prefill="chunked", dot_precision="ieee", conv_search_steps=search_steps, prepare_solve=solve)
     gen = torch.Generator().manual_seed(11)
     q, k, v, g, beta, state, slots, cu = _gdr_inputs(lens, 1, 2, 16, torch.float32, len(lens) + 2, gen)
     out, ref, ref_state = _both(q, k, v, g, beta, state, slots, cu)
@@ -192,10 +193,20 @@ def test_gated_delta_rule_chunk_slots_of_a_mixed_step(force_triton, gdn_launch, 
     torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
 
 
-def test_gated_delta_rule_chunked_similar_keys(force_triton, gdn_launch):
+@pytest.mark.parametrize("lens", [[70, 64, 3], [1, 1, 130, 0, 200, 1, 3], [17, 33, 48, 15, 16, 64]],
+                         ids=["cross", "mixed-step", "block-edges"])
+def test_gated_delta_rule_blocked_solve(force_triton, gdn_launch, lens):
+    """The chunk prepare's other triangular solve (gdn.prepare_solve "blocks": 16-token blocks, merged by block
+    products): the same outputs and states as the reference, chunks ending on and between the 16-token blocks."""
+    gdn_launch(prepare_solve="blocks")
+    _check_gdr(lens, 1, 2, 16, torch.float32, "chunked", gdn_launch, seed=12)
+
+
+@pytest.mark.parametrize("solve", ["rows", "blocks"])
+def test_gated_delta_rule_chunked_similar_keys(force_triton, gdn_launch, solve):
     """Near-identical keys, beta = 1, no decay: the chunk's triangular solve must stay stable (a Neumann-series
-    inverse loses everything here)."""
-    gdn_launch(dot_precision="ieee")
+    inverse loses everything here), either way it is solved."""
+    gdn_launch(dot_precision="ieee", prepare_solve=solve)
     gen = torch.Generator().manual_seed(5)
     q, k, v, g, beta, state, slots, cu = _gdr_inputs([66, 5], 1, 2, 16, torch.float32, 4, gen)
     k = (k + 5 * k[:1]).contiguous()

@@ -138,6 +138,17 @@ def test_mix_phases_splits_host_and_device_time_of_a_mix_by_step(tiny_model, mon
     assert sum(n for _, _, n, _, _ in timed["steps"]) == timed["prefill_tokens"] + timed["decode_tokens"]
 
 
+def test_gdn_solve_ab_compares_both_solves_tokens_and_rates(tiny_model, monkeypatch):
+    """The chunk prepare's A/B section on the tiny model (no Gated DeltaNet layers: the same tokens both ways),
+    the mix shrunk: both arms' rates, each engine's resolved option, the requests compared one by one."""
+    from minisgl.bench import workloads
+    monkeypatch.setitem(workloads.MIXES, "mix512", workloads.SweepCell(6, 4, 40, 2, 6, "greedy"))
+    res = sections.gdn_solve_ab(tiny_model)
+    assert [res["arms"][s]["kernel_options"]["gdn"]["prepare_solve"] for s in ("rows", "blocks")] == ["rows", "blocks"]
+    assert res["requests"] == 6 and res["requests_identical"] == 6 and res["first_differences"] == []
+    assert res["blocks_over_rows"] > 0
+
+
 def test_lab_run_writes_each_section_as_it_ends(tmp_path, monkeypatch):
     def boom():
         raise RuntimeError("kernel fell over")

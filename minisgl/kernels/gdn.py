@@ -264,10 +264,13 @@ def _gdr_chunk_prepare_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
     stride_wt, stride_wh, stride_ut, stride_uh, stride_at, stride_ah, scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BT: tl.constexpr, PRECISION: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BT: tl.constexpr, PRECISION: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCKED: tl.constexpr,
 ):
     # One (chunk slot, value head); row i of W / U / A stored at token row c0 + i. Tinv by forward
-    # substitution (not by (I - L)(I + L^2)(I + L^4)...: with similar keys and b ~ 1 that cancels away).
+    # substitution (not by (I - L)(I + L^2)(I + L^4)...: with similar keys and b ~ 1 that cancels away): over the
+    # whole chunk (up to 63 dependent steps), or BLOCKED: inside each 16-token block (the four blocks' rows at once:
+    # up to 15 steps), then the blocks merged by the exact 2x2 block inverse, 16 -> 32 -> 64:
+    # [[A, 0], [C, B]]^-1 = D^-1 - D^-1 C' D^-1 with D = diag(A, B) and C' the lower-left block (fp32 dots).
     slot = tl.program_id(0)
     lo = 0  # the sequence: the largest s < N with F(s) <= slot (F(0) = 0)
     hi = N - 1
@@ -303,15 +306,36 @@ def _gdr_chunk_prepare_kernel(
         amat = _dot(q, tl.trans(k), PRECISION) * gam
         tl.store(At + rows[:, None] * stride_at + h * stride_ah + offs_t[None, :], amat, mask=rmask[:, None])
         lmat = tl.where(strict, _dot(k, tl.trans(k), PRECISION) * gam * b[:, None], 0.0)
-        inv = (offs_t[:, None] == offs_t[None, :]).to(tl.float32)
+        eye = (offs_t[:, None] == offs_t[None, :]).to(tl.float32)
+        inv = eye
         # row i = e_i - sum_{j < i} L[i, j] row j (rows j < i are final); rows past the sequence's end have
         # L = 0 (their k is 0) and stay e_i, and are never stored: a chunk of n tokens takes n - 1 steps (a
         # decode row riding in a mixed step: none)
-        for i in range(1, tl.minimum(end - c0, BT)):
-            is_row = offs_t[:, None] == i
-            l_i = tl.sum(tl.where(is_row, lmat, 0.0), 0)
-            row = (offs_t == i).to(tl.float32) - tl.sum(l_i[:, None] * inv, 0)
-            inv = tl.where(is_row, row[None, :], inv)
+        n_rows = tl.minimum(end - c0, BT)
+        if BLOCKED:
+            block = offs_t // 16
+            same16 = block[:, None] == block[None, :]
+            l16 = tl.where(same16, lmat, 0.0)
+            # step i: row i of every 16-block at once. inv is block-diagonal, so one vector holds each block's
+            # new row in that block's columns
+            for i in range(1, tl.minimum(n_rows, 16)):
+                is_row = (offs_t % 16)[:, None] == i
+                l_i = tl.sum(tl.where(is_row, l16, 0.0), 0)
+                row = tl.sum(l_i[:, None] * inv, 0)
+                inv = tl.where(is_row & same16, eye - row[None, :], inv)
+            if n_rows > 16:
+                same32 = (offs_t // 32)[:, None] == (offs_t // 32)[None, :]
+                c16 = tl.where(same32 & ~same16, lmat, 0.0)
+                inv = inv - _dot(_dot(inv, c16, "ieee"), inv, "ieee")
+                if n_rows > 32:
+                    c32 = tl.where(same32, 0.0, lmat)
+                    inv = inv - _dot(_dot(inv, c32, "ieee"), inv, "ieee")
+        else:
+            for i in range(1, n_rows):
+                is_row = offs_t[:, None] == i
+                l_i = tl.sum(tl.where(is_row, lmat, 0.0), 0)
+                row = (offs_t == i).to(tl.float32) - tl.sum(l_i[:, None] * inv, 0)
+                inv = tl.where(is_row, row[None, :], inv)
         w = _dot(inv, k * (b * tl.exp(gc))[:, None], PRECISION)
         tl.store(Wt + rows[:, None] * stride_wt + h * stride_wh + offs_k[None, :], w, mask=mk)
         mv = rmask[:, None] & (offs_v < DV)[None, :]
@@ -499,7 +523,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     _gdr_chunk_prepare_kernel[(n + t // _CHUNK, hv)](
         q, k, v, g, beta, cu_seqlens, wt, ut, at, n, *strides[:10], *scratch, strides[-1], **shape,
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), BT=_CHUNK, PRECISION=prec, SEARCH_STEPS=search_steps(n),
-        num_warps=cfg.prepare_warps, num_stages=1)
+        BLOCKED=cfg.prepare_solve == "blocks", num_warps=cfg.prepare_warps, num_stages=1)
     bv = _block_v(cfg.chunk_block_v, n, hv, dv)
     _gdr_chunk_kernel[(n, hv, triton.cdiv(dv, bv))](
         q, k, g, state, slots, cu_seqlens, wt, ut, at, out, *strides[:4], *strides[6:8], *strides[10:13],
