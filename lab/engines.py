@@ -43,13 +43,18 @@ def free_gpu() -> None:
 
 @contextlib.contextmanager
 def replaced(obj, name: str, value: Any) -> Iterator[None]:
-    """obj.name is `value` inside the block, what it was after."""
-    before = getattr(obj, name)
+    """obj.name is `value` inside the block, then what it was: the object's (or module's) own attribute back, or
+    none again, so a method replaced on an instance is the class's method after, not a bound copy of it."""
+    own = vars(obj)
+    had, before = name in own, own.get(name)
     setattr(obj, name, value)
     try:
         yield
     finally:
-        setattr(obj, name, before)
+        if had:
+            setattr(obj, name, before)
+        else:
+            delattr(obj, name)
 
 
 def _module_value(module: str, name: str, value: Any):

@@ -210,18 +210,25 @@ class ApiCheck(Step):
     module: str = "lab.checks.h200_api_check"
 
     def prepare(self) -> None:
-        import zipfile
-        if API_SITE.is_dir():
-            return
-        for f in sorted((REPO / API_WHEELS).glob("*.whl")):
-            with zipfile.ZipFile(f) as z:
-                z.extractall(API_SITE)
+        unzip_wheels(REPO / API_WHEELS, API_SITE)
 
     def env(self) -> dict[str, str]:
         return {"PYTHONPATH": os.pathsep.join([str(API_SITE), str(REPO)])}
 
     def argv(self, out: str) -> list[str]:
         return [sys.executable, "-m", self.module, out]
+
+
+def unzip_wheels(folder: Path, site: Path) -> None:
+    """Every wheel in `folder` unzipped into `site` (a wheel is a zip of its files), once: `site/.done` says so."""
+    import zipfile
+    if (site / ".done").is_file():
+        return
+    for f in sorted(folder.glob("*.whl")):
+        with zipfile.ZipFile(f) as z:
+            z.extractall(site)
+    site.mkdir(parents=True, exist_ok=True)
+    (site / ".done").write_text("")
 
 
 # --- calls ---------------------------------------------------------------------------------------------------
@@ -478,17 +485,6 @@ def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
         pass
 
 
-def unpack_serve_wheels() -> None:
-    """The kit's `serve` wheels (aiohttp, requests, ...: what SGLang's client and the HTTP servers import beside the
-    main wheels) into SERVE_SITE, as the kit's serving.sh does on its first use (the same stamp)."""
-    import zipfile
-    if (SERVE_SITE / ".done").is_file():
-        return
-    for f in sorted((REPO / WHEEL_DIR / "serve").glob("*.whl")):
-        zipfile.ZipFile(f).extractall(SERVE_SITE)
-    (SERVE_SITE / ".done").write_text("")
-
-
 def client_env() -> dict[str, str]:
     """SGLang's client (lab.serve_client) under the kit's wheels and the serve half, as serving.sh runs it."""
     env = kit_env()
@@ -518,7 +514,9 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
     it measured; the server is stopped on SIGTERM too (main() turns it into SystemExit), so no server outlives
     its step and answers the next step's client on the same port."""
     write_serve_model()
-    unpack_serve_wheels()  # minisgl's server takes fastapi/uvicorn from them; SGLang's client its aiohttp
+    # the kit's `serve` wheels, as its serving.sh unpacks them on first use (the same stamp): minisgl's server
+    # takes fastapi/uvicorn from them, SGLang's client its aiohttp
+    unzip_wheels(REPO / WHEEL_DIR / "serve", SERVE_SITE)
     from minisgl.bench.runner import environment
     env = {**environment(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # the call's start
     summary: dict = {"loads": {k: LOADS[k] for k in loads}, "servers": {}}

@@ -259,11 +259,11 @@ def sweep_phases(model: str, requests: int = 256, prompt_lo: int = 1024) -> dict
     return with_engine(model, body)
 
 
-def generate_wall(llm, w: Workload) -> float:
-    """Seconds of wall time to generate the whole workload at once."""
+def generate_wall(llm, w: Workload) -> tuple[float, list]:
+    """The whole workload at once: (seconds of wall time, the outputs)."""
     t0 = time.perf_counter()
-    llm.generate(w.prompts, w.params, progress=False)
-    return time.perf_counter() - t0
+    outs = llm.generate(w.prompts, w.params, progress=False)
+    return time.perf_counter() - t0, outs
 
 
 def timed_steps(llm, w: Workload) -> dict:
@@ -284,7 +284,7 @@ def timed_steps(llm, w: Workload) -> dict:
 
     flush_prefix_cache(llm)
     with replaced(runner, "forward", timed):
-        wall = generate_wall(llm, w)
+        wall, _ = generate_wall(llm, w)
     decode = [s for s in steps if s[0]]
     prefill = [s for s in steps if not s[0]]
     return {"wall_s": wall, "prefill_steps": len(prefill), "prefill_s": sum(s[4] for s in prefill),
@@ -318,7 +318,7 @@ def mix_phases(model: str, mix: str = "mix512") -> dict:
                 return batch
 
             with replaced(sched, "schedule", schedule_seen):
-                wall = generate_wall(llm, w)
+                wall, _ = generate_wall(llm, w)
         res = {"mix": mix, "output_tok_per_s": w.total_output_tokens / wall, "wall_s": wall,
                "max_running_requests": sched.max_running, "host_s": times.totals,
                "steps_host": [[round(x * 1e3, 3) for x in step] for step in times.steps],
@@ -346,15 +346,15 @@ def gdn_solve_ab(model: str = "qwen3.5-0.8b", mix: str = "mix512") -> dict:
             w = mix_workload(mix, llm.engine.model_config.vocab_size)
             run_throughput(llm, w)  # warm: every batch shape once
             flush_prefix_cache(llm)
-            t0 = time.perf_counter()
-            outs = llm.generate(w.prompts, w.params, progress=False)
-            wall = time.perf_counter() - t0
+            wall, outs = generate_wall(llm, w)
             tokens[solve] = [o.token_ids for o in outs]
             return {"output_tok_per_s": w.total_output_tokens / wall, "wall_s": wall,
                     "kernel_options": kernel_record(llm)}
         res["arms"][solve] = with_engine(model, body, kernel={"gdn": {"prepare_solve": solve}})
         log(model, "gdn_solve_ab", solve, round(res["arms"][solve]["output_tok_per_s"]))
-    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else 0)
+    # a request's first differing position; one output a prefix of the other differs at the shorter's length
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                       None if len(a) == len(b) else min(len(a), len(b)))
                   for a, b in zip(tokens["rows"], tokens["blocks"])]
     res["requests_identical"] = sum(d is None for d in first_diff)
     res["requests"] = len(first_diff)

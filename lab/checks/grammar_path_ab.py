@@ -50,6 +50,7 @@ import torch
 
 from lab import REPO
 from lab.checks.h200_api_check import model_with_tokenizer, where_time_goes, with_params
+from lab.engines import replaced
 from minisgl import LLM, StructuredOutput
 from minisgl.bench.profile import adding_seconds
 from minisgl.bench.runner import environment, run_latency, write_json
@@ -112,21 +113,6 @@ PATHS: dict[str, Callable | None] = {"current": None, "numpy_then_pin": numpy_th
 
 
 @contextlib.contextmanager
-def instance_attr(obj, name: str, value) -> Iterator[None]:
-    """obj.name = value on the instance for the block (value None: nothing), then what was there before."""
-    before = obj.__dict__.get(name)
-    if value is not None:
-        setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if before is None:
-            obj.__dict__.pop(name, None)
-        else:
-            setattr(obj, name, before)
-
-
-@contextlib.contextmanager
 def captured_outputs(llm) -> Iterator[list[list[int]]]:
     """The token ids of every request llm.generate finishes inside the block, in order."""
     seen: list[list[int]] = []
@@ -136,7 +122,7 @@ def captured_outputs(llm) -> Iterator[list[list[int]]]:
         outs = generate(*args, **kwargs)
         seen.extend(list(o.token_ids) for o in outs)
         return outs
-    with instance_attr(llm, "generate", recording):
+    with replaced(llm, "generate", recording):
         yield seen
 
 
@@ -145,8 +131,7 @@ def profiled(llm, w: Workload) -> dict:
     grammar_fill and sample_processed (staging, pinning, a copy made outside sample_processed) is mask_staging_ms."""
     engine = llm.engine
     outer = {"sample_launched": 0.0}
-    with instance_attr(engine, "_sample_launched",
-                       adding_seconds(outer, "sample_launched", engine._sample_launched)):
+    with replaced(engine, "_sample_launched", adding_seconds(outer, "sample_launched", engine._sample_launched)):
         phases = where_time_goes(llm, w)
     launched = 1e3 * outer["sample_launched"] / max(phases["steps"], 1)
     return {**phases, "sample_launched_ms": launched,
@@ -158,7 +143,7 @@ def measure(llm, path: str, w2: Workload, json_w2: Workload, repeats: int) -> di
     engine, make = llm.engine, PATHS[path]
     runs: dict[str, list[dict]] = {"base": [], "json_object": []}
     tokens: list[list[int]] | None = None
-    with instance_attr(engine, "_sample_launched", make(engine) if make is not None else None):
+    with replaced(engine, "_sample_launched", make(engine)) if make is not None else contextlib.nullcontext():
         for _ in range(repeats):
             runs["base"].append(run_latency(llm, w2))
             with captured_outputs(llm) as outs:

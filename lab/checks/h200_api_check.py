@@ -20,6 +20,7 @@ model's tokens plus seeded concatenations of two of them), whose mask costs are 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,6 +30,7 @@ import statistics
 import tempfile
 
 from lab import REPO
+from lab.engines import replaced
 from minisgl import LLM, StructuredOutput
 from minisgl.bench.runner import environment, run_latency, run_throughput, write_json
 from minisgl.bench.workloads import WORKLOADS, Workload
@@ -83,16 +85,13 @@ def where_time_goes(llm, w: Workload) -> dict:
     engine = llm.engine
     inner = {"grammar_fill": 0.0, "sample_processed": 0.0}
     grammars = engine.grammars() if any(p.structured_output for p in w.params) else None
-    if grammars is not None:
-        grammars.fill = adding_seconds(inner, "grammar_fill", grammars.fill)
-    engine.runner.sample_processed = adding_seconds(inner, "sample_processed", engine.runner.sample_processed)
-    try:
+    with contextlib.ExitStack() as swaps:
+        if grammars is not None:
+            swaps.enter_context(replaced(grammars, "fill", adding_seconds(inner, "grammar_fill", grammars.fill)))
+        swaps.enter_context(replaced(engine.runner, "sample_processed",
+                                     adding_seconds(inner, "sample_processed", engine.runner.sample_processed)))
         with timed_phases(engine) as times:
             run_latency(llm, w)
-    finally:
-        del engine.runner.sample_processed
-        if grammars is not None:
-            del grammars.fill
     n = max(len(times.steps), 1)
     return {"steps": len(times.steps), "step_ms": 1e3 * sum(t[0] for t in times.steps) / n,
             **{f"{k}_ms": 1e3 * v / n for k, v in {**times.totals, **inner}.items()}}

@@ -514,19 +514,17 @@ def serving(page: Page) -> list[str]:
     if run is None:
         return []
     servers = {name: s["results"] for name, s in run.result.get("servers", {}).items() if s.get("results")}
-    where = dict.fromkeys(servers, run)
     loads = run.result.get("loads", {})
     names = sorted(servers, key=lambda n: n != "minisgl")  # minisgl first: the ratio column is minisgl / SGLang
     loads = {load: spec for load, spec in loads.items() if any(load in r for r in servers.values())}
     if not loads:
         return []
-    ours = where[names[0]]
-    lines = [f"## Serving: minisgl's server and SGLang's under SGLang's client "
-             f"({', '.join(sorted({f'`{r.file}`' for r in where.values()}))}, commit {ours.commit[:10]})", "",
+    lines = [f"## Serving: minisgl's server and SGLang's under SGLang's client (`{run.file}`, commit "
+             f"{run.commit[:10]})", "",
              "Each load: 1,024-token prompts (random ids, seed 1), `sglang.bench_serving --backend vllm` "
              "(streaming completions); the request rate, and all at once (`burst`). A dash: that load did not "
              "run. " + ("Ratio: minisgl / SGLang." if "sglang" in names else ""), ""]
-    verdict = check(ours.commit, ours.dirty, hybrid=False, paths=["minisgl"])  # the server counts here
+    verdict = check(run.commit, run.dirty, hybrid=False, paths=["minisgl"])  # the server counts here
     if not verdict.ok and not verdict.unknown:
         lines += [f"Not current: {verdict.why}. These figures are of the commit measured.", ""]
     theirs = names.index("sglang") if "sglang" in names else None
@@ -538,7 +536,7 @@ def serving(page: Page) -> list[str]:
             vals = []
             for name in names:
                 v = page.book.take(f"serving.{name}.{load}.{key}",
-                                   f"{where[name].section}.servers.{name}.results.{load}.{key}")
+                                   f"{run.section}.servers.{name}.results.{load}.{key}")
                 vals.append(v.value if v else None)
             row = f"| {load} | {label} | " + " | ".join(fmt(v, digits) for v in vals) + " |"
             if theirs is not None:
