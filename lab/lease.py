@@ -402,7 +402,7 @@ def run_call(name: str, out: str, commit: str | None, only: set[str] | None = No
     elif not (REPO / ".git").exists():
         raise SystemExit("no .git here: pass --commit SHA (python -m lab.lease plan prints it)")
     print(f"{name}: {call.about}", flush=True)
-    from minisgl.bench.runner import host_probe_ms
+    from minisgl.bench.host import host_probe_ms
     print(f"host probe {host_probe_ms()} ms (run17: a slow host made batch-1 figures incomparable; compare with "
           "the last lease's environment.host_probe_ms)", flush=True)
     try:

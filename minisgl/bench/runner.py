@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from minisgl.bench.host import host_probe_ms
 from minisgl.bench.workloads import WORKLOADS, Workload
 from minisgl.environment import git_commit_override
 from minisgl.sampling_params import SamplingParams
@@ -182,20 +183,6 @@ def run_workload(llm, name: str, scale: float = 1.0) -> dict:
     vocab = llm.engine.model_config.vocab_size
     w = WORKLOADS[name](scale=scale, vocab=min(vocab, 10000))
     return RUNNERS[name](llm, w)
-
-
-def host_probe_ms(rounds: int = 3) -> float:
-    """Milliseconds of a fixed piece of pure-Python work (best of `rounds`): how fast this host runs the engine's
-    loop today. Batch-1 decode and structured output are host-bound on a slow host (run17: one H200 machine's
-    host ran every step phase about twice as long as another's), so a result records it beside the GPU's name."""
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        acc = 0
-        for i in range(200_000):
-            acc += i & 7
-        best = min(best, time.perf_counter() - t0)
-    return round(best * 1e3, 2)
 
 
 def environment() -> dict:
