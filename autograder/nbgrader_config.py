@@ -30,6 +30,11 @@ c.ClearSolutions.code_stub = {"python": '# YOUR CODE HERE\nraise NotImplementedE
 # Autograding runs whole notebooks (a tiny model, some plots): allow minutes per cell, not nbgrader's 30 s.
 c.Execute.timeout = 300  # the release gate's limit too (gate.walk)
 c.Execute.startup_timeout = 120
+# A graded notebook's kernel is killed once its last cell ran, not asked to shut down: ipykernel 7.4 races its own
+# shutdown (the control channel's "idle" status is sent through an event pipe the IO thread has closed) and now
+# and then prints a ZMQError traceback into the instructor's log. Nothing is lost: the outputs are in, and the
+# engine's child processes (a server's engine, TP ranks) exit when they see their parent gone.
+c.Execute.shutdown_kernel = "immediate"
 
 # Kernels talk over IPC sockets in a folder of this process, not TCP: no "Kernel is running over TCP without
 # encryption" warning per notebook, and no port race between two autogrades running at once.

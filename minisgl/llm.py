@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from minisgl.config import make_config
@@ -22,8 +23,9 @@ class RequestOutput:
     num_cached_prompt_tokens: int
     ttft: float | None  # seconds from submission to the first token
     latency: float  # seconds from submission to the last token
-    # with SamplingParams.logprobs: per output token, (its logprob, [(token id, logprob) of the most likely])
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # with SamplingParams.logprobs: per output token, (its logprob, [(token id, logprob) of the most likely]);
+    # a read-only sequence (scheduler.req.TokenLogprobs) whose entries are built when read
+    logprobs: Sequence[tuple[float, list[tuple[int, float]]]] | None = None
     index: int = 0  # which of the prompt's SamplingParams.n streams
 
 
@@ -115,6 +117,6 @@ class LLM:
                 num_cached_prompt_tokens=r.num_cached_prompt_tokens,
                 ttft=None if r.first_token_time is None else r.first_token_time - r.arrival_time,
                 latency=(r.finish_time or r.arrival_time) - r.arrival_time,
-                logprobs=None if p.logprobs is None else list(r.output_logprobs), index=i)
+                logprobs=None if p.logprobs is None else r.output_logprobs, index=i)
                 for i, r in enumerate(group))
         return outs

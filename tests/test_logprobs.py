@@ -92,3 +92,38 @@ def test_bad_logprobs_are_refused():
         with pytest.raises(RequestError) as e:
             SamplingParams(logprobs=v)
         assert e.value.param == "logprobs"
+
+
+def test_token_logprobs_store_entries_without_an_object_per_token():
+    """Req.output_logprobs reads back exactly what was appended (float32 values, int32 ids, -inf kept), by
+    index, negative index and slice; and appending adds no object the garbage collector tracks (a tuple and a
+    list per token would: 256 requests a step, walked again and again as they pile up)."""
+    import gc
+
+    from minisgl.scheduler.req import TokenLogprobs
+
+    rows = [(-0.25, [7, 3], [-0.25, -1.5]), (float("-inf"), [2, 9], [-0.125, float("-inf")]),
+            (-3.0, [1, 0], [-2.0, -3.0])]
+    lps = TokenLogprobs()
+    for lp, ids, values in rows:
+        lps.append(lp, ids, values)
+    expected = [(lp, list(zip(ids, values))) for lp, ids, values in rows]
+    assert len(lps) == 3 and list(lps) == expected and lps == expected
+    assert lps[-1] == expected[-1] and lps[1:] == expected[1:] and lps[::2] == expected[::2]
+    with pytest.raises(IndexError):
+        lps[3]
+    assert TokenLogprobs() == [] and lps != expected[:2]
+
+    many = TokenLogprobs()
+    ids, values = list(range(5)), [-1.0] * 5
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        for _ in range(2000):
+            many.append(-0.5, ids, values)
+        grown = len(gc.get_objects()) - before
+    finally:
+        gc.enable()
+    assert len(many) == 2000 and many[1999] == (-0.5, list(zip(ids, values)))
+    assert grown < 10, f"{grown} new tracked objects for 2000 tokens"

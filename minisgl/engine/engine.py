@@ -224,7 +224,7 @@ class Engine:
                 req = out.batch.reqs[out.batch.sample_rows[k]]
                 if not req.finished:
                     n = req.params.logprobs
-                    req.output_logprobs.append((chosen[j], list(zip(top_ids[j][:n], top_lps[j][:n]))))
+                    req.output_logprobs.append(chosen[j], top_ids[j][:n], top_lps[j][:n])
         if out.grammar_rows:
             tokens = out.tokens_host.tolist()
             for k in out.grammar_rows:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minisgl.sampling_params import SamplingParams
@@ -17,6 +19,39 @@ class ReqStatus(enum.Enum):
     RUNNING = "running"  # admitted: holds a row of the request→token table and KV pages
     FINISHED = "finished"  # the outcome is decided; it may still hold KV that a launched step uses
     RELEASED = "released"  # finished and everything given back: the engine holds nothing of it
+
+class TokenLogprobs(Sequence):
+    """A request's logprobs, one entry per output token: `(its logprob, [(token id, logprob), ...])`, the top
+    `n` most likely first. Stored in flat arrays of float32 and int32 (what the step computed, so nothing is
+    rounded); an entry is a tuple built when it is read."""
+
+    __slots__ = ("n", "_chosen", "_ids", "_values")
+
+    def __init__(self) -> None:
+        self.n = 0  # top entries per token (the request's `logprobs`)
+        self._chosen, self._ids, self._values = array("f"), array("i"), array("f")
+
+    def append(self, logprob: float, top_ids: list[int], top_logprobs: list[float]) -> None:
+        self.n = len(top_ids)
+        self._chosen.append(logprob)
+        self._ids.extend(top_ids)
+        self._values.extend(top_logprobs)
+
+    def __len__(self) -> int:
+        return len(self._chosen)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]  # negative indices, and an IndexError past the end
+        a, b = i * self.n, (i + 1) * self.n
+        return self._chosen[i], list(zip(self._ids[a:b], self._values[a:b]))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"TokenLogprobs({list(self)!r})"
 
 
 # --- notebooks/05_scheduler.ipynb, cell 9 (id c05-009) ---
@@ -54,7 +89,7 @@ class Req:
     token_times: list[float] = field(default_factory=list)
     stop_check: object = None  # callable(req) -> bool, for stop strings (needs a tokenizer)
     # per output token, with params.logprobs: (its logprob, [(token id, logprob) of the most likely ones])
-    output_logprobs: list = field(default_factory=list)
+    output_logprobs: TokenLogprobs = field(default_factory=TokenLogprobs)
     grammar: object = None  # with params.structured_output: its grammar matcher (minisgl/grammar.py)
 
     @property
