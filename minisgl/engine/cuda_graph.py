@@ -102,8 +102,11 @@ class CudaGraphRunner:
                                all_greedy=False, any_top_k_p=cuts, min_ps=s.min_ps[:bs])
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, bs: int, sampler: str) -> torch.Tensor:
-        """What one graph records: the forward, the sampler on its logits, the tokens into the token table."""
-        logits = self.model(input_ids, positions, self.attn)
+        """What one graph records: the forward, then `_finish` on its logits."""
+        return self._finish(self.model(input_ids, positions, self.attn), bs, sampler)
+
+    def _finish(self, logits: torch.Tensor, bs: int, sampler: str) -> torch.Tensor:
+        """The sampler on the logits and the tokens into the token table (or, for "logits", the copy)."""
         if sampler == "logits":  # into the shared buffer (allocated by the warm-up, outside any graph)
             if self.logits is None:
                 self.logits = torch.empty(self.max_bs, logits.shape[-1], dtype=logits.dtype, device=logits.device)
@@ -124,18 +127,20 @@ class CudaGraphRunner:
         for bs in reversed(self.batch_sizes):  # largest first, so smaller graphs reuse its memory
             self.attn.prepare_for_capture(self._meta(bs))
             args = (self.input_ids[:bs], self.positions[:bs], bs)
-            self._warm_up(stream, [(self._step, (*args, sampler)) for sampler in SAMPLERS])
+            self._warm_up(stream, *args)
             for sampler in SAMPLERS:
                 self._record((bs, sampler), pool, stream, self._step, *args, sampler)
         torch.cuda.synchronize()
 
-    def _warm_up(self, stream, calls) -> None:
-        """Run each fn(*args) twice outside a graph: autotuning and lazy initialisation must not be captured."""
+    def _warm_up(self, stream, input_ids: torch.Tensor, positions: torch.Tensor, bs: int) -> None:
+        """Run the step once outside any graph: a kernel's first launch compiles or loads it, and lazy
+        initialisation allocates, neither of which may be recorded. The forward is the same for every sampler,
+        so it runs once and each sampler's `_finish` once on its logits."""
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for fn, args in calls:
-                for _ in range(2):
-                    fn(*args)
+            logits = self.model(input_ids, positions, self.attn)
+            for sampler in SAMPLERS:
+                self._finish(logits, bs, sampler)
         torch.cuda.current_stream().wait_stream(stream)
 
     def _record(self, key: tuple[int, str], pool, stream, fn, *args) -> torch.Tensor:

@@ -154,6 +154,9 @@ class ModelRunner:
             # ranks 1..N-1 run a runner of this class each (`loop`); the group never imports the engine
             self.tp = TensorParallel(config, rank, self.device, tp_link, worker=type(self))
             self.device = self.tp.device
+        if self.device.type == "cuda":  # the CUDA context, so "load" times the weights alone
+            torch.zeros(1, device=self.device)
+        lap("device")
         if config.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
