@@ -6,7 +6,7 @@ Each arm is a fresh process (a child of this one) on dummy bf16 weights, with it
 arm of the same model filled. Arms, in order: on_cold, off_cold, on_warm (kernel_warmup on/off). Each measures
 
 - `startup_s`: LLM(...) built, from the call to its return (the model, the pools, the warm-up, the captures);
-  `startup_phases`: its host seconds by phase (ModelRunner.startup: load, pools, kernel_warmup, decode_graphs,
+  `startup_phases`: its host seconds by phase (ModelRunner.startup: device, load, pools, kernel_warmup, decode_graphs,
   prefill_graphs, gc);
 - the warm-up's own report (variants precompiled, compile seconds and threads, late compiles) and
   `start_compiles_outside_warmup`: variants compiled during start that the warm-up did not (what the graph
@@ -155,7 +155,7 @@ def child(model: str, warmup: bool, out: str, sweep: bool, next_engine: bool = F
     t0 = time.perf_counter()
     llm = LLM(model_path(model), load_format="dummy", dtype="bfloat16", kernel_warmup=warmup)
     res["startup_s"] = time.perf_counter() - t0
-    res["startup_phases"] = llm.engine.runner.startup  # load, pools, kernel_warmup, graphs, gc (host seconds)
+    res["startup_phases"] = llm.engine.runner.startup  # device, load, pools, kernel_warmup, graphs, gc (host seconds)
     report = llm.engine.runner.warmup
     res["warmup"] = report
     started = sum(triton_variants().values())
