@@ -204,10 +204,7 @@ def api_wheels(root: Path = REPO) -> list[str]:
 
 @dataclass(frozen=True)
 class ApiCheck(Step):
-    """A check with xgrammar importable when .sglang-whl/api is carried: lab.checks.h200_api_check (issue 26's
-    bars), or another module of the same kind (`module`, run as `python -m module OUT`)."""
-
-    module: str = "lab.checks.h200_api_check"
+    """lab.checks.h200_api_check (issue 26's bars), with xgrammar importable when .sglang-whl/api is carried."""
 
     def prepare(self) -> None:
         unzip_wheels(REPO / API_WHEELS, API_SITE)
@@ -216,7 +213,7 @@ class ApiCheck(Step):
         return {"PYTHONPATH": os.pathsep.join([str(API_SITE), str(REPO)])}
 
     def argv(self, out: str) -> list[str]:
-        return [sys.executable, "-m", self.module, out]
+        return [sys.executable, "-m", "lab.checks.h200_api_check", out]
 
 
 def unzip_wheels(folder: Path, site: Path) -> None:
@@ -311,11 +308,10 @@ CALLS: dict[str, Call] = {
                Lab("mix_phases35", 100, ("qwen35_mix_phases.json",), ("mix_phases35",)),
                Lab("gdn_solve35", 100, ("qwen35_gdn_solve.json",), ("gdn_solve35",)))),
     "diag": Call(
-        "optional: issue 26's structured-output regression, the grammar masks' path four ways (lab.checks."
-        "grammar_path_ab, needs .sglang-whl/api); issue 29, where Qwen3.5's time goes on the 512-request mix, with "
-        "its first steps profiled",
-        carry=(API_WHEELS,),
-        steps=(ApiCheck("grammar_ab", 170, ("grammar_path_ab.json",), module="lab.checks.grammar_path_ab"),
+        "optional: issue 29, where an engine's start goes (Qwen3-0.6B started cold, then warm under cProfile) and "
+        "where Qwen3.5's time goes on the 512-request mix, with its first steps profiled",
+        carry=(),
+        steps=(Lab("startup_profile", 180, ("startup_profile.json",), ("startup_profile",)),
                Lab("mix_phases35", 130, ("qwen35_mix_phases.json",), ("mix_phases35",)))),
     "serving_ours": Call(
         "optional: minisgl's server under minisgl's own client (minisgl.bench.serving: the same loads, the "

@@ -620,6 +620,10 @@ SECTIONS: dict[str, Section] = {
     "warmup_sweep": section(lambda: child_check("lab.checks.warmup", "--models", "qwen3-0.6b", "--arms", "on_cold",
                                                 "--sweep"),
                             "issue 29, ~2.5 min: the same on Qwen3-0.6B, warm-up on, cold cache, with the sweep"),
+    "startup_profile": section(lambda: child_check("lab.checks.warmup", "--models", "qwen3-0.6b", "--arms",
+                                                   "on_cold,profile_warm"),
+                               "issue 29, ~3 min: Qwen3-0.6B started on an empty Triton cache (the cold arm), then "
+                               "again on the cache it filled under cProfile: where a start's host time goes"),
     "qwen35_check": section(qwen35_check, "Qwen3.5 greedy tokens with graphs on/off and a radix second pass"),
     "flashinfer": section(flashinfer_section, "the FlashInfer backend: kernel checks, parity, W2 and W1"),
     "tune_sampling": section(module_check("lab.tune.sampling"), "the fused sampler's launch shapes, timed"),

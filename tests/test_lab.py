@@ -296,6 +296,43 @@ def test_warmup_check_runs_its_arms_on_their_caches_and_judges_the_targets(tmp_p
     assert "warmup_check" in sections.SECTIONS and "warmup" in lease.CALLS
 
 
+def test_warmup_check_profiles_a_start_on_the_warm_cache_without_judging_it(tmp_path, monkeypatch):
+    """The `startup_profile` section's arms: the cold arm fills a cache, the profile arm starts on that one with
+    --profile-start; a profiled start (slowed by the profiler) is judged by no target. profile_table ranks a real
+    cProfile's functions by own and by cumulative time."""
+    import cProfile
+    import subprocess
+
+    from lab.checks import warmup as check
+
+    argvs = []
+
+    def fake_run(argv, cwd, env, timeout):
+        argvs.append((argv, env["TRITON_CACHE_DIR"]))
+        out = argv[argv.index("--out") + 1]
+        Path(out).write_text(json.dumps({"startup_s": 99.0 if "--profile-start" in argv else 25.0}))
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(check.subprocess, "run", fake_run)
+    res = check.main(str(tmp_path / "p.json"), ["qwen3-0.6b"], ["on_cold", "profile_warm"], False)
+    (cold, cold_cache), (prof, prof_cache) = argvs
+    assert "--profile-start" in prof and "--profile-start" not in cold and prof_cache == cold_cache
+    targets = res["models"]["qwen3-0.6b"]["targets"]
+    assert targets == {"on_cold.start_within_target": True}
+
+    def busy(n):
+        return sum(i * i for i in range(n))
+
+    profile = cProfile.Profile()
+    profile.enable()
+    busy(20000)
+    profile.disable()
+    rows = check.profile_table(profile, "cumtime", top=5)
+    assert len(rows) <= 5 and any("busy" in r["function"] for r in rows)
+    assert rows == sorted(rows, key=lambda r: r["cumtime_s"], reverse=True)
+    assert "startup_profile" in sections.SECTIONS and "startup_profile" in [s.name for s in lease.CALLS["diag"].steps]
+
+
 def test_timed_generate_says_where_a_generates_time_went_and_restores_the_engine(qwen3_path, make_llm):
     """The warm-up check's first-run diagnosis on a CPU: every step timed with its phases, the slowest listed, the
     engine's own methods back afterwards (a second call times again from zero)."""

@@ -25,7 +25,12 @@ arm of the same model filled. Arms, in order: on_cold, off_cold, on_warm (kernel
   `triton_compiles_timed` as every bench JSON reports it (target: empty), and with --sweep every cell of the
   batch-mix sweep.
 
-    python -m lab.checks.warmup --out FILE [--models qwen3-0.6b,qwen3.5-0.8b] [--arms on_cold,off_cold,on_warm]
+The arm `profile_warm` (not a default) only starts an engine, on the warm cache, under cProfile: `startup_phases`
+and `startup_profile`, the functions of the engine's thread that took the most time, by their own time and by
+their cumulative time (the warm-up's compile threads are not profiled; profiling slows the start, so its
+`startup_s` is no start-up figure and no target reads it).
+
+    python -m lab.checks.warmup --out FILE [--models qwen3-0.6b,qwen3.5-0.8b] [--arms on_cold,off_cold,on_warm,...]
                                 [--sweep]
 
 `targets` in the JSON holds each verdict, for each arm with the warm-up on: W1/W2 (and sweep) timed compiles
@@ -49,7 +54,10 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ARMS = {"on_cold": (True, "cold"), "off_cold": (False, "cold"), "on_warm": (True, "warm")}
+ARMS = {"on_cold": (True, "cold"), "off_cold": (False, "cold"), "on_warm": (True, "warm"),
+        "profile_warm": (True, "warm")}
+PROFILE_ARMS = ("profile_warm",)  # arms whose child only starts an engine, under cProfile (`startup_profile`)
+PROFILE_TOP = 40  # functions kept of the profile, by own time and by cumulative time
 DEFAULT_MODELS = ("qwen3-0.6b", "qwen3.5-0.8b")
 DEFAULT_ARMS = {"qwen3-0.6b": ("on_cold", "off_cold", "on_warm"), "qwen3.5-0.8b": ("on_cold", "off_cold")}
 NEXT_ENGINE_ARMS = ("on_cold",)  # arms that also build a second engine in their process (`next_engine`)
@@ -138,7 +146,18 @@ def timed_generate(llm, w) -> dict:
 
 
 
-def child(model: str, warmup: bool, out: str, sweep: bool, next_engine: bool = False) -> None:
+def profile_table(profile, key: str, top: int = PROFILE_TOP) -> list[dict]:
+    """The `top` functions of a cProfile.Profile by `key` ("tottime": own time, "cumtime": with callees)."""
+    import pstats
+
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (primitive calls, calls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2 if key == "tottime" else 3], reverse=True)[:top]
+    return [{"function": f"{Path(f).name}:{line}({name})", "calls": nc, "tottime_s": round(tt, 4),
+             "cumtime_s": round(ct, 4)} for (f, line, name), (_, nc, tt, ct, _) in rows]
+
+
+def child(model: str, warmup: bool, out: str, sweep: bool, next_engine: bool = False,
+          profile_start: bool = False) -> None:
     import torch
 
     from lab.models import model_path
@@ -152,10 +171,22 @@ def child(model: str, warmup: bool, out: str, sweep: bool, next_engine: bool = F
     def save() -> None:
         Path(out).write_text(json.dumps(res, indent=2, default=str))
 
+    profiler = None
+    if profile_start:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     llm = LLM(model_path(model), load_format="dummy", dtype="bfloat16", kernel_warmup=warmup)
     res["startup_s"] = time.perf_counter() - t0
     res["startup_phases"] = llm.engine.runner.startup  # device, load, pools, kernel_warmup, graphs, gc (host seconds)
+    if profiler is not None:
+        profiler.disable()
+        res["warmup"] = llm.engine.runner.warmup
+        res["startup_profile"] = {key: profile_table(profiler, key) for key in ("tottime", "cumtime")}
+        save()
+        llm.close()
+        return
     report = llm.engine.runner.warmup
     res["warmup"] = report
     started = sum(triton_variants().values())
@@ -208,6 +239,7 @@ def run_arm(model: str, arm: str, cache: str, sweep: bool) -> dict:
         argv = [sys.executable, "-m", "lab.checks.warmup", "--child", "--model", model, "--out", path]
         argv += ["--warmup" if warmup else "--no-warmup"] + (["--sweep"] if sweep else [])
         argv += ["--next-engine"] if arm in NEXT_ENGINE_ARMS else []
+        argv += ["--profile-start"] if arm in PROFILE_ARMS else []
         t0 = time.perf_counter()
         try:
             rc = subprocess.run(argv, cwd=REPO, env=env, timeout=CHILD_TIMEOUT_S).returncode
@@ -225,7 +257,7 @@ def targets(model: str, arms: dict) -> dict:
     """The issue's targets for each arm with the warm-up on (absent where the arm did not get that far)."""
     out = {}
     for arm, on in arms.items():
-        if not ARMS[arm][0]:
+        if not ARMS[arm][0] or arm in PROFILE_ARMS:
             continue
         for name in ("w1", "w2"):
             if name in on:
@@ -283,13 +315,14 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", dest="warmup", action="store_true", default=True, help=argparse.SUPPRESS)
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", help=argparse.SUPPRESS)
     ap.add_argument("--next-engine", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-start", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
         print("no CUDA GPU: this check needs one (the CPU side is tests/test_warmup.py)")
         return 2
     if a.child:
-        child(a.model, a.warmup, a.out, a.sweep, a.next_engine)
+        child(a.model, a.warmup, a.out, a.sweep, a.next_engine, a.profile_start)
         return 0
     arms = a.arms.split(",") if a.arms else None
     unknown = set(arms or ()) - set(ARMS)
