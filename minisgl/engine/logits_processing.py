@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from minisgl.kernels.elementwise import use_triton
+
 PROMPT_BIT = 1 << 30  # count-table flag: the token is in the prompt (repetition penalty)
 COUNT_MASK = PROMPT_BIT - 1  # the low bits: times the token was generated (frequency and presence penalties)
 
@@ -144,9 +146,8 @@ def process_logits(logits: torch.Tensor, proc: LogitsProcessing, table: PenaltyT
     """Penalties, then the grammar mask, in place on the rows that ask: Triton kernels on a GPU (one launch each,
     kernels/sampling.py), the torch functions above elsewhere."""
     fused = None
-    if logits.is_cuda:
-        from minisgl.kernels import sampling
-        fused = sampling if sampling.triton is not None else None
+    if use_triton(logits):  # a GPU, or the Triton interpreter under the kernel option triton_on_cpu (tests)
+        from minisgl.kernels import sampling as fused
     if proc.penalty_rows is not None:
         if fused is not None:
             fused.apply_penalties_(logits, proc.penalty_rows, proc.penalty_slots, table.counts, proc.frequency,

@@ -31,7 +31,7 @@ from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_b
 from minisgl.environment import omp_threads_set
 from minisgl.grammar import bitmask_words
 from minisgl.kernels import sampling as fused_sampling
-from minisgl.kernels.elementwise import _use_triton as use_triton
+from minisgl.kernels.elementwise import use_triton
 from minisgl.kernels.options import use_options
 from minisgl.kvcache import KVCache, ReqToTokenPool
 from minisgl.loader import DTYPES, load_model

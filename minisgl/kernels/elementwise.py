@@ -40,7 +40,9 @@ def _jit(fn=None, **options):
     return triton.jit(fn, **options) if triton is not None else fn
 
 
-def _use_triton(x: torch.Tensor) -> bool:
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether an op on `x` takes its Triton kernel: a CUDA tensor, or any under the kernel option
+    `triton_on_cpu` (the interpreter, for tests); else the torch reference. Every kernel module asks this."""
     if triton is None:
         return False
     return x.is_cuda or current_options().triton_on_cpu
@@ -373,7 +375,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of x ([T, H], or [T, heads, D] for per-head norms; any leading strides).
     zero_centred: Qwen3.5's norm, scale (1 + w) in fp32, output in x's dtype."""
-    if not _use_triton(x):
+    if not use_triton(x):
         return (zero_centred_rms_norm_ref if zero_centred else rms_norm_ref)(x, weight, eps)
     return _launch_rms_norm(x, None, weight, eps, zero_centred)[0]
 
@@ -382,7 +384,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass; inputs are not modified. The sum is rounded to the
     residual's dtype (as a bf16 add rounds) before the norm reads it."""
-    if not _use_triton(x):
+    if not use_triton(x):
         return fused_add_rms_norm_ref(x, residual, weight, eps, zero_centred)
     y, res = _launch_rms_norm(x, residual, weight, eps, zero_centred)
     return y, res
@@ -391,7 +393,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x) * weight * silu(z) over the last dim (the Gated DeltaNet's output norm), in x's dtype, one pass.
     x, z: [T, H, D] or [T, D], any leading strides (z is typically a slice of a projection output)."""
-    if not _use_triton(x) or weight.dtype != x.dtype or z.shape != x.shape:
+    if not use_triton(x) or weight.dtype != x.dtype or z.shape != x.shape:
         return gated_rms_norm_ref(x, z, weight, eps)
     n = x.shape[-1]
     xv, n0, n1, sx0, sx1 = _rows_view(x)
@@ -414,7 +416,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     gate: [T, H, D] with any token / head strides (the gate half of q_proj's per-head [q | gate] output).
     Returns [T, H * D] in x's dtype."""
     t, width = x.shape
-    if (not _use_triton(x) or gate.dim() != 3 or gate.stride(-1) != 1 or x.stride(-1) != 1
+    if (not use_triton(x) or gate.dim() != 3 or gate.stride(-1) != 1 or x.stride(-1) != 1
             or gate.dtype != x.dtype):
         return sigmoid_mul_ref(x, gate.reshape(t, width))
     y = torch.empty(t, width, dtype=x.dtype, device=x.device)
@@ -429,7 +431,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim: [T, 2I] -> [T, I]."""
-    if not _use_triton(gate_up):
+    if not use_triton(gate_up):
         return silu_and_mul_ref(gate_up)
     shape = gate_up.shape
     gu = gate_up.reshape(-1, shape[-1])
@@ -476,7 +478,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """NeoX-style rotary embedding in place. q: [T, Hq, D], k: [T, Hkv, D] (token/head strides free, last dim
     contiguous, e.g. slices of a fused qkv output); cos_sin: [max_pos, R] fp32 = [cos | sin], R = the rotary dim
     (R < D: partial rotary, only the first R dims of each head turn)."""
-    if not _use_triton(q) or not _rope_fits(q, k, cos_sin):
+    if not use_triton(q) or not _rope_fits(q, k, cos_sin):
         return apply_rope_ref(q, k, positions, cos_sin)
     if q.shape[0]:
         _launch_rope(q, k, positions, cos_sin, None, None, 0.0)
@@ -491,7 +493,7 @@ def norm_and_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     instead of three. k (a view into the qkv output) is updated in place on a GPU; q too, unless `q_out` (a
     [T, Hq, D] tensor, e.g. a contiguous one when q is a strided view) is given: then q is left as it is and
     the result written there. Returns (q or q_out, k); the torch path returns new tensors (or q_out, filled)."""
-    if not _use_triton(q) or not _rope_fits(q, k, cos_sin) or q_weight.dtype != q.dtype:
+    if not use_triton(q) or not _rope_fits(q, k, cos_sin) or q_weight.dtype != q.dtype:
         q_ref, k_ref = norm_and_rope_ref(q, k, positions, cos_sin, q_weight, k_weight, eps, zero_centred)
         if q_out is None:
             return q_ref, k_ref
@@ -508,7 +510,7 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     k, v: [T, Hkv, D] with free token/head strides (views into the qkv output); k_buf, v_buf: one layer's
     [num_slots, Hkv, D]; loc: [T] slots. Several rows may target slot 0 (CUDA Graph padding): any one wins.
     """
-    if not _use_triton(k) or k.stride(-1) != 1 or v.stride(-1) != 1 or k_buf.stride(-1) != 1:
+    if not use_triton(k) or k.stride(-1) != 1 or v.stride(-1) != 1 or k_buf.stride(-1) != 1:
         store_kv_ref(k_buf, v_buf, loc, k, v)
         return
     t, h, d = k.shape

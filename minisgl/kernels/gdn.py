@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 # the same decorator and dispatch rule as the elementwise kernels (CUDA tensors, or the option triton_on_cpu)
-from minisgl.kernels.elementwise import _jit, _use_triton
+from minisgl.kernels.elementwise import _jit, use_triton
 
 # the torch references (the semantics, and the CPU path) are written in notebook 10
 from minisgl.kernels.gdn_ref import causal_conv1d_ref, gated_delta_rule_ref
@@ -418,7 +418,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     it takes one fused launch. Otherwise two launches: the conv (each token finds its sequence in cu_seqlens),
     then the state update. Rows sharing a slot (CUDA-graph padding) leave that slot with any one's state.
     """
-    if not _use_triton(x):
+    if not use_triton(x):
         return causal_conv1d_ref(x, weight, bias, conv_state, slots, cu_seqlens)
     x = _last_dim_contiguous(x)
     t, c = x.shape
@@ -464,7 +464,7 @@ def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
     interface, which the chunked path reads in two launches (and cumsums), the state-pool tests and the GPU
     sweep call directly.
     """
-    if not _use_triton(a) or a.stride(-1) != 1 or b.stride(-1) != 1 or a.dim() != 2:
+    if not use_triton(a) or a.stride(-1) != 1 or b.stride(-1) != 1 or a.dim() != 2:
         return gdn_gating_ref(a, b, a_log, dt_bias)
     t, h = a.shape
     g = torch.empty(t, h, dtype=torch.float32, device=a.device)
@@ -493,7 +493,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     No host sync. T == N (a decode step) takes the recurrent kernel, one token per program; a prefill/extend
     batch takes the chunked kernel (or the recurrent one, by the option gdn.prefill).
     """
-    if not _use_triton(v) or state.stride(-1) != 1:
+    if not use_triton(v) or state.stride(-1) != 1:
         return gated_delta_rule_ref(q, k, v, g, beta, state, slots, cu_seqlens)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     t, hk, dk = k.shape

@@ -94,10 +94,6 @@ def table_for(device: torch.device) -> GemvTable:
 _jit = ew._jit  # triton.jit where Triton is installed
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    return ew._use_triton(x)
-
-
 # The early weight load under PDL: each program loads up to `gemv_pdl_early_tiles` (a kernel option) of its weight
 # tiles before waiting for the previous kernel (see the module docstring; the kernel holds at most 3); 0 waits
 # first, as every other kernel does. Only matters for launches with PDL. 2 had the lowest batch-1 TPOT on
@@ -195,7 +191,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     if silu_mul:
         k //= 2
-    if not _use_triton(x) or rows == 0:
+    if not ew.use_triton(x) or rows == 0:
         return F.linear(ew.silu_and_mul(x) if silu_mul else x, weight, bias)
     if rows > GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {rows}")
