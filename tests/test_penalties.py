@@ -159,3 +159,37 @@ def test_triton_kernels_equal_torch():
     fused.apply_token_bitmask_(out, torch.tensor([1, 3]), bitmask)
     assert torch.equal(out, ref)
     assert torch.isinf(out[1]).sum() > vocab // 3 and not torch.isinf(out[0]).any()
+
+
+def test_process_logits_takes_the_triton_kernels_by_the_shared_rule(monkeypatch):
+    """process_logits asks kernels.elementwise.use_triton, as every kernel module does: under the kernel option
+    triton_on_cpu the penalty and grammar-mask kernels run (in the interpreter), with the torch path's result."""
+    pytest.importorskip("triton", reason="Triton is not installed (the GPU extra); the torch functions are used")
+    import os
+    from types import SimpleNamespace
+
+    from minisgl.engine.logits_processing import LogitsProcessing, process_logits
+    from tests.helpers import kernel_options, use_triton_interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
+    use_triton_interpreter("minisgl.kernels.sampling")
+    from minisgl.kernels import sampling as fused
+
+    g = torch.Generator().manual_seed(1)
+    vocab = 3000
+    table = SimpleNamespace(counts=torch.randint(0, 3, (4, vocab), generator=g, dtype=torch.int32))  # its rows
+    proc = LogitsProcessing(penalty_rows=torch.tensor([0, 2]), penalty_slots=torch.tensor([3, 1]),
+                            frequency=torch.tensor([0.5, 0.0]), presence=torch.tensor([0.2, 1.0]),
+                            repetition=torch.tensor([1.0, 1.5]), mask_rows=torch.tensor([1]),
+                            bitmask=torch.randint(-2**31, 2**31 - 1, (1, (vocab + 31) // 32), generator=g,
+                                                  dtype=torch.int64).int())
+    logits = torch.randn(3, vocab, generator=g)
+    ref, out = logits.clone(), logits.clone()
+    process_logits(ref, proc, table)  # the torch functions
+    launched = []
+    for name in ("apply_penalties_", "apply_token_bitmask_"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _real=real, _name=name: (launched.append(_name), _real(*a)))
+    with kernel_options(triton_on_cpu=True):
+        process_logits(out, proc, table)
+    assert launched == ["apply_penalties_", "apply_token_bitmask_"]
+    assert torch.equal(out, ref) and not torch.equal(out, logits)
