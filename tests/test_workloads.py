@@ -123,6 +123,33 @@ def test_host_phases_times_steps_and_puts_the_methods_back(qwen3_path):
     assert [r.output_ids for r in reqs] == [t[:12] for t in hf_greedy(qwen3_path, PROMPTS[:3], 12)]
 
 
+def test_gc_pauses_counts_the_collections_inside_its_block():
+    """minisgl.bench.profile.gc_pauses: each collection inside the block counted and timed (full ones apart),
+    none after it; the API check's A/B records them per run."""
+    import gc
+
+    from lab.checks.h200_api_check import ab
+    from minisgl.bench.profile import gc_pauses
+
+    callbacks = len(gc.callbacks)
+    with gc_pauses() as pauses:
+        gc.collect(0)
+        gc.collect()
+    assert pauses.collections >= 2 and pauses.full >= 1 and 0 < pauses.longest_s <= pauses.seconds
+    counted = pauses.collections
+    gc.collect()
+    assert pauses.collections == counted and len(gc.callbacks) == callbacks
+
+    def run(llm, w):
+        if w == "feature":
+            gc.collect()
+        return {"tok_s": 1.0}
+
+    res = ab(None, run, "base", "feature", 2, "tok_s")
+    assert [r["gc"]["full"] >= 1 for r in res["runs"]["feature"]] == [True, True]
+    assert all(set(r["gc"]) == {"collections", "seconds", "full", "longest_s"} for r in res["runs"]["base"])
+
+
 def test_compile_detector_sees_the_gdn_kernels():
     """run_throughput reports Triton variants compiled inside its timed run (`triton_compiles_timed`): Qwen3.5's
     Gated DeltaNet kernels are among those it counts (a compile of theirs used to go unseen). In a fresh

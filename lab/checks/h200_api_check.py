@@ -32,6 +32,7 @@ import tempfile
 from lab import REPO
 from lab.engines import replaced
 from minisgl import LLM, StructuredOutput
+from minisgl.bench.profile import gc_pauses
 from minisgl.bench.runner import environment, run_latency, run_throughput, write_json
 from minisgl.bench.workloads import WORKLOADS, Workload
 
@@ -67,11 +68,14 @@ def with_params(w: Workload, **changes) -> Workload:
 
 
 def ab(llm, run, base: Workload, other: Workload, repeats: int, key: str) -> dict:
-    """Alternate the two arms `repeats` times each; the medians of `key` and every run."""
+    """Alternate the two arms `repeats` times each; the medians of `key` and every run, each with the garbage
+    collections it paid (`gc`: a long one stalls the host's next launch while the device waits)."""
     runs = {"base": [], "feature": []}
     for _ in range(repeats):
         for arm, w in (("base", base), ("feature", other)):
-            runs[arm].append(run(llm, w))
+            with gc_pauses() as pauses:
+                res = run(llm, w)
+            runs[arm].append({**res, "gc": pauses.as_dict()})
     med = {arm: statistics.median(r[key] for r in rs) for arm, rs in runs.items()}
     return {"median": med, "ratio": med["feature"] / med["base"], "runs": runs}
 

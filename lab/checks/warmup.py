@@ -99,35 +99,20 @@ def _sm_clock_mhz() -> int | None:
 
 def timed_generate(llm, w) -> dict:
     """One generate of `w` from an empty prefix cache, timed, and where its time went (the module's docstring)."""
-    import gc
-
     import torch
 
-    from minisgl.bench.profile import timed_phases
+    from minisgl.bench.profile import gc_pauses, timed_phases
     from minisgl.bench.runner import _new_variants, flush_prefix_cache, triton_variants
 
     flush_prefix_cache(llm)
-    collections = []
-    gc_start = {}
-
-    def on_gc(phase, info):
-        if phase == "start":
-            gc_start["t"] = time.perf_counter()
-        elif "t" in gc_start:
-            collections.append((info["generation"], time.perf_counter() - gc_start.pop("t")))
-
-    gc.callbacks.append(on_gc)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     before, allocs, clock = triton_variants(), _alloc_counters(), _sm_clock_mhz()
-    try:
-        with timed_phases(llm.engine) as times:
-            sync()
-            t = time.perf_counter()
-            llm.generate(w.prompts, w.params, progress=False)
-            sync()
-            wall = time.perf_counter() - t
-    finally:
-        gc.callbacks.remove(on_gc)
+    with gc_pauses() as pauses, timed_phases(llm.engine) as times:
+        sync()
+        t = time.perf_counter()
+        llm.generate(w.prompts, w.params, progress=False)
+        sync()
+        wall = time.perf_counter() - t
     phases, steps = times.totals, times.steps
     after = _alloc_counters()
     slowest = sorted(steps, reverse=True)[:10]
@@ -138,8 +123,7 @@ def timed_generate(llm, w) -> dict:
             "steps_s": round(sum(x[0] for x in steps), 4),
             "slowest_steps_ms": [[round(1e3 * v, 3) for v in x] for x in slowest],  # step, schedule, launch, wait
             "allocations": {k: after[k] - allocs.get(k, 0) for k in after},
-            "gc": {"collections": len(collections), "seconds": round(sum(c[1] for c in collections), 4),
-                   "full": sum(c[0] == 2 for c in collections)},
+            "gc": pauses.as_dict(),
             "sm_clock_mhz": [clock, _sm_clock_mhz()],
         },
     }

@@ -112,6 +112,45 @@ def timed_phases(engine) -> Iterator[PhaseTimes]:
         StepOutput.wait = original_wait
 
 
+@dataclass
+class GcPauses:
+    """Python's garbage collections inside a block: how many, their seconds, how many were full (generation 2)
+    and the longest. A long one holds up the host's next launch, and the device waits."""
+
+    collections: int = 0
+    seconds: float = 0.0
+    full: int = 0
+    longest_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"collections": self.collections, "seconds": round(self.seconds, 4), "full": self.full,
+                "longest_s": round(self.longest_s, 4)}
+
+
+@contextlib.contextmanager
+def gc_pauses() -> Iterator[GcPauses]:
+    """Count and time the garbage collections that run inside the block (gc.callbacks)."""
+    import gc
+
+    pauses, started = GcPauses(), []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            took = time.perf_counter() - started.pop()
+            pauses.collections += 1
+            pauses.seconds += took
+            pauses.full += info["generation"] == 2
+            pauses.longest_s = max(pauses.longest_s, took)
+
+    gc.callbacks.append(on_gc)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(on_gc)
+
+
 def host_phases(engine, steps: int) -> dict:
     """Host time per step by phase (`timed_phases`), in ms, with the rest of a step (handing tokens to requests,
     releasing finished ones) as `other`. Under the overlap loop `wait` is the device's lead over the host: near
