@@ -286,9 +286,11 @@ CALLS: dict[str, Call] = {
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "
-        "where each one's time went, Qwen3-0.6B and Qwen3.5-0.8B, a process each",
+        "where each one's time went, a start under cProfile; Qwen3-0.6B, and Qwen3.5-0.8B's cold start; a "
+        "process each",
         carry=(),
-        steps=(Lab("warmup", 470, ("warmup.json",), ("warmup_check",)),)),
+        # run17: the 0.6B arms 116 + 80 + 63 s, Qwen3.5's cold one 115 s; the profiled start ~60 s
+        steps=(Lab("warmup", 450, ("warmup.json",), ("warmup_check",)),)),
     "mixes": Call(
         "optional, on a machine calls 1-3 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
         "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "
@@ -307,12 +309,6 @@ CALLS: dict[str, Call] = {
                ApiCheck("api", 180, ("api_check.json",)),
                Lab("mix_phases35", 100, ("qwen35_mix_phases.json",), ("mix_phases35",)),
                Lab("gdn_solve35", 100, ("qwen35_gdn_solve.json",), ("gdn_solve35",)))),
-    "diag": Call(
-        "optional: issue 29, where an engine's start goes (Qwen3-0.6B started cold, then warm under cProfile) and "
-        "where Qwen3.5's time goes on the 512-request mix, with its first steps profiled",
-        carry=(),
-        steps=(Lab("startup_profile", 180, ("startup_profile.json",), ("startup_profile",)),
-               Lab("mix_phases35", 130, ("qwen35_mix_phases.json",), ("mix_phases35",)))),
     "serving_ours": Call(
         "optional: minisgl's server under minisgl's own client (minisgl.bench.serving: the same loads, the "
         "server's CPU seconds), then the same all-at-once requests offline (the server/offline ratio; notebook "

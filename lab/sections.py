@@ -614,16 +614,12 @@ SECTIONS: dict[str, Section] = {
                              "in one process, each graph keeping its own"),
     "pdl_check": section(pdl_check, "PDL: a kernel chain captured with PDL on/off, then engine tokens"),
     "warmup_check": section(lambda: child_check("lab.checks.warmup"),
-                            "issue 29, ~6.5 min: engine start with the kernel warm-up on/off (cold and warm Triton "
-                            "caches), compiles in W1/W2 and the first-vs-second W1 generate, a process each; "
-                            "Qwen3-0.6B and Qwen3.5-0.8B"),
+                            "issue 29, ~7 min: engine start with the kernel warm-up on/off (cold and warm Triton "
+                            "caches), compiles in W1/W2 and the first-vs-second W1 generate, a start under cProfile, "
+                            "a process each; Qwen3-0.6B, and Qwen3.5-0.8B's cold start"),
     "warmup_sweep": section(lambda: child_check("lab.checks.warmup", "--models", "qwen3-0.6b", "--arms", "on_cold",
                                                 "--sweep"),
                             "issue 29, ~2.5 min: the same on Qwen3-0.6B, warm-up on, cold cache, with the sweep"),
-    "startup_profile": section(lambda: child_check("lab.checks.warmup", "--models", "qwen3-0.6b", "--arms",
-                                                   "on_cold,profile_warm"),
-                               "issue 29, ~3 min: Qwen3-0.6B started on an empty Triton cache (the cold arm), then "
-                               "again on the cache it filled under cProfile: where a start's host time goes"),
     "qwen35_check": section(qwen35_check, "Qwen3.5 greedy tokens with graphs on/off and a radix second pass"),
     "flashinfer": section(flashinfer_section, "the FlashInfer backend: kernel checks, parity, W2 and W1"),
     "tune_sampling": section(module_check("lab.tune.sampling"), "the fused sampler's launch shapes, timed"),

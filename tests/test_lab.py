@@ -282,12 +282,13 @@ def test_warmup_check_runs_its_arms_on_their_caches_and_judges_the_targets(tmp_p
     monkeypatch.setattr(check, "run_arm", fake_arm)
     res = check.main(str(tmp_path / "w.json"), ["qwen3-0.6b", "qwen3.5-0.8b"], None, False)
     assert [(m, a) for m, a, _ in calls] == [("qwen3-0.6b", "on_cold"), ("qwen3-0.6b", "off_cold"),
-                                             ("qwen3-0.6b", "on_warm"), ("qwen3.5-0.8b", "on_cold"),
-                                             ("qwen3.5-0.8b", "off_cold")]
+                                             ("qwen3-0.6b", "on_warm"), ("qwen3-0.6b", "profile_warm"),
+                                             ("qwen3.5-0.8b", "on_cold")]
     caches = {(m, a): c for m, a, c in calls}
-    assert caches["qwen3-0.6b", "on_warm"] == caches["qwen3-0.6b", "on_cold"]
+    assert caches["qwen3-0.6b", "on_warm"] == caches["qwen3-0.6b", "profile_warm"] == caches["qwen3-0.6b", "on_cold"]
     assert len({caches["qwen3-0.6b", "on_cold"], caches["qwen3-0.6b", "off_cold"],
                 caches["qwen3.5-0.8b", "on_cold"]}) == 3
+    assert not any(k.startswith("profile_warm") for k in res["models"]["qwen3-0.6b"]["targets"])
     targets = res["models"]["qwen3-0.6b"]["targets"]
     assert targets["on_cold.start_within_target"] and not any(k.startswith("off_cold") for k in targets)
     # every arm with the warm-up on is judged on its first generate, with a next engine or without one
@@ -297,7 +298,7 @@ def test_warmup_check_runs_its_arms_on_their_caches_and_judges_the_targets(tmp_p
 
 
 def test_warmup_check_profiles_a_start_on_the_warm_cache_without_judging_it(tmp_path, monkeypatch):
-    """The `startup_profile` section's arms: the cold arm fills a cache, the profile arm starts on that one with
+    """The warm-up check's profiled start: the cold arm fills a cache, the profile arm starts on that one with
     --profile-start; a profiled start (slowed by the profiler) is judged by no target. profile_table ranks a real
     cProfile's functions by own and by cumulative time."""
     import cProfile
@@ -330,7 +331,7 @@ def test_warmup_check_profiles_a_start_on_the_warm_cache_without_judging_it(tmp_
     rows = check.profile_table(profile, "cumtime", top=5)
     assert len(rows) <= 5 and any("busy" in r["function"] for r in rows)
     assert rows == sorted(rows, key=lambda r: r["cumtime_s"], reverse=True)
-    assert "startup_profile" in sections.SECTIONS and "startup_profile" in [s.name for s in lease.CALLS["diag"].steps]
+    assert "profile_warm" in check.DEFAULT_ARMS["qwen3-0.6b"]
 
 
 def test_timed_generate_says_where_a_generates_time_went_and_restores_the_engine(qwen3_path, make_llm):
