@@ -20,6 +20,7 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"  # the outcome is decided; it may still hold KV that a launched step uses
     RELEASED = "released"  # finished and everything given back: the engine holds nothing of it
 
+
 class TokenLogprobs(Sequence):
     """A request's logprobs, one entry per output token: `(its logprob, [(token id, logprob), ...])`, the top
     `n` most likely first. Stored in flat arrays of float32 and int32 (what the step computed, so nothing is
@@ -40,7 +41,7 @@ class TokenLogprobs(Sequence):
     def __len__(self) -> int:
         return len(self._chosen)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: int | slice):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         i = range(len(self))[i]  # negative indices, and an IndexError past the end
