@@ -141,6 +141,34 @@ def test_eager_plan():
     assert max(sum(s.extend) for s in no_graphs) <= 64
 
 
+def test_launchers_are_built_on_the_pool_and_a_failure_is_only_counted():
+    """build_launchers: every compiled kernel's launcher built on the pool's threads, at once (not one after
+    another on the engine's thread); one that fails is counted and left to its first launch."""
+    import threading
+    import time
+
+    built, threads, inside, most = [], set(), [0], [0]
+    lock = threading.Lock()
+
+    def build(kernel):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.05)  # gcc runs as a child process: the threads overlap
+        with lock:
+            inside[0] -= 1
+        if kernel == "broken":
+            raise RuntimeError("no C compiler")
+        built.append(kernel)
+        threads.add(threading.current_thread().name)
+
+    kernels = [f"k{i}" for i in range(8)] + ["broken"]
+    assert warmup.build_launchers(kernels, build, workers=4) == 1
+    assert sorted(built) == sorted(kernels[:-1]) and most[0] > 1
+    assert threads and all(name.startswith("minisgl-launcher") for name in threads)
+    assert warmup.build_launchers([], build, workers=4) == 0
+
+
 # --- on a CPU -------------------------------------------------------------------------------------------------
 
 

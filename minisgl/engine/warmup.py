@@ -49,7 +49,9 @@ How, in three phases:
    module, writes the disk cache through a temporary file and an atomic rename, and touches no GPU (a kernel's
    module is loaded at its first launch, on the engine's thread); the compiled kernels enter the JIT caches on
    this thread when the block ends. Worth it: the Python front end holds the GIL, but LLVM's code generation
-   releases it and ptxas is a child process, so the threads overlap most of a compile.
+   releases it and ptxas is a child process, so the threads overlap most of a compile. Then each compiled
+   kernel's launcher (a C module Triton builds with gcc at a kernel's first launch, on the launching thread) is
+   built on the pool too (`build_launchers`).
 3. launch: the eager steps run again for real (CUDA modules loaded, cuBLAS and the memory pool warmed; anything
    phase 1 missed compiles here, and is logged as late). The graph captures that follow find their kernels
    compiled.
@@ -313,22 +315,50 @@ def compile_workers(n: int) -> int:
     return max(1, min(n, cores))
 
 
-def _precompile(found: dict) -> tuple[Counter, int]:
-    """Compile the recorded variants on a thread pool; (compiled per kernel, failed). A variant that fails here is
-    left to compile at its first launch, where its error (if any) surfaces as it always did."""
+def _precompile(found: dict) -> tuple[Counter, int, int]:
+    """Compile the recorded variants on a thread pool, then build their launchers there too; (compiled per kernel,
+    failed, launchers that failed). A variant that fails here is left to compile at its first launch, where its
+    error (if any) surfaces as it always did; a launcher that fails, to be built there."""
     from concurrent.futures import ThreadPoolExecutor
 
     import triton
 
-    with ThreadPoolExecutor(max_workers=compile_workers(len(found)), thread_name_prefix="minisgl-compile") as pool, \
+    workers = compile_workers(len(found))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="minisgl-compile") as pool, \
             triton.AsyncCompileMode(pool, ignore_errors=True):
         for _, fn, spec in found.values():
             with contextlib.suppress(Exception):
                 fn.preload(spec)
     # what reached the kernels' JIT caches (a compile that failed in its thread is dropped by ignore_errors)
-    compiled = Counter(name for (_, key), (name, fn, _) in found.items()
-                       if any(key in cache[0] for cache in fn.device_caches.values()))
-    return compiled, len(found) - sum(compiled.values())
+    kernels = {name_key: cache[0][name_key[1]] for name_key, (_, fn, _) in found.items()
+               for cache in fn.device_caches.values() if name_key[1] in cache[0]}
+    compiled = Counter(found[name_key][0] for name_key in kernels)
+    from triton.runtime import driver
+    launcher_cls = driver.active.launcher_cls  # the driver set up here, on the engine's thread, not in the pool's
+    launcher_failures = build_launchers(list(kernels.values()), lambda k: launcher_cls(k.src, k.metadata), workers)
+    return compiled, len(found) - sum(compiled.values()), launcher_failures
+
+
+def build_launchers(kernels: list, build, workers: int) -> int:
+    """`build(kernel)` for each compiled kernel on a thread pool; how many failed. Triton makes a kernel's launcher
+    (a small C module: a gcc compile, cached on disk by its source) at the kernel's first launch, on the engine's
+    thread, one after another: on an empty cache that was 8.8 s of run17's launch phase (10.5 s, against 1.7 s on
+    the cache the cold run filled). Built here, in parallel (gcc is a child process), the first launch finds the
+    module on disk. Building one touches no GPU: the kernel's binary is still loaded at its first launch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def quiet(kernel) -> bool:
+        try:
+            build(kernel)
+            return True
+        except Exception:  # built again at the first launch, where an error surfaces as it always did
+            return False
+
+    if not kernels:
+        return 0
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(kernels))),
+                            thread_name_prefix="minisgl-launcher") as pool:
+        return sum(not ok for ok in pool.map(quiet, kernels))
 
 
 # --- the warm-up -------------------------------------------------------------------------------------------------
@@ -396,7 +426,7 @@ def _warm_up(runner, graph_max_bs: int, prefill_graphs: bool, num_sms: int, why_
                 torch.cuda.synchronize(runner.device)
                 t1 = time.perf_counter()
                 # 2. compile, in a context of its own: nothing the compile mode sets can outlive it
-                compiled, failed = contextvars.copy_context().run(_precompile, found.found)
+                compiled, failed, launcher_failures = contextvars.copy_context().run(_precompile, found.found)
                 t2 = time.perf_counter()
                 with _recording(skip=False) as late:  # 3. launch, noting what still compiles
                     for step in plan:
@@ -407,6 +437,7 @@ def _warm_up(runner, graph_max_bs: int, prefill_graphs: bool, num_sms: int, why_
             report.update(discovery_s=t1 - t0, discovery_graph_steps_s=t_graphs - t0, compile_s=t2 - t1,
                           compile_workers=compile_workers(len(found.found)),
                           precompiled=dict(compiled), precompile_failed=failed,
+                          launchers_failed=launcher_failures,
                           late_compiles=dict(Counter(name for name, _, _ in late.found.values())))
         else:
             report["parallel_compile"] = why_not
