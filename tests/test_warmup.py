@@ -169,6 +169,46 @@ def test_launchers_are_built_on_the_pool_and_a_failure_is_only_counted():
     assert warmup.build_launchers([], build, workers=4) == 0
 
 
+def test_discovery_leaves_a_placeholder_per_recorded_variant_and_takes_them_all_back():
+    """The discovery hook records a variant once and leaves a placeholder that launches nothing in its JIT cache
+    (so the variant's later launches are cache hits, not a hook call each); when discovery ends the placeholders
+    are gone and the caches hold what they held before. Outside a warm-up the hook hands calls to the one that was
+    there before."""
+    import collections
+    from types import SimpleNamespace
+
+    import pytest
+    pytest.importorskip("triton", reason="Triton is not installed (the GPU extra): there is no hook to install")
+    from triton import knobs
+
+    caches = collections.defaultdict(lambda: ({}, None, None, None, None))
+    compiled = object()
+    caches[0][0]["compiled-before"] = compiled
+    fn = SimpleNamespace(__name__="_norm_kernel", device_caches=caches)
+
+    def launch(key):  # what JITFunction.run does on a cache miss, as far as the hook sees it
+        if key in caches[0][0]:
+            return caches[0][0][key]
+        return knobs.runtime.jit_cache_hook(key=key, fn=SimpleNamespace(jit_function=fn),
+                                            compile={"device": 0, "specialization_data": f"spec-{key}"})
+
+    outside = []
+    knobs.runtime.jit_cache_hook, before = (lambda **kw: outside.append(kw["key"])), knobs.runtime.jit_cache_hook
+    try:
+        with warmup._hook_installed():
+            with warmup._recording(skip=True) as found:
+                assert launch("rows-1") is True  # skipped: neither compiled nor launched
+                placeholder = launch("rows-1")  # the next launch finds the placeholder
+                assert placeholder is warmup._SKIPPED and placeholder.run(1, 1, 1, None) is None
+                assert launch("compiled-before") is compiled and launch("rows-16") is True
+            assert set(found.found) == {(id(fn), "rows-1"), (id(fn), "rows-16")}
+            assert caches[0][0] == {"compiled-before": compiled}
+            launch("elsewhere")
+        assert outside == ["elsewhere"]
+    finally:
+        knobs.runtime.jit_cache_hook = before
+
+
 # --- on a CPU -------------------------------------------------------------------------------------------------
 
 

@@ -41,7 +41,8 @@ What the engine launches eagerly, and so is warmed here (on scratch inputs, `eag
 How, in three phases:
 
 1. discovery: the graphs' steps and the eager steps run once with Triton's `jit_cache_hook` answering "skip" for
-   every kernel not compiled yet: the kernel is neither compiled nor launched, its specialisation is recorded.
+   every kernel not compiled yet: the kernel is neither compiled nor launched, its specialisation is recorded, and a
+   placeholder that launches nothing takes its place in the JIT cache until discovery ends (`_Skipped`).
    (A kernel already compiled launches for real; it reads the skipped kernels' unwritten outputs, which only
    ever flow into values, never into addresses.)
 2. compile: every recorded variant is compiled on a thread pool (`triton.AsyncCompileMode`, `JITFunction.preload`).
@@ -251,6 +252,26 @@ def _run_processing(runner) -> None:
 class _Record:
     skip: bool  # discovery: neither compile nor launch what is not compiled yet
     found: dict = field(default_factory=dict)  # (id(kernel), cache key) -> (name, JITFunction, specialization)
+    placeholders: list = field(default_factory=list)  # (JITFunction, device, cache key) of each _SKIPPED left
+
+
+class _Skipped:
+    """What discovery leaves in a kernel's JIT cache for a variant it has recorded: launching it does nothing. Without
+    it, every later launch of that variant (each layer's norm, each layer's GEMVs: ~300 launches a forward) misses
+    the cache again, and Triton packs its arguments and serialises its specialisation for the hook every time; with
+    it they are cache hits. Triton 3.6's JITFunction.run calls `launch_metadata` and `run` on what the cache holds
+    and reads `function` and `packed_metadata`. Taken out again when discovery ends, before anything compiles."""
+
+    function = packed_metadata = None
+
+    def launch_metadata(self, *args) -> None:
+        return None
+
+    def run(self, *args) -> None:
+        return None
+
+
+_SKIPPED = _Skipped()
 
 
 _RECORD: contextvars.ContextVar[_Record | None] = contextvars.ContextVar("minisgl_warmup_record", default=None)
@@ -289,8 +310,11 @@ def _hook_installed() -> Iterator[None]:
         record = _RECORD.get()
         if record is None:
             return before(*args, **kwargs) if before is not None else None
-        fn = kwargs["fn"].jit_function
-        record.found.setdefault((id(fn), kwargs["key"]), (fn.__name__, fn, kwargs["compile"]["specialization_data"]))
+        fn, key, device = kwargs["fn"].jit_function, kwargs["key"], kwargs["compile"]["device"]
+        record.found.setdefault((id(fn), key), (fn.__name__, fn, kwargs["compile"]["specialization_data"]))
+        if record.skip:
+            fn.device_caches[device][0][key] = _SKIPPED
+            record.placeholders.append((fn, device, key))
         return record.skip
 
     knobs.runtime.jit_cache_hook = hook
@@ -308,6 +332,10 @@ def _recording(skip: bool) -> Iterator[_Record]:
         yield record
     finally:
         _RECORD.reset(token)
+        for fn, device, key in record.placeholders:  # no placeholder outlives discovery
+            cache = fn.device_caches[device][0]
+            if cache.get(key) is _SKIPPED:
+                del cache[key]
 
 
 def compile_workers(n: int) -> int:
