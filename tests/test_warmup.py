@@ -202,6 +202,8 @@ def test_discovery_leaves_a_placeholder_per_recorded_variant_and_takes_them_all_
                 assert placeholder is warmup._SKIPPED and placeholder.run(1, 1, 1, None) is None
                 assert launch("compiled-before") is compiled and launch("rows-16") is True
             assert set(found.found) == {(id(fn), "rows-1"), (id(fn), "rows-16")}
+            with pytest.raises(RuntimeError, match="outside discovery"):  # never a silent no-op for real work
+                placeholder.run(1, 1, 1, None)
             assert caches[0][0] == {"compiled-before": compiled}
             launch("elsewhere")
         assert outside == ["elsewhere"]
