@@ -6,8 +6,8 @@ Each arm is a fresh process (a child of this one) on dummy bf16 weights, with it
 arm of the same model filled. Arms, in order: on_cold, off_cold, on_warm (kernel_warmup on/off). Each measures
 
 - `startup_s`: LLM(...) built, from the call to its return (the model, the pools, the warm-up, the captures);
-  `startup_phases`: its host seconds by phase (ModelRunner.startup: device, load, pools, kernel_warmup, decode_graphs,
-  prefill_graphs, gc); `startup_gc`: the garbage collections during it (minisgl.bench.profile.gc_pauses);
+  `startup_phases`: its host seconds by phase (ModelRunner.startup: device, load, pools, gc_freeze, kernel_warmup,
+  decode_graphs, prefill_graphs, gc); `startup_gc`: the garbage collections during it (minisgl.bench.profile.gc_pauses);
 - the warm-up's own report (variants precompiled, compile seconds and threads, late compiles) and
   `start_compiles_outside_warmup`: variants compiled during start that the warm-up did not (what the graph
   captures compiled one after another because discovery missed them; with the warm-up off, all of them);
@@ -168,7 +168,7 @@ def child(model: str, warmup: bool, out: str, sweep: bool, next_engine: bool = F
     with gc_pauses() as pauses:
         llm = LLM(model_path(model), load_format="dummy", dtype="bfloat16", kernel_warmup=warmup)
     res["startup_s"] = time.perf_counter() - t0
-    res["startup_phases"] = llm.engine.runner.startup  # device, load, pools, kernel_warmup, graphs, gc (host seconds)
+    res["startup_phases"] = llm.engine.runner.startup  # device, load, pools, gc_freeze, warm-up, graphs, gc (host s)
     res["startup_gc"] = pauses.as_dict()  # the collections during the start (the engine freezes the heap at its end)
     if profiler is not None:
         profiler.disable()

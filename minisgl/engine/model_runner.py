@@ -208,6 +208,14 @@ class ModelRunner:
                                    head_dim=mc.head_dim, scale=mc.head_dim ** -0.5,
                                    max_context_len=self.max_model_len)
         lap("pools")
+        # The heap built so far (modules, the model, the pools) frozen before the warm-up and the captures: the
+        # collections their own objects trigger (Triton's kernels, graphs, step tensors) then skip it, instead of
+        # walking it again each time (vLLM and SGLang freeze the collector for their captures). Thawed by close().
+        self.gc_frozen = config.gc_freeze and self.device.type == "cuda"
+        if self.gc_frozen:
+            gc.collect()
+            gc.freeze()
+        lap("gc_freeze")
         graphs = config.cuda_graph and self.device.type == "cuda" and self.attn.supports_cuda_graph
         max_bs = graph_max_bs(config.cuda_graph_max_bs, config.max_running_requests) if graphs else 0
         prefill_graphs = (graphs and config.prefill_graph_max_tokens > 0
@@ -235,11 +243,10 @@ class ModelRunner:
         # the count table of penalised requests (engine/logits_processing.py): no memory until one arrives
         self.penalties = PenaltyTable(mc.vocab_size, self.device)
         self._mask_host: torch.Tensor | None = None  # mask_buffer's
-        # Start-up leaves many Python objects (modules, Triton's compiled kernels, graph captures) that the first
-        # workload's collections would walk (run16: 0.22-0.26 s of the first W1). Collected once here, the survivors
-        # frozen: later collections skip them. GPU only (CPU tests build hundreds of engines per process), and
+        # Start-up leaves many Python objects (Triton's compiled kernels, graph captures) that the first workload's
+        # collections would walk (run16: 0.22-0.26 s of the first W1). Collected once here, the survivors frozen
+        # too: later collections skip them. GPU only (CPU tests build hundreds of engines per process), and
         # close() thaws.
-        self.gc_frozen = config.gc_freeze and self.device.type == "cuda"
         if self.gc_frozen:
             gc.collect()
             gc.freeze()
