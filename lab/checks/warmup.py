@@ -149,6 +149,7 @@ def child(model: str, warmup: bool, out: str, sweep: bool, next_engine: bool = F
     from lab.models import model_path
     from lab.sections import workload
     from minisgl import LLM
+    from minisgl.bench.profile import gc_pauses
     from minisgl.bench.runner import run_latency, run_sweep, run_throughput, triton_variants
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -162,23 +163,21 @@ def child(model: str, warmup: bool, out: str, sweep: bool, next_engine: bool = F
         import cProfile
         profiler = cProfile.Profile()
         profiler.enable()
-    from minisgl.bench.profile import gc_pauses
-
     t0 = time.perf_counter()
     with gc_pauses() as pauses:
         llm = LLM(model_path(model), load_format="dummy", dtype="bfloat16", kernel_warmup=warmup)
     res["startup_s"] = time.perf_counter() - t0
-    res["startup_phases"] = llm.engine.runner.startup  # device, load, pools, gc_freeze, warm-up, graphs, gc (host s)
-    res["startup_gc"] = pauses.as_dict()  # the collections during the start (the engine freezes the heap at its end)
     if profiler is not None:
         profiler.disable()
-        res["warmup"] = llm.engine.runner.warmup
+    res["startup_phases"] = llm.engine.runner.startup  # device, load, pools, gc_freeze, warm-up, graphs, gc (host s)
+    res["startup_gc"] = pauses.as_dict()  # the collections during the start
+    report = llm.engine.runner.warmup
+    res["warmup"] = report
+    if profiler is not None:  # a profiled start: no workload runs on it
         res["startup_profile"] = {key: profile_table(profiler, key) for key in ("tottime", "cumtime")}
         save()
         llm.close()
         return
-    report = llm.engine.runner.warmup
-    res["warmup"] = report
     started = sum(triton_variants().values())
     by_warmup = sum((report or {}).get("precompiled", {}).values()) + sum((report or {}).get("late_compiles", {})
                                                                          .values())

@@ -65,6 +65,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _freeze_heap() -> None:
+    """Collect the garbage, then freeze what survives: later collections skip it (gc.unfreeze thaws it)."""
+    gc.collect()
+    gc.freeze()
+
+
 @dataclass
 class StepLogprobs:
     """Per sampling row of a step that asked for logprobs (`rows`, indices into the step's sampling rows), on
@@ -213,8 +219,7 @@ class ModelRunner:
         # walking it again each time (vLLM and SGLang freeze the collector for their captures). Thawed by close().
         self.gc_frozen = config.gc_freeze and self.device.type == "cuda"
         if self.gc_frozen:
-            gc.collect()
-            gc.freeze()
+            _freeze_heap()
         lap("gc_freeze")
         graphs = config.cuda_graph and self.device.type == "cuda" and self.attn.supports_cuda_graph
         max_bs = graph_max_bs(config.cuda_graph_max_bs, config.max_running_requests) if graphs else 0
@@ -248,8 +253,7 @@ class ModelRunner:
         # too: later collections skip them. GPU only (CPU tests build hundreds of engines per process), and
         # close() thaws.
         if self.gc_frozen:
-            gc.collect()
-            gc.freeze()
+            _freeze_heap()
         lap("gc")
         if self.tp is not None:
             self.tp.ready()

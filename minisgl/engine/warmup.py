@@ -360,9 +360,9 @@ def _precompile(found: dict) -> tuple[Counter, int, int]:
             with contextlib.suppress(Exception):
                 fn.preload(spec)
     # what reached the kernels' JIT caches (a compile that failed in its thread is dropped by ignore_errors)
-    kernels = {name_key: cache[0][name_key[1]] for name_key, (_, fn, _) in found.items()
-               for cache in fn.device_caches.values() if name_key[1] in cache[0]}
-    compiled = Counter(found[name_key][0] for name_key in kernels)
+    kernels = {(fn_id, key): cache[0][key] for (fn_id, key), (_, fn, _) in found.items()
+               for cache in fn.device_caches.values() if key in cache[0]}
+    compiled = Counter(found[variant][0] for variant in kernels)
     from triton.runtime import driver
     launcher_cls = driver.active.launcher_cls  # the driver set up here, on the engine's thread, not in the pool's
     launcher_failures = build_launchers(list(kernels.values()), lambda k: launcher_cls(k.src, k.metadata), workers)
@@ -386,8 +386,7 @@ def build_launchers(kernels: list, build, workers: int) -> int:
 
     if not kernels:
         return 0
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(kernels))),
-                            thread_name_prefix="minisgl-launcher") as pool:
+    with ThreadPoolExecutor(max_workers=min(workers, len(kernels)), thread_name_prefix="minisgl-launcher") as pool:
         return sum(not ok for ok in pool.map(quiet, kernels))
 
 

@@ -26,14 +26,13 @@ class TokenLogprobs(Sequence):
     `n` most likely first. Stored in flat arrays of float32 and int32 (what the step computed, so nothing is
     rounded); an entry is a tuple built when it is read."""
 
-    __slots__ = ("n", "_chosen", "_ids", "_values")
+    __slots__ = ("_chosen", "_ids", "_values")
 
     def __init__(self) -> None:
-        self.n = 0  # top entries per token (the request's `logprobs`)
         self._chosen, self._ids, self._values = array("f"), array("i"), array("f")
 
     def append(self, logprob: float, top_ids: list[int], top_logprobs: list[float]) -> None:
-        self.n = len(top_ids)
+        """One token's entry; every token of a request has as many top entries (the request's `logprobs`)."""
         self._chosen.append(logprob)
         self._ids.extend(top_ids)
         self._values.extend(top_logprobs)
@@ -45,7 +44,8 @@ class TokenLogprobs(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         i = range(len(self))[i]  # negative indices, and an IndexError past the end
-        a, b = i * self.n, (i + 1) * self.n
+        n = len(self._ids) // len(self._chosen)  # top entries per token
+        a, b = i * n, (i + 1) * n
         return self._chosen[i], list(zip(self._ids[a:b], self._values[a:b]))
 
     def __eq__(self, other) -> bool:
