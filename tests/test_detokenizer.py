@@ -243,3 +243,29 @@ def test_a_long_push_ending_inside_a_character_keeps_only_that_character_back():
     ts, pieces = stream(ids, [len(ids) - 1])  # every byte but the last one, then the last
     assert "".join(pieces) == text == ts.final_text()
     assert "\ufffd" not in pieces[0]
+
+
+def test_streaming_decode_takes_the_rust_decode_only_where_the_wrapper_adds_nothing():
+    """decoder_of: the same text as tokenizer.decode (special tokens skipped or kept); a tokenizer class that
+    overrides its decode, or cleans up spaces, keeps its own decode."""
+    import random
+
+    from minisgl.server.detokenizer import decoder_of
+    rng = random.Random(0)
+    fast = decoder_of(TOK)
+    for _ in range(300):
+        ids = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))] + [rng.choice(sorted(SPECIAL))]
+        for skip in (True, False):
+            assert fast(ids, skip) == TOK.decode(ids, skip_special_tokens=skip)
+
+    class Shouting(type(TOK)):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super()._decode(token_ids, skip_special_tokens, **kwargs).upper()
+
+    loud = Shouting(tokenizer_object=TOK.backend_tokenizer)
+    word = TOK.encode("quick brown fox", add_special_tokens=False)
+    assert decoder_of(loud)(word, True) == "QUICK BROWN FOX" == loud.decode(word)
+    tidy = type(TOK)(tokenizer_object=TOK.backend_tokenizer, clean_up_tokenization_spaces=True)
+    seen = []
+    tidy.decode = lambda ids, **kw: seen.append(ids) or "tidied"  # noqa: E731 (stands for the wrapper's decode)
+    assert decoder_of(tidy)(word, True) == "tidied" and seen == [word]

@@ -189,3 +189,61 @@ def test_invalid_utf8_is_released_after_a_bounded_hold():
         assert len(ts.detok._text_ids) - ts.detok._window_start <= MAX_HELD_TOKENS  # the window stays short
     assert "".join(pieces), "text of an invalid sequence is released, not held (and re-decoded) forever"
     assert "".join(pieces) + ts.finish() == TOK.decode(ids, skip_special_tokens=True)
+
+
+def test_a_handle_merges_news_its_reader_has_not_taken_and_wakes_a_waiting_reader():
+    """RequestHandle: news delivered while the reader is busy comes as one Delta (tokens and per-token extras
+    in order, the finish last); a waiting reader wakes at the next delivery; nothing after the finish."""
+    import asyncio
+
+    from minisgl.server.engine_client import RequestHandle
+
+    async def run():
+        h = RequestHandle([1, 2], SamplingParams())
+        h.deliver([5], None, {"output_logprobs": ["a"]})
+        h.deliver([6, 7], None, {"output_logprobs": ["b", "c"]})
+        events = h.events()
+        first = await events.__anext__()
+        waiting = asyncio.ensure_future(events.__anext__())
+        await asyncio.sleep(0)
+        assert not waiting.done()  # nothing new: the reader waits
+        h.deliver([8], Finish("length"), {"output_logprobs": ["d"]})
+        h.deliver([9], None, {"output_logprobs": ["e"]})  # after the finish: dropped
+        last = await asyncio.wait_for(waiting, 5)
+        rest = [d async for d in events]
+        return first, last, rest
+
+    first, last, rest = asyncio.run(run())
+    assert (first.token_ids, first.finish, first.extras) == ([5, 6, 7], None, {"output_logprobs": ["a", "b", "c"]})
+    assert (last.token_ids, last.finish.reason, last.extras) == ([8], "length", {"output_logprobs": ["d"]})
+    assert rest == []
+
+
+def test_commands_leave_early_in_a_long_turn_of_the_event_loop(monkeypatch):
+    """EngineClient._send: commands queued in one turn go out as one frame at its end; in a turn longer than
+    FLUSH_AFTER_S (a burst of arrivals) they go out as they pass that age, so the engine starts on them."""
+    import asyncio
+    import pickle
+
+    from minisgl.server import engine_client
+    from minisgl.server.engine_client import EngineClient
+
+    frames = []
+    writer = SimpleNamespace(is_closing=lambda: False, write=lambda b: frames.append(pickle.loads(b[4:])))
+
+    clock = iter(range(10**6))  # a clock one second further at every reading
+    monkeypatch.setattr(engine_client, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+
+    async def turn(flush_after: float, n: int) -> list[int]:
+        monkeypatch.setattr(engine_client, "FLUSH_AFTER_S", flush_after)
+        client = EngineClient(config=None)
+        client.loop, client._writer = asyncio.get_running_loop(), writer
+        frames.clear()
+        for i in range(n):
+            client._send(("abort", i, "abort"))
+        await asyncio.sleep(0)  # the turn ends: the scheduled flush runs
+        return [len(f) for f in frames]
+
+    assert asyncio.run(turn(60.0, 5)) == [5]  # a short turn: one frame
+    # a second between commands, over a bound of half a second: the outbox goes out with each second command
+    assert asyncio.run(turn(0.5, 5)) == [2, 2, 1]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import json
@@ -430,24 +431,28 @@ async def respond(state: ServerState, request: Request, req, ids: list[int], par
     include_usage = req.include_usage
 
     async def events():
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                async for item in generate(state, handles[i], streams[i], stops[i]):
-                    await queue.put((i, item, None))
-            except APIError as e:
-                await queue.put((i, None, e))
-            finally:
-                await queue.put((i, None, None))  # this stream is done
-
         tasks = []
-        try:
-            if first is not None:
-                for i in range(len(handles)):
-                    yield _sse(first(i))
-            state.engine.submit(handles)
-            tasks = [asyncio.ensure_future(pump(i)) for i in range(len(handles))]
+
+        async def interleaved():
+            """(stream index, item) as the streams' items come. A single stream, the usual request, is read
+            directly; several are pumped by a task each into one queue."""
+            if len(handles) == 1:
+                async with contextlib.aclosing(generate(state, handles[0], streams[0], stops[0])) as stream:
+                    async for item in stream:
+                        yield 0, item
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int) -> None:
+                try:
+                    async for item in generate(state, handles[i], streams[i], stops[i]):
+                        await queue.put((i, item, None))
+                except APIError as e:
+                    await queue.put((i, None, e))
+                finally:
+                    await queue.put((i, None, None))  # this stream is done
+
+            tasks.extend(asyncio.ensure_future(pump(i)) for i in range(len(handles)))
             open_streams = len(tasks)
             while open_streams:
                 i, item, error = await queue.get()
@@ -456,7 +461,15 @@ async def respond(state: ServerState, request: Request, req, ids: list[int], par
                 if item is None:
                     open_streams -= 1
                     continue
-                piece, reason, token_ids, entries = item
+                yield i, item
+
+        items = interleaved()
+        try:
+            if first is not None:
+                for i in range(len(handles)):
+                    yield _sse(first(i))
+            state.engine.submit(handles)
+            async for i, (piece, reason, token_ids, entries) in items:
                 if piece or reason or entries:
                     yield _sse(chunk(i, piece, reason, token_ids, entries))
             if include_usage:
@@ -470,6 +483,7 @@ async def respond(state: ServerState, request: Request, req, ids: list[int], par
             cancel_all()
             for t in tasks:
                 t.cancel()
+            await items.aclose()
         yield "data: [DONE]\n\n"
 
     return EventStreamResponse(events(), cancel_all)

@@ -192,7 +192,7 @@ class CompletionRequest(_Sampling):
         if isinstance(v, list):
             if not v:
                 raise ValueError("the prompt is empty")
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            if set(map(type, v)) == {int}:  # ints, not bools (type(True) is bool); checked in C
                 return v
             if len(v) > 1 and all(isinstance(t, str) or (isinstance(t, list) and t and all(
                     isinstance(i, int) and not isinstance(i, bool) for i in t)) for t in v):
