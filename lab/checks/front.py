@@ -49,6 +49,8 @@ class FakeEngine:
         self.allocator = SimpleNamespace(capacity=1, num_free=1)
         self.cache = SimpleNamespace(evictable_pages=0)
         self.stats = {"steps": 0}
+        self.added: list[float] = []  # when each request reached the engine (monotonic seconds)
+        self.first_token: list[float] = []  # when each request's prefill ended (its first token)
 
     @property
     def has_work(self) -> bool:
@@ -58,6 +60,7 @@ class FakeEngine:
         req = SimpleNamespace(output_ids=[], output_logprobs=[], finished=False, finish_reason=None, error=None,
                               left=len(input_ids), max_tokens=params.max_tokens)
         self.waiting.append(req)
+        self.added.append(time.monotonic())
         return [req]
 
     def abort(self, req) -> None:
@@ -79,6 +82,7 @@ class FakeEngine:
             started.append(self.waiting.pop(0))
         time.sleep(self.base_s + self.per_row_s * len(self.running) + prefilled / self.prefill_tok_s)
         self.running.extend(started)
+        self.first_token += [time.monotonic()] * len(started)
         for req in list(self.running):
             req.output_ids.append(100 + len(req.output_ids) % 3000)
             if len(req.output_ids) >= req.max_tokens:
@@ -87,18 +91,21 @@ class FakeEngine:
         return []
 
 
-def engine_child(fd: int, model_json: str) -> None:
-    """The fake engine process: answer the front's start message, then the real step loop."""
+def engine_child(fd: int, model_json: str, trace: str) -> None:
+    """The fake engine process: answer the front's start message, run the real step loop, and write when each
+    request arrived and got its first token to `trace` when the front stops it."""
     from minisgl.server.engine_process import EngineInfo, EngineLoop
     conn = Connection(fd)
     _, config, *_ = pickle.loads(conn.recv_bytes())
     vocab = json.loads((Path(MODEL) / "config.json").read_text())["vocab_size"]
     conn.send_bytes(pickle.dumps(("ready", EngineInfo(MODEL, 1 << 20, 1 << 30, vocab, os.getpid(), config, "cuda"))))
-    code = EngineLoop(FakeEngine(**json.loads(model_json)), conn).run()
+    engine = FakeEngine(**json.loads(model_json))
+    code = EngineLoop(engine, conn).run()
+    Path(trace).write_text(json.dumps({"added": engine.added, "first_token": engine.first_token}))
     os._exit(code)
 
 
-def serve_front(port: int, http: str, loop: str, model_json: str) -> None:
+def serve_front(port: int, http: str, loop: str, model_json: str, trace: str) -> None:
     """`minisgl serve`'s front on `port`, its engine process the fake one."""
     from minisgl.server.app import ServerState
     from minisgl.server.engine_client import EngineClient
@@ -108,7 +115,8 @@ def serve_front(port: int, http: str, loop: str, model_json: str) -> None:
     class FakeEngineClient(EngineClient):
         def start_process(self) -> None:
             ours, theirs = socket.socketpair()
-            code = f"from lab.checks.front import engine_child; engine_child({theirs.fileno()}, {model_json!r})"
+            code = (f"from lab.checks.front import engine_child; "
+                    f"engine_child({theirs.fileno()}, {model_json!r}, {trace!r})")
             self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),),
                                          start_new_session=True, cwd=REPO)
             theirs.close()
@@ -123,10 +131,14 @@ def serve_front(port: int, http: str, loop: str, model_json: str) -> None:
 
 
 def one_run(args, model_json: str, prompts: list, repeat_index: int) -> dict:
+    import statistics
+    import tempfile
+
     from minisgl.bench.serving import _free_port, cpu_seconds, run_rate
     port = _free_port()
+    trace = Path(tempfile.mkdtemp(prefix="front-check-")) / "engine_trace.json"
     cmd = [sys.executable, "-m", "lab.checks.front", "--serve-port", str(port), "--http", args.http,
-           "--loop", args.loop, "--step-model", model_json]
+           "--loop", args.loop, "--step-model", model_json, "--trace", str(trace)]
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -141,10 +153,11 @@ def one_run(args, model_json: str, prompts: list, repeat_index: int) -> dict:
             except httpx.HTTPError:
                 time.sleep(0.2)
         cpu0 = cpu_seconds(proc.pid)
+        sent = time.monotonic()  # the machine's monotonic clock, the one the engine process reads too
         result = asyncio.run(run_rate(url, "front-check", prompts, math.inf, args.seed))
         cpu = cpu_seconds(proc.pid) - cpu0
     finally:
-        proc.terminate()
+        proc.terminate()  # the front stops its engine, which writes the trace
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -153,6 +166,16 @@ def one_run(args, model_json: str, prompts: list, repeat_index: int) -> dict:
     tokens = max(1, result["output_tokens"])
     result["front_cpu_s"] = round(cpu, 3)
     result["front_cpu_us_per_token"] = round(1e6 * cpu / tokens, 1)
+    if trace.exists():  # where the client's TTFT went: reaching the engine, waiting for prefill, coming back
+        seen = json.loads(trace.read_text())
+        ms = lambda xs: round(1e3 * (statistics.median(xs) - sent), 1) if xs else None  # noqa: E731
+        result["engine_side"] = {
+            "requests_added": len(seen["added"]),
+            "first_added_ms": round(1e3 * (min(seen["added"]) - sent), 1) if seen["added"] else None,
+            "median_added_ms": ms(seen["added"]),
+            "last_added_ms": round(1e3 * (max(seen["added"]) - sent), 1) if seen["added"] else None,
+            "median_first_token_ms": ms(seen["first_token"]),
+        }
     result["repeat"] = repeat_index
     return result
 
@@ -176,9 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-running", type=int, default=512)
     ap.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)  # the front's own process
     ap.add_argument("--step-model", help=argparse.SUPPRESS)
+    ap.add_argument("--trace", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_port is not None:
-        serve_front(args.serve_port, args.http, args.loop, args.step_model)
+        serve_front(args.serve_port, args.http, args.loop, args.step_model, args.trace)
         return 0
     if not args.out:
         ap.error("OUT.json is required")
@@ -199,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.repeat):
         runs.append(one_run(args, model_json, prompts, i))
         r = runs[-1]
-        print(json.dumps({k: r[k] for k in ("output_tok_s", "ttft", "itl", "front_cpu_us_per_token")}), flush=True)
+        print(json.dumps({k: r.get(k) for k in ("output_tok_s", "ttft", "itl", "front_cpu_us_per_token",
+                                                "engine_side")}), flush=True)
     out = {"environment": environment(), "command": "python -m lab.checks.front " + " ".join(sys.argv[1:]),
            "settings": {**vars(args), "step_model": step_model, "model": MODEL}, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
