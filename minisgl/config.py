@@ -221,7 +221,8 @@ class EngineConfig:
                            "leave the start-up's Python objects to the garbage collector: the first workload's "
                            "collections walk them (0.22-0.26 s of the first W1 on the H200, run16; on: the heap "
                            "collected and frozen before the kernel warm-up and the captures, and again once start-up "
-                           "ends, GPU only)", disable=True)
+                           "ends, GPU only; `serve`'s front process freezes its own start-up heap, on any device)",
+                           disable=True)
     attention_backend: str = _opt("auto", "--attention-backend",
                                   "attention kernels (auto = triton on a GPU, torch on a CPU; torch runs a decode "
                                   "step as a few padded ops, torch_loop every step one request at a time)",

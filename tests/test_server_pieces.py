@@ -247,3 +247,31 @@ def test_commands_leave_early_in_a_long_turn_of_the_event_loop(monkeypatch):
     assert asyncio.run(turn(60.0, 5)) == [5]  # a short turn: one frame
     # a second between commands, over a bound of half a second: the outbox goes out with each second command
     assert asyncio.run(turn(0.5, 5)) == [2, 2, 1]
+
+
+def test_serve_freezes_the_fronts_start_up_heap_under_gc_freeze(monkeypatch):
+    """`serve` freezes what the front holds once started (torch, transformers, FastAPI), so the collections that
+    streaming triggers skip it; --disable-gc-freeze leaves it to the collector."""
+    import gc
+
+    from minisgl.server import launch
+
+    seen = []
+
+    class Server:
+        started, should_exit = True, False
+
+        def run(self) -> None:
+            seen.append(gc.get_freeze_count())
+
+        def cancel_timers(self) -> None:
+            pass
+
+    monkeypatch.setattr(launch, "_make_server", lambda *args, **kwargs: Server())
+    for freeze in (True, False):
+        engine = SimpleNamespace(config=SimpleNamespace(gc_freeze=freeze), close=lambda: None, fatal_error=None)
+        try:
+            assert launch.serve(SimpleNamespace(engine=engine)) == 0
+        finally:
+            gc.unfreeze()
+    assert seen[0] > 1000 and seen[1] == 0

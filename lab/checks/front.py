@@ -105,7 +105,7 @@ def engine_child(fd: int, model_json: str, trace: str) -> None:
     os._exit(code)
 
 
-def serve_front(port: int, http: str, loop: str, model_json: str, trace: str) -> None:
+def serve_front(port: int, http: str, loop: str, model_json: str, trace: str, gc_freeze: bool) -> None:
     """`minisgl serve`'s front on `port`, its engine process the fake one."""
     from minisgl.server.app import ServerState
     from minisgl.server.engine_client import EngineClient
@@ -123,11 +123,35 @@ def serve_front(port: int, http: str, loop: str, model_json: str, trace: str) ->
             self.conn = Connection(ours.detach())
             self.conn.send_bytes(pickle.dumps(("config", self.config, os.getpid(), self.heartbeat_s, "warning", 1)))
 
-    client = FakeEngineClient(make_config(MODEL), watchdog_timeout=60.0)
+    client = FakeEngineClient(make_config(MODEL, gc_freeze=gc_freeze), watchdog_timeout=60.0)
     client.start_process()
     client.wait_ready(60)
     state = ServerState(engine=client, tokenizer=load_tokenizer(MODEL), model_name="front-check")
-    sys.exit(serve(state, port=port, http=http, loop=loop, log_level="warning"))
+    import gc
+    by_generation = {g: {"collections": 0, "seconds": 0.0, "longest_s": 0.0, "collected": 0} for g in range(3)}
+    full = []  # every full collection: (seconds since the front began serving, its ms), start-up's one included
+    started, t0 = [], time.perf_counter()
+
+    def on_gc(phase: str, info: dict) -> None:  # the front's collections, by generation
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            took, g = time.perf_counter() - started.pop(), by_generation[info["generation"]]
+            g["collections"] += 1
+            g["seconds"] += took
+            g["longest_s"] = max(g["longest_s"], took)
+            g["collected"] += info["collected"]
+            if info["generation"] == 2:
+                full.append((round(time.perf_counter() - t0, 3), round(1e3 * took, 1)))
+
+    gc.callbacks.append(on_gc)
+    code = serve(state, port=port, http=http, loop=loop, log_level="warning")
+    gc.callbacks.remove(on_gc)
+    Path(trace).with_name("front_gc.json").write_text(json.dumps({
+        "by_generation": {g: {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
+                          for g, d in by_generation.items()}, "full_collections": full,
+        "tracked_objects_at_exit": len(gc.get_objects()), "frozen": gc.get_freeze_count()}))
+    sys.exit(code)
 
 
 def one_run(args, model_json: str, prompts: list, repeat_index: int) -> dict:
@@ -139,6 +163,7 @@ def one_run(args, model_json: str, prompts: list, repeat_index: int) -> dict:
     trace = Path(tempfile.mkdtemp(prefix="front-check-")) / "engine_trace.json"
     cmd = [sys.executable, "-m", "lab.checks.front", "--serve-port", str(port), "--http", args.http,
            "--loop", args.loop, "--step-model", model_json, "--trace", str(trace)]
+    cmd += ["--disable-gc-freeze"] if args.disable_gc_freeze else []
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -166,6 +191,9 @@ def one_run(args, model_json: str, prompts: list, repeat_index: int) -> dict:
     tokens = max(1, result["output_tokens"])
     result["front_cpu_s"] = round(cpu, 3)
     result["front_cpu_us_per_token"] = round(1e6 * cpu / tokens, 1)
+    gc_file = trace.with_name("front_gc.json")
+    if gc_file.exists():  # the front's garbage collections while it served (the whole run)
+        result["front_gc"] = json.loads(gc_file.read_text())
     if trace.exists():  # where the client's TTFT went: reaching the engine, waiting for prefill, coming back
         seen = json.loads(trace.read_text())
         ms = lambda xs: round(1e3 * (statistics.median(xs) - sent), 1) if xs else None  # noqa: E731
@@ -191,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"])
     ap.add_argument("--loop", default="auto", choices=["auto", "asyncio", "uvloop"])
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--disable-gc-freeze", action="store_true", help="the front leaves its start-up heap to the "
+                    "collector (the engine option of that name)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--base-ms", type=float, default=2.0)
     ap.add_argument("--per-row-us", type=float, default=12.0)
@@ -202,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_port is not None:
-        serve_front(args.serve_port, args.http, args.loop, args.step_model, args.trace)
+        serve_front(args.serve_port, args.http, args.loop, args.step_model, args.trace, not args.disable_gc_freeze)
         return 0
     if not args.out:
         ap.error("OUT.json is required")
@@ -224,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(one_run(args, model_json, prompts, i))
         r = runs[-1]
         print(json.dumps({k: r.get(k) for k in ("output_tok_s", "ttft", "itl", "front_cpu_us_per_token",
-                                                "engine_side")}), flush=True)
+                                                "engine_side", "front_gc")}), flush=True)
     out = {"environment": environment(), "command": "python -m lab.checks.front " + " ".join(sys.argv[1:]),
            "settings": {**vars(args), "step_model": step_model, "model": MODEL}, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

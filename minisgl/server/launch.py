@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -241,6 +242,12 @@ def serve(state, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, shutdown_ti
     server could not start or its engine failed."""
     server = _make_server(state, host, port, log_level, shutdown_timeout, exit_after_engine_failure, http, loop,
                           limits)
+    if getattr(getattr(state.engine, "config", None), "gc_freeze", False):
+        # The start-up's objects (torch, transformers, FastAPI, ~250k of them) are frozen, so the collections that
+        # streaming triggers skip them: a full one walked them all, 0.16 s of a stalled event loop with 512
+        # streams open (lab.checks.front). The engine process freezes its own heap (ModelRunner).
+        gc.collect()
+        gc.freeze()
     try:
         server.run()
     finally:
