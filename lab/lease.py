@@ -181,6 +181,26 @@ class OwnClient(Step):
                 "--load-format", "dummy", *self.flags]
 
 
+@dataclass(frozen=True)
+class FrontCheck(Step):
+    """`python -m lab.checks.front`: the server's front alone on this machine's CPU (a fake engine process, no
+    GPU), 512 text prompts at once as SGLang's client sends them: how fast the front takes a burst in and how
+    many streamed tokens a second it delivers on the serving machine's cores. Its FastAPI and uvicorn come from
+    the wheels the serving step unpacks, so it runs after that step."""
+
+    def ready(self) -> str | None:
+        if not (SITE / ".sglang-kit").is_file() or not (SERVE_SITE / ".done").is_file():
+            return "the wheels the serving step unpacks are not on this machine (run it after that step)"
+        return None
+
+    def env(self) -> dict[str, str]:
+        return server_env("minisgl")
+
+    def argv(self, out: str) -> list[str]:
+        return [sys.executable, "-m", "lab.checks.front", os.path.join(out, self.files[0]), "--text",
+                "--repeat", "1"]
+
+
 # xgrammar for issue 26's check (the structured-output arms): its wheel for the device's Python and the wheels it
 # imports that the kit already has, unzipped into API_SITE on the device (a wheel is a zip of its files)
 API_WHEELS = f"{WHEEL_DIR}/api"
@@ -280,9 +300,11 @@ CALLS: dict[str, Call] = {
     "serving": Call(
         "optional, on a machine calls 1-3 staged (or carry the last part along): online serving (issue 24), "
         "minisgl's server and then SGLang's under SGLang's bench_serving client at 8, 24, 48 requests/s and 512 "
-        "at once, then the all-at-once requests through the offline engine (the server/offline ratio)",
+        "at once, then the all-at-once requests through the offline engine (the server/offline ratio); last, the "
+        "front alone on the machine's CPU (lab.checks.front: a fake engine, no GPU; cut first if time runs out)",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
-        steps=(Serving("serving", 460, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),)),
+        steps=(Serving("serving", 460, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),
+               FrontCheck("front", 25, ("front.json",)))),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "
