@@ -101,7 +101,8 @@ def engine_child(fd: int, model_json: str, trace: str) -> None:
     conn.send_bytes(pickle.dumps(("ready", EngineInfo(MODEL, 1 << 20, 1 << 30, vocab, os.getpid(), config, "cuda"))))
     engine = FakeEngine(**json.loads(model_json))
     code = EngineLoop(engine, conn).run()
-    Path(trace).write_text(json.dumps({"added": engine.added, "first_token": engine.first_token}))
+    Path(trace).write_text(json.dumps({"added": engine.added, "first_token": engine.first_token,
+                                       "steps": engine.stats["steps"]}))
     os._exit(code)
 
 
@@ -158,7 +159,7 @@ def one_run(args, model_json: str, prompts: list, repeat_index: int) -> dict:
     import statistics
     import tempfile
 
-    from minisgl.bench.serving import _free_port, cpu_seconds, run_rate
+    from minisgl.bench.serving import _free_port, cpu_seconds, engine_pid, run_rate
     port = _free_port()
     trace = Path(tempfile.mkdtemp(prefix="front-check-")) / "engine_trace.json"
     cmd = [sys.executable, "-m", "lab.checks.front", "--serve-port", str(port), "--http", args.http,
@@ -177,10 +178,11 @@ def one_run(args, model_json: str, prompts: list, repeat_index: int) -> dict:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        cpu0 = cpu_seconds(proc.pid)
+        engine = engine_pid(url)
+        cpu0, engine_cpu0 = cpu_seconds(proc.pid), cpu_seconds(engine)
         sent = time.monotonic()  # the machine's monotonic clock, the one the engine process reads too
         result = asyncio.run(run_rate(url, "front-check", prompts, math.inf, args.seed))
-        cpu = cpu_seconds(proc.pid) - cpu0
+        cpu, engine_cpu = cpu_seconds(proc.pid) - cpu0, cpu_seconds(engine) - engine_cpu0
     finally:
         proc.terminate()  # the front stops its engine, which writes the trace
         try:
@@ -191,6 +193,9 @@ def one_run(args, model_json: str, prompts: list, repeat_index: int) -> dict:
     tokens = max(1, result["output_tokens"])
     result["front_cpu_s"] = round(cpu, 3)
     result["front_cpu_us_per_token"] = round(1e6 * cpu / tokens, 1)
+    # the engine process's own work (EngineLoop: commands, collecting and pickling each step's news, and the fake
+    # engine's bookkeeping; its steps sleep): what a real engine's loop adds to its host time
+    result["engine_loop_cpu_s"] = round(engine_cpu, 3)
     gc_file = trace.with_name("front_gc.json")
     if gc_file.exists():  # the front's garbage collections while it served (the whole run)
         result["front_gc"] = json.loads(gc_file.read_text())
@@ -203,6 +208,8 @@ def one_run(args, model_json: str, prompts: list, repeat_index: int) -> dict:
             "median_added_ms": ms(seen["added"]),
             "last_added_ms": round(1e3 * (max(seen["added"]) - sent), 1) if seen["added"] else None,
             "median_first_token_ms": ms(seen["first_token"]),
+            "steps": seen["steps"],
+            "loop_cpu_ms_per_step": round(1e3 * engine_cpu / max(1, seen["steps"]), 3),
         }
     result["repeat"] = repeat_index
     return result
