@@ -275,3 +275,14 @@ def test_serve_freezes_the_fronts_start_up_heap_under_gc_freeze(monkeypatch):
         finally:
             gc.unfreeze()
     assert seen[0] > 1000 and seen[1] == 0
+
+
+def test_building_a_server_without_its_packages_says_what_to_install(monkeypatch):
+    """build_state (notebook 11's way in) and `serve` refuse with the install line, before importing the app."""
+    import sys
+
+    from minisgl.server import launch
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # what a missing package looks like to import
+    with pytest.raises(ImportError, match=r"minisgl\[serve\]"):
+        launch.build_state("unused-model-path")

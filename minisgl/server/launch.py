@@ -94,13 +94,19 @@ def limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
     return ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, serve until SIGINT/SIGTERM, shut down cleanly; returns the exit status."""
+def require_serve_deps() -> None:
+    """ImportError saying what to install when the HTTP server's packages are missing (not a bare
+    ModuleNotFoundError from deep inside the app's imports)."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         raise ImportError(_MISSING_DEPS) from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, serve until SIGINT/SIGTERM, shut down cleanly; returns the exit status."""
+    require_serve_deps()
     limits = limits_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # an engine that cannot start raises here what it raised in its process (one line from `run_command`)
@@ -132,6 +138,7 @@ def build_state(model: str, served_model_name: str | None = None, watchdog_timeo
     """Start the engine process, wait until it is ready, then load the tokenizer of the folder it resolved;
     returns the app's ServerState. When the engine cannot start, the exception it raised in its process
     (traceback logged at debug level)."""
+    require_serve_deps()
     from minisgl.server.app import ServerState
     from minisgl.server.engine_client import EngineClient
     from minisgl.tokenizer import load_tokenizer
