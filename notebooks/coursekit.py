@@ -60,8 +60,9 @@ def repo_root() -> Path:
 
 
 def h200_sections() -> dict[str, dict]:
-    """The H200 measurements in reports/h200/: for each section of lab/run.py, its newest result
-    across the results files, as {"result": ..., "file": ..., "environment": ...} (as the report reads them)."""
+    """The H200 measurements in reports/h200/*.json (the course's first full runs, which the notebooks' prose
+    quotes; later leases are in the run*/ folders and in reports/h200/REPORT.md): for each section of lab/run.py,
+    its newest result across those files, as {"result": ..., "file": ..., "environment": ...}."""
     from minisgl.bench.runner import newest_sections
 
     return newest_sections(repo_root() / "reports" / "h200")
