@@ -211,9 +211,13 @@ def test_a_handle_merges_news_its_reader_has_not_taken_and_wakes_a_waiting_reade
         h.deliver([9], None, {"output_logprobs": ["e"]})  # after the finish: dropped
         last = await asyncio.wait_for(waiting, 5)
         rest = [d async for d in events]
-        return first, last, rest
+        failed = RequestHandle([1], SamplingParams())  # tokens waiting, then the engine dies
+        failed.deliver([4], None, {"output_logprobs": ["x"]})
+        failed.deliver([], Finish("error", "gone", "unavailable"), None)
+        return first, last, rest, await failed.events().__anext__()
 
-    first, last, rest = asyncio.run(run())
+    first, last, rest, failed = asyncio.run(run())
+    assert (failed.token_ids, failed.finish.kind, failed.extras) == ([4], "unavailable", {"output_logprobs": ["x"]})
     assert (first.token_ids, first.finish, first.extras) == ([5, 6, 7], None, {"output_logprobs": ["a", "b", "c"]})
     assert (last.token_ids, last.finish.reason, last.extras) == ([8], "length", {"output_logprobs": ["d"]})
     assert rest == []

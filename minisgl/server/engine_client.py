@@ -84,6 +84,8 @@ class RequestHandle:
         elif old.finish is None:  # the front fell behind the engine: fewer, larger pieces, not a backlog
             if old.extras is not None and extras is not None:
                 extras = {k: v + extras.get(k, []) for k, v in old.extras.items()}
+            elif extras is None:  # an outcome without tokens (an error): the waiting tokens keep theirs
+                extras = old.extras
             self.pending = Delta(old.token_ids + tokens, finish, extras)
         wakeup = self._wakeup
         if wakeup is not None and not wakeup.done():
