@@ -129,28 +129,12 @@ def serve_front(port: int, http: str, loop: str, model_json: str, trace: str, gc
     client.wait_ready(60)
     state = ServerState(engine=client, tokenizer=load_tokenizer(MODEL), model_name="front-check")
     import gc
-    by_generation = {g: {"collections": 0, "seconds": 0.0, "longest_s": 0.0, "collected": 0} for g in range(3)}
-    full = []  # every full collection: (seconds since the front began serving, its ms), start-up's one included
-    started, t0 = [], time.perf_counter()
 
-    def on_gc(phase: str, info: dict) -> None:  # the front's collections, by generation
-        if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            took, g = time.perf_counter() - started.pop(), by_generation[info["generation"]]
-            g["collections"] += 1
-            g["seconds"] += took
-            g["longest_s"] = max(g["longest_s"], took)
-            g["collected"] += info["collected"]
-            if info["generation"] == 2:
-                full.append((round(time.perf_counter() - t0, 3), round(1e3 * took, 1)))
-
-    gc.callbacks.append(on_gc)
-    code = serve(state, port=port, http=http, loop=loop, log_level="warning")
-    gc.callbacks.remove(on_gc)
+    from minisgl.bench.profile import gc_pauses
+    with gc_pauses() as pauses:  # the first full collection is serve()'s own, before it freezes the heap
+        code = serve(state, port=port, http=http, loop=loop, log_level="warning")
     Path(trace).with_name("front_gc.json").write_text(json.dumps({
-        "by_generation": {g: {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
-                          for g, d in by_generation.items()}, "full_collections": full,
+        **pauses.as_dict(), "full_collections": pauses.full_collections,
         "tracked_objects_at_exit": len(gc.get_objects()), "frozen": gc.get_freeze_count()}))
     sys.exit(code)
 
@@ -159,7 +143,7 @@ def one_run(args, model_json: str, prompts: list, repeat_index: int) -> dict:
     import statistics
     import tempfile
 
-    from minisgl.bench.serving import _free_port, cpu_seconds, engine_pid, run_rate
+    from minisgl.bench.serving import _free_port, cpu_seconds, engine_pid, run_rate, stop_server, wait_healthy
     port = _free_port()
     trace = Path(tempfile.mkdtemp(prefix="front-check-")) / "engine_trace.json"
     cmd = [sys.executable, "-m", "lab.checks.front", "--serve-port", str(port), "--http", args.http,
@@ -168,28 +152,14 @@ def one_run(args, model_json: str, prompts: list, repeat_index: int) -> dict:
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        import httpx
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the front did not start: {cmd}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_healthy(proc, url, cmd, 120)
         engine = engine_pid(url)
         cpu0, engine_cpu0 = cpu_seconds(proc.pid), cpu_seconds(engine)
         sent = time.monotonic()  # the machine's monotonic clock, the one the engine process reads too
         result = asyncio.run(run_rate(url, "front-check", prompts, math.inf, args.seed))
         cpu, engine_cpu = cpu_seconds(proc.pid) - cpu0, cpu_seconds(engine) - engine_cpu0
     finally:
-        proc.terminate()  # the front stops its engine, which writes the trace
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        stop_server(proc)  # the front stops its engine, which writes the trace
     tokens = max(1, result["output_tokens"])
     result["front_cpu_s"] = round(cpu, 3)
     result["front_cpu_us_per_token"] = round(1e6 * cpu / tokens, 1)

@@ -114,13 +114,18 @@ def timed_phases(engine) -> Iterator[PhaseTimes]:
 
 @dataclass
 class GcPauses:
-    """Python's garbage collections inside a block: how many, their seconds, how many were full (generation 2)
-    and the longest. A long one holds up the host's next launch, and the device waits."""
+    """Python's garbage collections inside a block: how many, their seconds, the longest, and each full one
+    (generation 2: when, in seconds from the block's start, and its ms). A long one holds up the host's next
+    launch, and the device waits."""
 
     collections: int = 0
     seconds: float = 0.0
-    full: int = 0
     longest_s: float = 0.0
+    full_collections: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def full(self) -> int:
+        return len(self.full_collections)
 
     def as_dict(self) -> dict:
         return {"collections": self.collections, "seconds": round(self.seconds, 4), "full": self.full,
@@ -132,17 +137,19 @@ def gc_pauses() -> Iterator[GcPauses]:
     """Count and time the garbage collections that run inside the block (gc.callbacks)."""
     import gc
 
-    pauses, started = GcPauses(), []
+    pauses, started, t0 = GcPauses(), [], time.perf_counter()
 
     def on_gc(phase, info):
         if phase == "start":
             started.append(time.perf_counter())
         elif started:
-            took = time.perf_counter() - started.pop()
+            now = time.perf_counter()
+            took = now - started.pop()
             pauses.collections += 1
             pauses.seconds += took
-            pauses.full += info["generation"] == 2
             pauses.longest_s = max(pauses.longest_s, took)
+            if info["generation"] == 2:
+                pauses.full_collections.append((round(now - t0, 3), round(1e3 * took, 1)))
 
     gc.callbacks.append(on_gc)
     try:

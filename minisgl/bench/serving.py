@@ -205,19 +205,26 @@ def _free_port() -> int:
 
 def start_server(model: str, serve_args: list[str], timeout: float = 900) -> tuple[subprocess.Popen, str]:
     """`python -m minisgl serve` on a free loopback port, once /health answers."""
-    import httpx
     port = _free_port()
     cmd = [sys.executable, "-m", "minisgl", "serve", "--model", model, "--port", str(port),
            "--log-level", "warning", *serve_args]
     proc = subprocess.Popen(cmd, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, cmd, timeout)
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, cmd: list[str], timeout: float) -> None:
+    """Return once the server `proc` (started with `cmd`) answers /health at `url`; RuntimeError (and the server
+    stopped) when it exits first or does not answer within `timeout` seconds."""
+    import httpx
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with status {proc.returncode} while starting: {cmd}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)

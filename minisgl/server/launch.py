@@ -106,10 +106,9 @@ def require_serve_deps() -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGINT/SIGTERM, shut down cleanly; returns the exit status."""
-    require_serve_deps()
     limits = limits_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # an engine that cannot start raises here what it raised in its process (one line from `run_command`)
+    # missing server packages, or an engine that cannot start, raise here (one line from `run_command`)
     state = build_state(args.model, args.served_model_name, watchdog_timeout=args.watchdog_timeout,
                         log_level=args.log_level, **engine_kwargs_from_args(args))
     return serve(state, args.host, args.port, args.shutdown_timeout, args.log_level, args.exit_after_engine_failure,
