@@ -305,6 +305,12 @@ CALLS: dict[str, Call] = {
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("serving", 460, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),
                FrontCheck("front", 25, ("front.json",)))),
+    "burst": Call(
+        "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's all-at-once load alone, "
+        "both servers under SGLang's client, then the same requests offline; then the front alone (lab.checks.front)",
+        carry=(KIT, f"{WHEEL_DIR}/serve"),
+        steps=(Serving("burst", 250, ("burst.json", "burst_minisgl.jsonl", "burst_sglang.jsonl"), loads=("burst",)),
+               FrontCheck("front", 25, ("front.json",)))),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "

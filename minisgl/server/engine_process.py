@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection
 from types import SimpleNamespace
 
 from minisgl.config import EngineConfig
+from minisgl.engine.engine import Engine  # here, not in check_request: a first request must not wait for it
 from minisgl.errors import RequestError
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.step_outputs import Finish, StepOutputs, collect_outputs
@@ -68,7 +69,6 @@ class EngineInfo:
     def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
         """`Engine.check_request` against these limits (all it reads), so a bad request is refused in the front
         before its stream starts; RequestError names the parameter."""
-        from minisgl.engine.engine import Engine
         view = SimpleNamespace(model_config=SimpleNamespace(vocab_size=self.vocab_size),
                                max_model_len=self.max_model_len, config=self.config, grammars=self.grammars,
                                runner=SimpleNamespace(kv_capacity_tokens=self.kv_capacity_tokens))
@@ -263,7 +263,6 @@ def engine_main(fd: int) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="minisgl-parent-watch").start()
     engine = None
     try:
-        from minisgl.engine import Engine
         engine = Engine(config)
         send(conn, ("ready", EngineInfo.of(engine)))
     except BaseException as e:
