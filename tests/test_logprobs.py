@@ -126,4 +126,5 @@ def test_token_logprobs_store_entries_without_an_object_per_token():
     finally:
         gc.enable()
     assert len(many) == 2000 and many[1999] == (-0.5, list(zip(ids, values)))
-    assert grown < 10, f"{grown} new tracked objects for 2000 tokens"
+    # per-token tuples would add thousands; a few dozen is other threads of the test process (CI saw 11)
+    assert grown < 100, f"{grown} new tracked objects for 2000 tokens"
