@@ -223,43 +223,34 @@ def test_a_handle_merges_news_its_reader_has_not_taken_and_wakes_a_waiting_reade
     assert rest == []
 
 
-def test_commands_reach_the_engine_while_the_event_loop_is_held_up():
-    """EngineClient's writer thread: commands queued together go out as one frame, and a command queued while the
-    event loop is held up (a burst's handlers, hundreds in a few turns) reaches the engine's end of the pipe
-    without waiting for the loop, so the engine starts on the first requests while the rest are taken in."""
+def test_commands_leave_early_in_a_long_turn_of_the_event_loop(monkeypatch):
+    """EngineClient._send: commands queued in one turn go out as one frame at its end; in a turn longer than
+    FLUSH_AFTER_S (a burst of arrivals) they go out as they pass that age, so the engine starts on them."""
     import asyncio
     import pickle
-    import socket
-    import time
-    from multiprocessing.connection import Connection
 
+    from minisgl.server import engine_client
     from minisgl.server.engine_client import EngineClient
 
-    ours, theirs = socket.socketpair()
-    engine_end = Connection(theirs.detach())
-    client = EngineClient(config=None)
-    client.conn = Connection(ours.detach())
-    for i in range(5):  # queued before the pipe is taken over: the writer's first frame carries them all
-        client._send(("abort", i, "abort"))
+    frames = []
+    writer = SimpleNamespace(is_closing=lambda: False, write=lambda b: frames.append(pickle.loads(b[4:])))
 
-    async def main() -> tuple[list, list, float]:
-        await client.attach()
-        first = pickle.loads(engine_end.recv_bytes()) if engine_end.poll(5.0) else []
-        client._send(("abort", 5, "abort"))
-        start = time.monotonic()
-        arrived = engine_end.poll(5.0)  # blocks the event loop, as a long turn does
-        waited = time.monotonic() - start
-        second = pickle.loads(engine_end.recv_bytes()) if arrived else []
-        client._detach()
-        return first, second, waited
+    clock = iter(range(10**6))  # a clock one second further at every reading
+    monkeypatch.setattr(engine_client, "time", SimpleNamespace(monotonic=lambda: next(clock)))
 
-    try:
-        first, second, waited = asyncio.run(main())
-    finally:
-        engine_end.close()
-    assert first == [("abort", i, "abort") for i in range(5)]
-    assert second == [("abort", 5, "abort")]
-    assert waited < 2.0
+    async def turn(flush_after: float, n: int) -> list[int]:
+        monkeypatch.setattr(engine_client, "FLUSH_AFTER_S", flush_after)
+        client = EngineClient(config=None)
+        client.loop, client._writer = asyncio.get_running_loop(), writer
+        frames.clear()
+        for i in range(n):
+            client._send(("abort", i, "abort"))
+        await asyncio.sleep(0)  # the turn ends: the scheduled flush runs
+        return [len(f) for f in frames]
+
+    assert asyncio.run(turn(60.0, 5)) == [5]  # a short turn: one frame
+    # a second between commands, over a bound of half a second: the outbox goes out with each second command
+    assert asyncio.run(turn(0.5, 5)) == [2, 2, 1]
 
 
 def test_serve_freezes_the_fronts_start_up_heap_under_gc_freeze(monkeypatch):
@@ -299,38 +290,3 @@ def test_building_a_server_without_its_packages_says_what_to_install(monkeypatch
     monkeypatch.setitem(sys.modules, "fastapi", None)  # what a missing package looks like to import
     with pytest.raises(ImportError, match=r"minisgl\[serve\]"):
         launch.build_state("unused-model-path")
-
-
-def test_a_request_whose_client_leaves_while_it_is_queued_is_cancelled_in_the_engine(monkeypatch):
-    """app.begin: tokenizing and queueing run on a tokenizer thread; a handler cancelled meanwhile (its client
-    gone) cancels the request's streams once the thread has queued them, so the engine does not run it for
-    nobody."""
-    import asyncio
-    import concurrent.futures
-    import threading
-
-    from minisgl.server import app
-
-    gate = threading.Event()
-    handle = SimpleNamespace(cancelled=False)
-    handle.cancel = lambda: setattr(handle, "cancelled", True)
-
-    def queued_late(state, req, prompt, *args, **kw):
-        gate.wait(5)
-        return app.Started([1, 2], None, [None], [handle])
-
-    monkeypatch.setattr(app, "start_request", queued_late)
-    state = SimpleNamespace(executor=concurrent.futures.ThreadPoolExecutor(1))
-
-    async def main() -> None:
-        task = asyncio.ensure_future(app.begin(state, None, [1, 2]))
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert not handle.cancelled  # not queued yet
-        gate.set()
-
-    asyncio.run(main())
-    state.executor.shutdown(wait=True)
-    assert handle.cancelled

@@ -210,55 +210,12 @@ def sampling_params_for(state: ServerState, req, ids: list[int], max_tokens: int
     return params
 
 
-@dataclass
-class Started:
-    """A request checked and queued in the engine: its prompt's ids, its params, a stop-string scanner (or None)
-    and a handle for each of its `params.n` streams."""
-
-    ids: list[int]
-    params: SamplingParams
-    stops: list
-    handles: list[RequestHandle]
-
-
-def start_request(state: ServerState, req, prompt: list[int] | Callable[[], list[int]], *args, **kw) -> Started:
-    """Tokenize (`prompt` a function: the text's encoder), check (sampling_params_for's args) and queue `req`.
-
-    It runs on a tokenizer thread (`begin`): tokenizing takes about a millisecond, and compiling a grammar (checked
-    and cached here, before the request is queued) a good part of a second on a large vocabulary. Queued from
-    there, a burst's requests reach the engine while the event loop is still taking the rest of the burst in
-    (hundreds of handlers in a few turns of the loop), not after it."""
-    ids = prompt() if callable(prompt) else prompt
-    if not ids:
-        raise APIError(400, "the prompt encodes to no tokens", param="prompt")
-    params = sampling_params_for(state, req, ids, *args, **kw)
-    try:
-        stops = [StopStringScanner(state.tokenizer, params.stop) if params.stop else None for _ in range(params.n)]
-    except RequestError as e:
-        raise to_api_error(e) from None
-    handles = [RequestHandle(ids, params) for _ in range(params.n)]
-    state.engine.submit(handles)
-    return Started(ids, params, stops, handles)
-
-
-async def begin(state: ServerState, req, prompt, *args, **kw) -> Started:
-    """start_request on the tokenizer threads (inline once the pool has been shut down). A handler cancelled
-    meanwhile (its client left) cancels the streams once they are queued."""
-    try:
-        work = state.executor.submit(start_request, state, req, prompt, *args, **kw)
-    except RuntimeError:  # cannot schedule new futures after shutdown
-        return start_request(state, req, prompt, *args, **kw)
-    try:
-        return await asyncio.wrap_future(work)
-    except asyncio.CancelledError:
-        work.add_done_callback(_cancel_started)
-        raise
-
-
-def _cancel_started(work: concurrent.futures.Future) -> None:
-    if not work.cancelled() and work.exception() is None:
-        for h in work.result().handles:
-            h.cancel()
+async def checked_params(state: ServerState, req, *args, **kw) -> SamplingParams:
+    """sampling_params_for, on the tokenizer threads when the request has a grammar: compiling one (checked and
+    cached here, before the request is queued) can take a good part of a second on a large vocabulary."""
+    if req.response_format is None or req.response_format.get("type") == "text":
+        return sampling_params_for(state, req, *args, **kw)
+    return await state.run_blocking(functools.partial(sampling_params_for, state, req, *args, **kw))
 
 
 def engine_error(finish: Finish) -> APIError:
@@ -373,7 +330,6 @@ class EventStreamResponse(Response):
             self.on_disconnect()
         finally:
             watcher.cancel()
-            self.on_disconnect()  # a no-op for finished streams; ends those whose events never started
             await self.body_iterator.aclose()
 
 
@@ -441,36 +397,40 @@ async def _gather(state: ServerState, handle: RequestHandle, ts, stops, choice: 
     choice.text = "".join(parts)
 
 
-async def respond(state: ServerState, request: Request, req, started: Started, chunk, full,
+async def respond(state: ServerState, request: Request, req, ids: list[int], params: SamplingParams, chunk, full,
                   first: Callable[[int], dict] | None = None):
-    """Answer a started request's `params.n` streams (one engine group: the prompt is prefilled once): one JSON
-    body, or server-sent events when req.stream, the choices' events interleaved as they come.
-    chunk(index, text, reason, token_ids, logprob entries) -> one event; full(choices, usage) -> the body.
-    Whatever ends the answer early (an error here, a client gone before its first byte) cancels the streams."""
-    handles = started.handles
+    """Submit the request's `params.n` streams (one engine group: the prompt is prefilled once) and answer
+    them: one JSON body, or server-sent events when req.stream, the choices' events interleaved as they come.
+    chunk(index, text, reason, token_ids, logprob entries) -> one event; full(choices, usage) -> the body."""
+    def scanner():
+        return StopStringScanner(state.tokenizer, params.stop) if params.stop else None
+
+    try:
+        stops = [scanner() for _ in range(params.n)]
+    except RequestError as e:
+        raise to_api_error(e) from None
+    handles = [RequestHandle(ids, params) for _ in range(params.n)]
+    streams = [TextStream(state.tokenizer, params.stop) if state.tokenizer is not None else _NoTokenizerStream()
+               for _ in handles]
 
     def cancel_all() -> None:
         for h in handles:
             h.cancel()
 
-    try:
-        streams = [TextStream(state.tokenizer, started.params.stop) if state.tokenizer is not None
-                   else _NoTokenizerStream() for _ in handles]
+    def usage() -> dict:
+        return _usage(len(ids), sum(ts.num_tokens for ts in streams))
 
-        def usage() -> dict:
-            return _usage(len(started.ids), sum(ts.num_tokens for ts in streams))
-
-        if not req.stream:
-            return await _gathered(state, request, started, streams, full, usage, cancel_all)
-        return _streamed(state, req, started, streams, chunk, first, usage, cancel_all)
-    except BaseException:
-        cancel_all()
-        raise
-
-
-def _streamed(state: ServerState, req, started: Started, streams, chunk, first, usage, cancel_all):
-    """The streamed answer: server-sent events, the choices' events interleaved as they come."""
-    handles, stops = started.handles, started.stops
+    if not req.stream:
+        watcher = asyncio.ensure_future(_watch_disconnect(request, cancel_all))
+        state.engine.submit(handles)
+        choices = [Choice() for _ in handles]
+        try:
+            await asyncio.gather(*(_gather(state, h, ts, sc, c) for h, ts, sc, c in zip(handles, streams, stops,
+                                                                                        choices)))
+        finally:
+            watcher.cancel()
+            cancel_all()
+        return JSONResponse(full(choices, usage()))
 
     include_usage = req.include_usage
 
@@ -512,6 +472,7 @@ def _streamed(state: ServerState, req, started: Started, streams, chunk, first, 
             if first is not None:
                 for i in range(len(handles)):
                     yield _sse(first(i))
+            state.engine.submit(handles)
             async for i, (piece, reason, token_ids, entries) in items:
                 if piece or reason or entries:
                     yield _sse(chunk(i, piece, reason, token_ids, entries))
@@ -530,19 +491,6 @@ def _streamed(state: ServerState, req, started: Started, streams, chunk, first, 
         yield "data: [DONE]\n\n"
 
     return EventStreamResponse(events(), cancel_all)
-
-
-async def _gathered(state: ServerState, request: Request, started: Started, streams, full, usage, cancel_all):
-    """The non-streamed answer: every stream gathered, then one JSON body."""
-    watcher = asyncio.ensure_future(_watch_disconnect(request, cancel_all))
-    choices = [Choice() for _ in started.handles]
-    try:
-        await asyncio.gather(*(_gather(state, h, ts, sc, c)
-                               for h, ts, sc, c in zip(started.handles, streams, started.stops, choices)))
-    finally:
-        watcher.cancel()
-        cancel_all()
-    return JSONResponse(full(choices, usage()))
 
 
 async def read_request(state: ServerState, request: Request, schema):
@@ -566,11 +514,12 @@ async def completions(state: ServerState, request: Request):
         if state.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids",
                            param="prompt")
-        prompt = functools.partial(encode_text, state.tokenizer, req.prompt)
+        ids = await state.run_blocking(encode_text, state.tokenizer, req.prompt)
     else:
-        prompt = list(req.prompt)
-    started = await begin(state, req, prompt, req.max_tokens, 16, "prompt", logprobs=req.logprobs)
-    params = started.params
+        ids = list(req.prompt)
+    if not ids:
+        raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+    params = await checked_params(state, req, ids, req.max_tokens, 16, "prompt", logprobs=req.logprobs)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     tok = state.tokenizer
     offsets = [0] * params.n  # where each choice's next token starts in its text (logprobs' text_offset)
@@ -590,7 +539,7 @@ async def completions(state: ServerState, request: Request):
                 "choices": [choice(i, c.text, c.reason, c.token_ids, c.logprobs) for i, c in enumerate(choices)],
                 "usage": usage}
 
-    return await respond(state, request, req, started, chunk, full)
+    return await respond(state, request, req, ids, params, chunk, full)
 
 
 async def chat_completions(state: ServerState, request: Request):
@@ -598,13 +547,13 @@ async def chat_completions(state: ServerState, request: Request):
     tok = state.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    ids = await state.run_blocking(render_chat, tok, req)
     if req.max_completion_tokens is not None:
         max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, max_param = req.max_tokens, "max_tokens"
-    started = await begin(state, req, functools.partial(render_chat, tok, req), max_tokens, None, "messages",
-                          max_param, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-    params = started.params
+    params = await checked_params(state, req, ids, max_tokens, None, "messages", max_param,
+                                  logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def logprobs(token_ids: list, entries: list) -> dict | None:
@@ -624,7 +573,7 @@ async def chat_completions(state: ServerState, request: Request):
                             for i, c in enumerate(choices)],
                 "usage": usage}
 
-    return await respond(state, request, req, started, chunk, full,
+    return await respond(state, request, req, ids, params, chunk, full,
                          first=lambda i: chunk(i, None, None, [], [], role=True))
 
 

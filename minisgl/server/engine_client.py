@@ -1,12 +1,10 @@
 """The front's handle on the engine process: start it, talk to it from the event loop, notice when it is gone.
 
 `EngineClient.start()` starts the engine process (`engine_process.engine_main`, a subprocess) and blocks until it
-reports ready with its limits (`EngineInfo`). `attach()`, on the server's event loop, takes over the pipe: a reader
-task (asyncio) fans each step's news out to the open requests' handles (`step_outputs.fan_out`), and a writer
-thread sends the commands (add, abort, ...) that any thread queued, those queued meanwhile as one frame. The event
-loop never blocks on the pipe, and a command does not wait for the loop: under a burst of arrivals the loop can
-spend a few hundred milliseconds taking requests in, and the adds that the tokenizer threads queue
-(`submit` is thread-safe) reach the engine meanwhile.
+reports ready with its limits (`EngineInfo`). `attach()`, on the server's event loop, takes over the pipe with asyncio
+streams: a reader task fans each step's news out to the open requests' handles (`step_outputs.fan_out`), and the
+commands the handlers queue (add, abort) go out as one frame per turn of the event loop (or every FLUSH_AFTER_S
+of a long turn). The event loop never blocks on the pipe: writes are buffered by the transport, reads are awaited.
 
 The engine is declared gone, every open request failing with an error (a stream ends with an error event and
 [DONE], a plain request gets a JSON error), when
@@ -28,8 +26,6 @@ import itertools
 import logging
 import os
 import pickle
-import queue
-import select
 import signal
 import socket
 import struct
@@ -49,7 +45,7 @@ from minisgl.server.step_outputs import Finish, StepOutputs, fan_out
 logger = logging.getLogger("minisgl.server")
 
 WATCHDOG_TIMEOUT = {"cuda": 10.0, "cpu": 120.0}  # by the engine's device, when not given
-_CLOSE = object()  # tells the writer thread to stop
+FLUSH_AFTER_S = 0.005  # commands wait for the end of the event loop's turn, or this long at most
 
 
 @dataclass
@@ -122,16 +118,6 @@ def _frame(obj) -> bytes:
     return struct.pack("!i", len(data)) + data  # Connection.send_bytes's framing (frames under 2 GiB)
 
 
-def _send_all(sock: socket.socket, data: bytes) -> None:
-    """Write all of `data` to a non-blocking socket (asyncio owns its reading side), waiting while it is full."""
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[sock.send(view):]
-        except BlockingIOError:
-            select.select([], [sock], [])
-
-
 def _exit_reason(code: int | None) -> str:
     if code is None:
         return "stopped answering"
@@ -159,12 +145,9 @@ class EngineClient:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.handles: dict[int, RequestHandle] = {}
         self._rids = itertools.count()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands for the writer thread
-        self._sender: threading.Thread | None = None  # the writer thread, once attached
-        # the pipe's asyncio side, which only reads (kept: a StreamWriter closes its transport when collected)
-        self._stream: asyncio.StreamWriter | None = None
-        # submit (any thread) against _fail_open (the loop): a handle is either failed or registered in time
-        self._lock = threading.Lock()
+        self._outbox: list[tuple] = []
+        self._outbox_since = 0.0  # when the first command in the outbox was queued
+        self._writer: asyncio.StreamWriter | None = None
         self._tasks: list[asyncio.Task] = []
         self._stats_waiters: dict[int, concurrent.futures.Future] = {}
         self.last_news = time.monotonic()
@@ -265,11 +248,7 @@ class EngineClient:
         sock = socket.socket(fileno=os.dup(self.conn.fileno()))
         self.conn.close()
         self.conn = None
-        wsock = socket.socket(fileno=os.dup(sock.fileno()))  # the writer thread's (same socket, non-blocking)
-        reader, self._stream = await asyncio.open_connection(sock=sock, limit=1 << 24)
-        self._sender = threading.Thread(target=self._write_commands, args=(wsock,), name="minisgl-engine-writer",
-                                        daemon=True)
-        self._sender.start()
+        reader, self._writer = await asyncio.open_connection(sock=sock, limit=1 << 24)
         self.last_news = time.monotonic()
         self._tasks = [asyncio.ensure_future(self._read(reader)), asyncio.ensure_future(self._watchdog())]
 
@@ -291,9 +270,8 @@ class EngineClient:
     def _detach(self) -> None:
         for t in self._tasks:
             t.cancel()
-        self._outbox.put(_CLOSE)
-        if self._stream is not None:
-            self._stream.close()
+        if self._writer is not None:
+            self._writer.close()
 
     def _in_loop(self, fn: Callable, *args) -> None:
         """Run fn(*args) on the event loop: now when called on it, else as a callback (signal handlers,
@@ -314,50 +292,44 @@ class EngineClient:
                 pass
 
     def _send(self, cmd: tuple) -> None:
-        """Queue a command for the engine (any thread)."""
-        self._outbox.put(cmd)
+        now = time.monotonic()
+        if not self._outbox:
+            self.loop.call_soon(self._flush)
+            self._outbox_since = now
+        self._outbox.append(cmd)
+        if now - self._outbox_since > FLUSH_AFTER_S:
+            # a long turn of the event loop (hundreds of requests arriving at once): the engine starts on what
+            # is here instead of waiting for the turn to end
+            self._flush()
 
-    def _write_commands(self, sock: socket.socket) -> None:
-        """The writer thread: each frame carries every command queued while the last one was written."""
-        try:
-            while True:
-                cmds = [self._outbox.get()]
-                while not self._outbox.empty():
-                    cmds.append(self._outbox.get())
-                closing = _CLOSE in cmds
-                cmds = [c for c in cmds if c is not _CLOSE]
-                if cmds:
-                    _send_all(sock, _frame(cmds))
-                if closing:
-                    return
-        except OSError:  # the engine is gone: the reader task notices and fails what is open
-            pass
-        finally:
-            sock.close()
+    def _flush(self) -> None:
+        cmds, self._outbox = self._outbox, []
+        if cmds and self._writer is not None and not self._writer.is_closing():
+            self._writer.write(_frame(cmds))
 
     def submit(self, handle: RequestHandle | list[RequestHandle]) -> None:
-        """Queue a request, or the `params.n` streams of one (handles of the same prompt and params: the engine
-        prefills it once), from any thread, before anything reads the handles. Refused at once, with a
-        503-kind error, when the engine is gone or the server has stopped taking requests."""
+        """Queue a request (on the event loop), or the `params.n` streams of one (handles of the same prompt and
+        params: the engine prefills it once). Refused at once, with a 503-kind error, when the engine is gone or
+        the server has stopped taking requests."""
         handles = handle if isinstance(handle, list) else [handle]
         for h in handles:
             h.client = self
-        with self._lock:
-            if self.fatal_error is not None or self.loop is None:
-                refusal = Finish("error", self.fatal_error or "the engine is not running", "unavailable",
-                                 code="engine_unavailable")
-            elif self.refusing is not None:
-                refusal = Finish("error", self.refusing, "unavailable", code="shutting_down")
-            else:
-                refusal = None
-                for h in handles:
-                    h.rid = next(self._rids)
-                    self.handles[h.rid] = h
-                first = handles[0]
-                self._send(("add", [h.rid for h in handles], first.input_ids, first.params))
+        if self.fatal_error is not None or self.loop is None:
+            refusal = Finish("error", self.fatal_error or "the engine is not running", "unavailable",
+                             code="engine_unavailable")
+        elif self.refusing is not None:
+            refusal = Finish("error", self.refusing, "unavailable", code="shutting_down")
+        else:
+            refusal = None
         if refusal is not None:
             for h in handles:
                 h.deliver([], refusal, None)
+            return
+        for h in handles:
+            h.rid = next(self._rids)
+            self.handles[h.rid] = h
+        first = handles[0]
+        self._send(("add", [h.rid for h in handles], first.input_ids, first.params))
 
     def abort(self, handle: RequestHandle, counted_as: str = "abort") -> None:
         if handle.rid is not None and handle.rid in self.handles and self.fatal_error is None:
@@ -370,8 +342,7 @@ class EngineClient:
     def fail_all(self, message: str, code: str = "shutting_down") -> None:
         """End every open request now with a 503-kind error and refuse new ones (a second signal); thread-safe."""
         def run() -> None:
-            with self._lock:
-                self.refusing = message
+            self.refusing = message
             if self.fatal_error is None and self.handles:
                 self._send(("abort_all",))
             self._fail_open(message, "unavailable", code)
@@ -383,7 +354,7 @@ class EngineClient:
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def ask() -> None:
-            if self.fatal_error is not None or self._sender is None:
+            if self.fatal_error is not None or self._writer is None:
                 fut.set_result(self._front_stats())
                 return
             tag = id(fut)
@@ -472,7 +443,6 @@ class EngineClient:
 
     def _fail_open(self, message: str, kind: str, code: str | None = None) -> None:
         code = code or ("engine_unavailable" if kind == "unavailable" else "internal_error")
-        with self._lock:
-            handles, self.handles = self.handles, {}
+        handles, self.handles = self.handles, {}
         for h in handles.values():
             h.deliver([], Finish("error", message, kind, code=code), None)
