@@ -412,15 +412,21 @@ def run_step(step: Step, out: str, remaining: float) -> str:
         line[:240] for line in tail)
 
 
+def label_commit(commit: str | None) -> None:
+    """The device's copy of the tree has no .git (or not the current one): what this process and its children
+    measure says which commit it is, from --commit."""
+    if commit:
+        os.environ["MINISGL_GIT_COMMIT"], os.environ["MINISGL_GIT_DIRTY"] = commit, "0"
+    elif not (REPO / ".git").exists():
+        raise SystemExit("no .git here: pass --commit SHA (python -m lab.lease plan prints it)")
+
+
 def run_call(name: str, out: str, commit: str | None, only: set[str] | None = None) -> None:
     call = CALLS[name]
     t_start = time.perf_counter()
     LOGS.mkdir(parents=True, exist_ok=True)
     os.makedirs(out, exist_ok=True)
-    if commit:  # the device's copy of the tree has no .git: the results say which commit they measured
-        os.environ["MINISGL_GIT_COMMIT"], os.environ["MINISGL_GIT_DIRTY"] = commit, "0"
-    elif not (REPO / ".git").exists():
-        raise SystemExit("no .git here: pass --commit SHA (python -m lab.lease plan prints it)")
+    label_commit(commit)
     print(f"{name}: {call.about}", flush=True)
     from minisgl.bench.host import host_probe_ms
     print(f"host probe {host_probe_ms()} ms (run17: a slow host made batch-1 figures incomparable; compare with "
@@ -762,6 +768,7 @@ def main(argv: list[str] | None = None) -> int:
                                 a.time_utc)
         return 0
     if a.what == "serve-bench":
+        label_commit(a.commit)  # run alone (not as a call's step), it labels its results as a call does
         LOGS.mkdir(parents=True, exist_ok=True)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped step: finally-blocks stop the server
         serve_bench(a.out, a.loads.split(","), a.servers.split(","), a.name)

@@ -114,17 +114,22 @@ def test_token_logprobs_store_entries_without_an_object_per_token():
         lps[3]
     assert TokenLogprobs() == [] and lps != expected[:2]
 
-    many = TokenLogprobs()
     ids, values = list(range(5)), [-1.0] * 5
-    gc.collect()
-    gc.disable()
-    try:
-        before = len(gc.get_objects())
-        for _ in range(2000):
-            many.append(-0.5, ids, values)
-        grown = len(gc.get_objects()) - before
-    finally:
-        gc.enable()
+
+    def tracked_objects_added() -> tuple[TokenLogprobs, int]:
+        many = TokenLogprobs()
+        gc.collect()
+        gc.disable()
+        try:
+            before = len(gc.get_objects())
+            for _ in range(2000):
+                many.append(-0.5, ids, values)
+            return many, len(gc.get_objects()) - before
+        finally:
+            gc.enable()
+
+    # gc.get_objects() counts the whole process: the fewest of three tries leaves out other threads' objects
+    # (a CI run counted 11 once), while per-token tuples would add 2,000 to every try
+    many, grown = min((tracked_objects_added() for _ in range(3)), key=lambda tried: tried[1])
     assert len(many) == 2000 and many[1999] == (-0.5, list(zip(ids, values)))
-    # per-token tuples would add thousands; a few dozen is other threads of the test process (CI saw 11)
-    assert grown < 100, f"{grown} new tracked objects for 2000 tokens"
+    assert grown < 10, f"{grown} new tracked objects for 2000 tokens"
