@@ -311,6 +311,23 @@ CALLS: dict[str, Call] = {
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("burst", 250, ("burst.json", "burst_minisgl.jsonl", "burst_sglang.jsonl"), loads=("burst",)),
                FrontCheck("front", 25, ("front.json",)))),
+    "hold": Call(
+        "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's all-at-once load with "
+        "minisgl's burst hold off, then at 24 and 48 requests/s and all at once, both servers at their defaults "
+        "(the hold's A/B in one call), and the same requests offline",
+        carry=(KIT, f"{WHEEL_DIR}/serve"),
+        # the A/B arm first, so a call short of time cuts the SGLang side, not the comparison
+        steps=(Serving("nohold", 100, ("nohold.json", "nohold_minisgl_nohold.jsonl"), loads=("burst",),
+                       servers=("minisgl_nohold",)),
+               Serving("serving", 390, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl"),
+                       loads=("rate24", "rate48", "burst")))),
+    "hold_offline": Call(
+        "optional: the burst hold offline: Qwen3-0.6B W1, W3, W4 with it on and off; issue 29's Qwen3.5 mixes with "
+        "it on and off, then SGLang on the same mixes",
+        carry=(KIT,),
+        steps=(Lab("hold_ab06", 170, ("hold_ab06.json",), ("hold_ab06",)),
+               Lab("minisgl_mixes35", 150, ("qwen35_mixes.json",), ("mixes35", "mixes35_nohold")),
+               SGLang("sglang_mixes35", 130, ("sglang_mixes_35.json",), "qwen3.5-0.8b", ("mixes",)))),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "
@@ -454,6 +471,9 @@ SERVE_SITE = Path("/tmp/site-serve")  # the kit's serving.sh unpacks the `serve`
 SERVERS = {
     "minisgl": [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODEL, "--load-format", "dummy",
                 "--host", "127.0.0.1", "--port", "{port}"],
+    # the burst hold's A/B (issue 24): every step decodes, as before it
+    "minisgl_nohold": [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODEL, "--load-format", "dummy",
+                       "--max-decode-hold-ms", "0", "--host", "127.0.0.1", "--port", "{port}"],
     "sglang": ["bash", f"{KIT}/serving.sh", WHEEL_DIR, "sglang-server", "--", "--model-path", SERVE_MODEL,
                "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--grammar-backend", "none", "--host", "127.0.0.1", "--port", "{port}"],
@@ -584,7 +604,8 @@ def run_client(port: int, loads: list[str], jsonl: str, server: str, kept: str) 
     runs_file, status_file = LOGS / f"client_{server}_runs.json", LOGS / f"client_{server}_status.json"
     runs_file.write_text(json.dumps([{"load": load, "argv": client_argv(port, load, jsonl)} for load in loads]))
     status_file.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "lab.serve_client", "--runs", str(runs_file), "--status", str(status_file)]
+    argv = [sys.executable, "-m", "lab.serve_client", "--runs", str(runs_file), "--status", str(status_file),
+            "--details", str(LOGS / f"client_{server}")]  # request-by-request TTFTs, into the call's logs
     if server == "minisgl":
         argv += ["--keep", OFFLINE_LOAD, "--keep-out", kept]
     with open(LOGS / f"client_{server}.log", "w") as log:

@@ -10,6 +10,7 @@ server tokenizes): the offline engine then runs the very same requests (the serv
 lab.lease serve-bench starts it under the kit's wheels:
 
     python -m lab.serve_client --runs RUNS.json --status STATUS.json [--keep burst --keep-out REQUESTS.json]
+                               [--details PREFIX]
 
 RUNS.json: [{"load": name, "argv": [bench_serving's arguments]}, ...]; STATUS.json gets [{"load", "returncode"}]
 after each run (0: the run finished; what `sys.exit` passed when the client gave up; 1 and a traceback in the log
@@ -36,14 +37,29 @@ def recording(get_dataset, into: list):
     return get_and_keep
 
 
-def run_loads(runs: list[dict], status_path: str, keep: str | None = None, keep_out: str | None = None) -> int:
+def per_request(benchmark, into: list):
+    """`benchmark` (the client's coroutine) that also keeps each request's TTFT and lengths, in the order the
+    requests were sent (the JSONL line has only percentiles): where a burst's first tokens went."""
+
+    async def benchmark_and_keep(*args, **kwargs):
+        result = await benchmark(*args, **kwargs)
+        into.append({k: result.get(k) for k in ("ttfts", "input_lens", "output_lens")})
+        return result
+
+    return benchmark_and_keep
+
+
+def run_loads(runs: list[dict], status_path: str, keep: str | None = None, keep_out: str | None = None,
+              details: str | None = None) -> int:
     from sglang.benchmark import serving  # the module `python -m sglang.bench_serving` runs
 
-    status, real_get_dataset = [], serving.get_dataset
+    status, real_get_dataset, real_benchmark = [], serving.get_dataset, serving.benchmark
     for run in runs:
         kept: list = []
         if run["load"] == keep:  # the module calls get_dataset by its global name
             serving.get_dataset = recording(real_get_dataset, kept)
+        measured: list = []
+        serving.benchmark = per_request(real_benchmark, measured)
         sys.argv = ["sglang.bench_serving", *run["argv"]]
         try:
             serving.cli_main()
@@ -54,10 +70,13 @@ def run_loads(runs: list[dict], status_path: str, keep: str | None = None, keep_
             traceback.print_exc()
             rc = 1
         finally:
-            serving.get_dataset = real_get_dataset
+            serving.get_dataset, serving.benchmark = real_get_dataset, real_benchmark
         if kept and keep_out:
             with open(keep_out, "w") as f:
                 json.dump(kept[-1], f)
+        if measured and details:
+            with open(f"{details}_{run['load']}.json", "w") as f:
+                json.dump(measured[-1], f)
         status.append({"load": run["load"], "returncode": rc})
         with open(status_path, "w") as f:
             json.dump(status, f)
@@ -71,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--status", required=True, help="where each run's return code goes (JSON)")
     ap.add_argument("--keep", help="the load whose generated requests are kept")
     ap.add_argument("--keep-out", help="where they go (JSON: [{prompt: text or ids, output_len}, ...])")
+    ap.add_argument("--details", help="each load's TTFTs and lengths, request by request, go to DETAILS_<load>.json")
     a = ap.parse_args(argv)
     with open(a.runs) as f:
         runs = json.load(f)
-    return run_loads(runs, a.status, a.keep, a.keep_out)
+    return run_loads(runs, a.status, a.keep, a.keep_out, a.details)
 
 
 if __name__ == "__main__":

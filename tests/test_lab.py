@@ -393,14 +393,18 @@ def serve_bench_here(tmp_path, monkeypatch):
     (tmp_path / "logs").mkdir()
 
 
-# SGLang's client module as lab.serve_client imports it: cli_main reads sys.argv, calls get_dataset by its global
-# name, writes bench_serving's line; a rate of 99 makes it give up as the real one does (sys.exit)
+# SGLang's client module as lab.serve_client imports it: cli_main reads sys.argv, calls get_dataset and benchmark
+# by their global names, writes bench_serving's line; a rate of 99 makes it give up as the real one does (sys.exit)
 FAKE_CLIENT = """
-import json, sys
+import asyncio, json, sys
 from types import SimpleNamespace
 
 def get_dataset(args, tokenizer, model_id=None):
     return [SimpleNamespace(prompt="two words", output_len=4), SimpleNamespace(prompt=[5, 6, 7], output_len=2)]
+
+async def benchmark(rows, rate):
+    return {"completed": len(rows), "ttfts": [0.01 * (i + 1) for i in range(len(rows))],
+            "input_lens": [2, 3], "output_lens": [r.output_len for r in rows], "itls": [[0.001]] * len(rows)}
 
 def cli_main():
     a = sys.argv
@@ -408,8 +412,9 @@ def cli_main():
     rows = get_dataset(None, None)
     if rate == 99:
         sys.exit(1)
+    result = asyncio.run(benchmark(rows, rate))
     with open(a[a.index("--output-file") + 1], "a") as f:
-        f.write(json.dumps({"request_rate": rate, "completed": len(rows), "median_ttft_ms": 20.0 + rate,
+        f.write(json.dumps({"request_rate": rate, "completed": result["completed"], "median_ttft_ms": 20.0 + rate,
                             "p99_itl_ms": 30.0, "output_throughput": 4700.0}) + "\\n")
 """
 
@@ -447,6 +452,10 @@ def test_serve_bench_runs_the_client_once_a_server_and_the_offline_engine_on_the
     assert offline_got == [[{"prompt": "two words", "output_len": 4}, {"prompt": [5, 6, 7], "output_len": 2}]]
     assert result["offline"]["output_tok_s"] == 5000.0 and result["server_over_offline"] == 4700.0 / 5000.0
     assert (tmp_path / "serving_x_minisgl.jsonl").is_file() and not lease.port_answers(30001)
+    # each load's TTFTs, request by request, in the call's logs (the JSONL line has only percentiles)
+    details = json.loads((tmp_path / "logs" / "client_minisgl_burst.json").read_text())
+    assert details == {"ttfts": [0.01, 0.02], "input_lens": [2, 3], "output_lens": [4, 2]}
+    assert not (tmp_path / "logs" / "client_minisgl_rate99.json").exists()
 
 
 def test_the_offline_run_takes_the_kept_requests_text_or_ids(tmp_path, monkeypatch, qwen3_tok_path):

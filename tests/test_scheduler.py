@@ -350,3 +350,132 @@ def test_mixed_prefill_tokens_bounds_prefill_in_decoding_steps(overlap, qwen3_pa
     assert mixed and max(mixed) <= 16, steps
     assert sum(p for p, _ in steps) == len(short) + len(long)
     assert_all_pages_back(llm)
+
+
+# --- a burst's prompts first (max_decode_hold_ms) ----------------------------------------------------------
+def toy_scheduler(num_pages=256, chunk=8, max_running=8, hold_s=10.0):
+    from minisgl.kvcache import PageAllocator, RadixCache, ReqToTokenPool
+    from minisgl.scheduler.scheduler import Scheduler
+    alloc = PageAllocator(num_pages)
+    pool = ReqToTokenPool(max_reqs=max_running + 4, max_context_len=256, device="cpu")
+    return Scheduler(alloc, pool, RadixCache(alloc, 1), 1, max_running, chunk, max_decode_hold_s=hold_s)
+
+
+def toy_req(rid, prompt_len, max_tokens=12):
+    from minisgl.scheduler import Req
+    return Req(rid, [100 * (rid + 1) + j for j in range(prompt_len)],
+               SamplingParams(temperature=0, max_tokens=max_tokens), seed=rid)
+
+
+def toy_resolve(batch, token=7):
+    for row in batch.sample_rows:
+        req = batch.reqs[row]
+        req.num_pending -= 1
+        req.output_ids.append(token)
+        if len(req.output_ids) >= req.params.max_tokens:
+            req.status = ReqStatus.FINISHED
+
+
+def decode_rows(batch) -> int:
+    return sum(start >= len(r.input_ids) for r, start in zip(batch.reqs, batch.prefix_lens))
+
+
+def two_decoding(s):
+    """Two requests prefilled in one step: they decode from the next one."""
+    a, b = toy_req(0, 4), toy_req(1, 4)
+    s.add(a)
+    s.add(b)
+    toy_resolve(s.schedule())
+    return a, b
+
+
+def test_hold_leaves_decoders_out_while_a_burst_waits_then_brings_them_back():
+    s = toy_scheduler()
+    two_decoding(s)
+    for i in range(2, 8):
+        s.add(toy_req(i, 6))  # 36 prompt tokens, 8 a step; 6 waiting against 2 decoding
+    shapes = []
+    while s.has_work:
+        decoders = sum(bool(r.output_ids) and not r.finished for r in s.running)
+        batch = s.schedule()
+        shapes.append((decode_rows(batch), sum(n for n in batch.extend_lens if n > 1), decoders))
+        toy_resolve(batch)
+        s.release_finished(set())
+    assert shapes[:2] == [(0, 8, 2), (0, 8, 3)], shapes[:3]  # prompts only, the whole budget
+    assert shapes[2][0] == shapes[2][2] >= 2, shapes[:3]  # 4 decoding against 4 waiting: decoders back
+    assert all(d == n for d, _, n in shapes[2:]), "once back, every decoder decodes every step"
+    assert s.decodes_held_since is None
+
+
+def test_hold_is_capped_in_time():
+    s = toy_scheduler(hold_s=1e-9)  # the first held step starts the clock; the next one is past the cap
+    two_decoding(s)
+    for i in range(2, 8):
+        s.add(toy_req(i, 6))
+    first = s.schedule()
+    assert decode_rows(first) == 0
+    toy_resolve(first)
+    second = s.schedule()
+    assert decode_rows(second) == 3 and s.decodes_held_since is None  # the two, and the prompt just done
+
+
+def test_hold_never_stalls_decoders_for_a_few_long_prompts():
+    """W4's shape: one long prompt among more decoders than waiting requests: every step decodes."""
+    s = toy_scheduler()
+    for i in range(3):
+        s.add(toy_req(i, 2, max_tokens=30))
+    toy_resolve(s.schedule())
+    s.add(toy_req(5, 40))
+    for _ in range(5):  # its five chunks of 8
+        batch = s.schedule()
+        assert decode_rows(batch) == 3 and sum(batch.extend_lens) == 3 + 8
+        toy_resolve(batch)
+
+
+def test_hold_off_and_a_small_backlog_decode_every_step():
+    for hold_s, burst in ((0.0, 6), (10.0, 1)):  # hold off; a backlog one step takes whole
+        s = toy_scheduler(hold_s=hold_s)
+        two_decoding(s)
+        for i in range(2, 2 + burst):
+            s.add(toy_req(i, 6))
+        assert decode_rows(s.schedule()) == 2
+
+
+def test_hold_lets_decoders_go_on_when_no_prompt_can_start():
+    """The pool cannot take a waiting prompt: the step decodes rather than stand empty."""
+    s = toy_scheduler(num_pages=14)
+    two_decoding(s)  # 8 pages held; admission keeps a page per running request spare
+    for i in range(2, 6):
+        s.add(toy_req(i, 6))
+    batch = s.schedule()
+    assert batch is not None and decode_rows(batch) == 2 and len(batch.reqs) == 2
+
+
+@OVERLAP
+def test_hold_gives_the_same_tokens_and_every_page_back(overlap, qwen3_path, make_llm):
+    """A burst of prompts while two requests decode, on the engine: greedy tokens equal with the hold on and
+    off, steps that held the decoders back (on only), every page back."""
+    first = [[(5 * i + j) % 400 + 3 for j in range(12)] for i in range(2)]
+    burst = [[(7 * i + j) % 400 + 3 for j in range(40)] for i in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs, held_steps = {}, {}
+    for hold_ms in (0, 10_000):
+        llm = make_llm(qwen3_path, overlap=overlap, chunked_prefill_size=64, max_decode_hold_ms=hold_ms)
+        engine = llm.engine
+        forward, steps = engine.runner.forward, []
+
+        def record(batch, forward=forward, steps=steps, sched=engine.scheduler):  # right after its schedule()
+            steps.append((decode_rows(batch), sched.decodes_held_since is not None))
+            return forward(batch)
+        engine.runner.forward = record
+        early = [engine.add_request(p, params) for p in first]
+        while not all(r.output_ids for r in early):
+            engine.step()
+        late = [engine.add_request(p, params) for p in burst]
+        engine.run(early + late)
+        outs[hold_ms] = [r.output_ids for r in early + late]
+        held_steps[hold_ms] = [s for s in steps if s[1]]
+        assert all(d == 0 for d, _ in held_steps[hold_ms])
+        assert_all_pages_back(llm)
+    assert outs[0] == outs[10_000]
+    assert not held_steps[0] and held_steps[10_000], held_steps

@@ -104,6 +104,8 @@ def run_throughput(llm, w: Workload) -> dict:
         "expected_output_tokens": w.total_output_tokens, "wall_s": wall,
         "output_tok_per_s": w.total_output_tokens / wall, "total_tok_per_s": (prompt_tokens + produced) / wall,
         "cached_prompt_tokens": cached, "cached_prompt_share": cached / prompt_tokens,
+        "ttft_ms_median": 1e3 * statistics.median(o.ttft for o in outs),
+        "ttft_ms_p99": 1e3 * sorted(o.ttft for o in outs)[int(0.99 * (len(outs) - 1))],
         "engine": _engine_stats(llm), "triton_compiles_timed": _new_variants(variants),
     }
 
