@@ -313,20 +313,21 @@ CALLS: dict[str, Call] = {
                FrontCheck("front", 25, ("front.json",)))),
     "hold": Call(
         "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's all-at-once load with "
-        "minisgl's burst hold off, then at 24 and 48 requests/s and all at once, both servers at their defaults "
-        "(the hold's A/B in one call), and the same requests offline",
+        "minisgl's burst hold on (250 ms), then at 24 and 48 requests/s and all at once, both servers at their "
+        "defaults (the hold's A/B in one call), and the same requests offline",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         # the A/B arm first, so a call short of time cuts the SGLang side, not the comparison
-        steps=(Serving("nohold", 100, ("nohold.json", "nohold_minisgl_nohold.jsonl"), loads=("burst",),
-                       servers=("minisgl_nohold",)),
+        steps=(Serving("hold", 100, ("hold.json", "hold_minisgl_hold.jsonl"), loads=("burst",),
+                       servers=("minisgl_hold",)),
                Serving("serving", 390, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl"),
                        loads=("rate24", "rate48", "burst")))),
     "hold_offline": Call(
-        "optional: the burst hold offline: Qwen3-0.6B W1, W3, W4 with it on and off; issue 29's Qwen3.5 mixes with "
-        "it on and off, then SGLang on the same mixes",
+        "optional: the burst hold offline: Qwen3-0.6B W1, W3, W4 with it off and on (two rounds, interleaved); issue "
+        "29's Qwen3.5 mixes with it off and on, then SGLang on the same mixes",
         carry=(KIT,),
-        steps=(Lab("hold_ab06", 170, ("hold_ab06.json",), ("hold_ab06",)),
-               Lab("minisgl_mixes35", 150, ("qwen35_mixes.json",), ("mixes35", "mixes35_nohold")),
+        # run19 (9ec2ba8, hold on by default): hold_ab06 in one round 73 s, the two mixes sections 78 s
+        steps=(Lab("hold_ab06", 150, ("hold_ab06.json",), ("hold_ab06",)),
+               Lab("minisgl_mixes35", 100, ("qwen35_mixes.json",), ("mixes35", "mixes35_hold")),
                SGLang("sglang_mixes35", 130, ("sglang_mixes_35.json",), "qwen3.5-0.8b", ("mixes",)))),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
@@ -471,9 +472,9 @@ SERVE_SITE = Path("/tmp/site-serve")  # the kit's serving.sh unpacks the `serve`
 SERVERS = {
     "minisgl": [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODEL, "--load-format", "dummy",
                 "--host", "127.0.0.1", "--port", "{port}"],
-    # the burst hold's A/B (issue 24): every step decodes, as before it
-    "minisgl_nohold": [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODEL, "--load-format", "dummy",
-                       "--max-decode-hold-ms", "0", "--host", "127.0.0.1", "--port", "{port}"],
+    # the burst hold's A/B (issue 24): a burst's prompts first, the decoders held at most 250 ms at a time
+    "minisgl_hold": [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODEL, "--load-format", "dummy",
+                     "--max-decode-hold-ms", "250", "--host", "127.0.0.1", "--port", "{port}"],
     "sglang": ["bash", f"{KIT}/serving.sh", WHEEL_DIR, "sglang-server", "--", "--model-path", SERVE_MODEL,
                "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--grammar-backend", "none", "--host", "127.0.0.1", "--port", "{port}"],

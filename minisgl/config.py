@@ -194,11 +194,12 @@ class EngineConfig:
                                      "chunked prefill: prefill tokens at most in a step that also decodes (0 = "
                                      "the prefill budget, as in a step that does not); smaller keeps the token "
                                      "gaps of running streams steady while prompts arrive, at some prompt speed")
-    max_decode_hold_ms: float = _opt(250.0, "--max-decode-hold-ms",
+    max_decode_hold_ms: float = _opt(0.0, "--max-decode-hold-ms",
                                      "chunked prefill: while more requests wait for their first token than are "
                                      "decoding and more prompt tokens wait than one step takes (a burst), steps "
                                      "prefill only and the decoders sit out, at most this long at a time; 0 = "
-                                     "every step decodes (scheduler/scheduler.py, _hold_decodes)")
+                                     "off, every step decodes (scheduler/scheduler.py, _hold_decodes; off by "
+                                     "default: 250 gained nothing measurable on the H200, reports/h200/run19)")
     # the switches of the ablation table (chunked prefill is chunked_prefill_size <= 0)
     radix_cache: bool = _opt(True, "--disable-radix-cache", "no prefix reuse (the naive cache)", disable=True)
     overlap: bool = _opt(True, "--disable-overlap-schedule", "resolve each step before scheduling the next",

@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from helpers import TINY_QWEN3_ASSET
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -290,3 +291,74 @@ def test_building_a_server_without_its_packages_says_what_to_install(monkeypatch
     monkeypatch.setitem(sys.modules, "fastapi", None)  # what a missing package looks like to import
     with pytest.raises(ImportError, match=r"minisgl\[serve\]"):
         launch.build_state("unused-model-path")
+
+
+# --- prompt texts to ids, batched under a burst (PromptEncoder) -------------------------------------------
+def burst_texts(tok, n: int, seed: int = 0) -> list[str]:
+    import random
+    rng = random.Random(seed)
+    texts = ["hello world", "<|im_start|>user\nHi<|im_end|>", "ü∑´ 日本語 🤖 " * 3, "", " ", "\n\n\t"]
+    texts += [tok.decode([rng.randrange(len(tok)) for _ in range(rng.randint(1, 300))]) for _ in range(n)]
+    return texts
+
+
+@pytest.mark.parametrize("which", ["asset", "word"])
+def test_batched_encoding_gives_the_ids_one_text_at_a_time_gives(which, qwen3_tok_path):
+    """encode_batch on the Rust tokenizer against transformers' encode of each text (special-token strings,
+    multi-byte text, empty text, decoded random ids): the same ids."""
+    import concurrent.futures
+
+    from minisgl.server.app import PromptEncoder, encode_text
+    tok = load_tokenizer(str(TINY_QWEN3_ASSET) if which == "asset" else qwen3_tok_path)
+    encoder = PromptEncoder(tok, concurrent.futures.ThreadPoolExecutor(1), slots=1)
+    assert encoder.backend is not None, "a fast tokenizer: the batched path is the one under test"
+    texts = burst_texts(tok, 60)
+    assert encoder.encode_all(texts) == [encode_text(tok, t) for t in texts]
+
+
+def test_a_burst_is_encoded_in_batches_and_each_request_gets_its_own_ids():
+    """With one slot, 200 texts at once: the first alone, the rest in batches of at most max_batch; every
+    request gets its own text's ids, a lone text later waits for nobody, and a text the tokenizer refuses
+    fails its request alone."""
+    import asyncio
+    import concurrent.futures
+
+    from minisgl.server.app import PromptEncoder
+
+    class Backend:
+        padding = truncation = None
+
+        def __init__(self):
+            self.batches = []
+
+        def encode_batch(self, texts, add_special_tokens):
+            self.batches.append(len(texts))
+            if "boom" in texts:
+                raise ValueError("cannot encode")
+            return [SimpleNamespace(ids=[len(t), ord(t[0])]) for t in texts]
+
+    class Tokenizer:
+        backend_tokenizer = Backend()
+
+        def encode(self, text, add_special_tokens):
+            if text == "boom":
+                raise ValueError("cannot encode")
+            return [len(text), ord(text[0])]
+
+    tok = Tokenizer()
+    encoder = PromptEncoder(tok, concurrent.futures.ThreadPoolExecutor(1), slots=1, max_batch=32)
+    texts = [f"t{i}" for i in range(200)]
+
+    async def main():
+        got = await asyncio.gather(*(encoder.encode(t) for t in texts))
+        boom = await asyncio.gather(encoder.encode("x"), encoder.encode("boom"), encoder.encode("yz"),
+                                    return_exceptions=True)
+        lone = await encoder.encode("later")
+        return got, boom, lone
+
+    got, boom, lone = asyncio.run(main())
+    assert got == [[len(t), ord(t[0])] for t in texts]
+    batches = tok.backend_tokenizer.batches
+    assert max(batches) <= 32 and len(batches) < 20, batches  # not one encode a text
+    assert boom[0] == [1, ord("x")] and isinstance(boom[1], ValueError) and boom[2] == [2, ord("y")]
+    assert lone == [5, ord("l")] and encoder.busy == 0 and not encoder.waiting
