@@ -343,6 +343,11 @@ CALLS: dict[str, Call] = {
         carry=(),
         # run17: the 0.6B arms 116 + 80 + 63 s, Qwen3.5's cold one 115 s; the profiled start ~60 s
         steps=(Lab("warmup", 450, ("warmup.json",), ("warmup_check",)),)),
+    "warmup_sweep": Call(
+        "optional: issue 29, a fresh process with the kernel warm-up on and an empty Triton cache through W1, W2 and "
+        "the batch-mix sweep: the kernels compiled inside any of them (target: none)",
+        carry=(),
+        steps=(Lab("warmup_sweep", 170, ("warmup_sweep.json",), ("warmup_sweep",)),)),
     "mixes": Call(
         "optional, on a machine calls 1-3 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
         "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "
