@@ -311,12 +311,6 @@ CALLS: dict[str, Call] = {
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("burst", 250, ("burst.json", "burst_minisgl.jsonl", "burst_sglang.jsonl"), loads=("burst",)),
                FrontCheck("front", 25, ("front.json",)))),
-    "bars24": Call(
-        "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's bars alone, both servers "
-        "at 24 and 48 requests/s and all at once, then the all-at-once requests offline (no 8/s, no front check)",
-        carry=(KIT, f"{WHEEL_DIR}/serve"),
-        steps=(Serving("serving", 340, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl"),
-                       loads=("rate24", "rate48", "burst")),)),
     "hold": Call(
         "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's all-at-once load with "
         "minisgl's burst hold on (250 ms), then at 24 and 48 requests/s and all at once, both servers at their "
