@@ -362,3 +362,34 @@ def test_a_burst_is_encoded_in_batches_and_each_request_gets_its_own_ids():
     assert max(batches) <= 32 and len(batches) < 20, batches  # not one encode a text
     assert boom[0] == [1, ord("x")] and isinstance(boom[1], ValueError) and boom[2] == [2, ord("y")]
     assert lone == [5, ord("l")] and encoder.busy == 0 and not encoder.waiting
+
+
+def test_a_request_gone_while_its_text_waits_leaves_the_others_their_ids():
+    """A handler cancelled (its client went away) while its text waits for a slot: the batch still encodes, the
+    others get their ids, and nothing is set on the cancelled future."""
+    import asyncio
+    import concurrent.futures
+    import threading
+
+    from minisgl.server.app import PromptEncoder
+    gate = threading.Event()
+
+    class Tokenizer:
+        backend_tokenizer = None  # the one-text-at-a-time path
+
+        def encode(self, text, add_special_tokens):
+            gate.wait(5)  # the first text holds the only slot until the others have queued
+            return [len(text)]
+
+    encoder = PromptEncoder(Tokenizer(), concurrent.futures.ThreadPoolExecutor(1), slots=1)
+
+    async def main():
+        first = asyncio.ensure_future(encoder.encode("a"))
+        queued = [asyncio.ensure_future(encoder.encode(t)) for t in ("bb", "ccc", "dddd")]
+        await asyncio.sleep(0.05)
+        queued[1].cancel()
+        gate.set()
+        return await first, await queued[0], await queued[2], queued[1].cancelled()
+
+    assert asyncio.run(main()) == ([1], [2], [4], True)
+    assert encoder.busy == 0 and not encoder.waiting
