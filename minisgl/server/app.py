@@ -307,6 +307,10 @@ class PromptEncoder:
 
     def _finish(self, loop: asyncio.AbstractEventLoop, batch: list, job: asyncio.Future) -> None:
         self.busy -= 1
+        if job.cancelled():  # the pool was shut down with the job queued (the end of a shutdown)
+            for _, future in batch:
+                future.cancel()
+            return
         results = job.exception() or job.result()
         for i, (_, future) in enumerate(batch):
             if future.done():  # its request has gone (the client disconnected)
