@@ -342,6 +342,16 @@ CALLS: dict[str, Call] = {
         "the batch-mix sweep: the kernels compiled inside any of them (target: none)",
         carry=(),
         steps=(Lab("warmup_sweep", 170, ("warmup_sweep.json",), ("warmup_sweep",)),)),
+    "gemv": Call(
+        "optional, best as a fresh machine's first call: issue 29's sweep in a fresh process (as warmup_sweep), then "
+        "the decode GEMV tuned again with the down projections timed as the engine runs them (the activation folded "
+        "in) and batch-1 decode (W2) with the repo's table against the new picks, two rounds each, Qwen3-0.6B then "
+        "Qwen3-8B",
+        carry=(),
+        # run13: wide_ab06 96 s, wide_ab8 191 s
+        steps=(Lab("warmup_sweep", 170, ("warmup_sweep.json",), ("warmup_sweep",)),
+               Lab("wide_ab06", 100, ("wide06.json",), ("wide_ab06",)),
+               Lab("wide_ab8", 200, ("wide8.json",), ("wide_ab8",)))),
     "mixes": Call(
         "optional, on a machine calls 1-3 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
         "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "

@@ -8,6 +8,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton (and any kernel module) is
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (the GPU kernels are optional)")
@@ -197,3 +198,24 @@ def test_mlp_fold_with_gate_up_left_to_cublas(force_triton):
     assert gv.use_gemv(wrapper, fold=(MLP,), max_rows=4, table={(96, 32): None}) == 1
     assert isinstance(wrapper.mlp, gv.GemvMLP) and type(wrapper.mlp.gate_up_proj) is nn.Linear
     torch.testing.assert_close(wrapper.mlp(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_tune_times_down_projections_folded(force_triton):
+    """lab/tune/gemv.py times each shape as the engine runs it: an MLP's down projection with its activation folded
+    into the GEMV (the input is [gate | up]), every other linear plain."""
+    from lab.models import model_path
+    from lab.tune import gemv as tune
+
+    counts, folded = tune.linear_shapes(model_path("qwen3-0.6b"))
+    assert folded == {(1024, 3072)}  # hidden 1024, intermediate 3072
+    assert counts[(1024, 3072)] == 28 and (4096, 1024) in counts and (4096, 1024) not in folded
+    torch.manual_seed(6)
+    w = torch.randn(16, 24)
+    gate_up = torch.randn(3, 48)
+    baseline, gemv_with = tune.ops(folded=True)
+    want = F.linear(F.silu(gate_up[:, :24]) * gate_up[:, 24:], w)
+    torch.testing.assert_close(baseline(gate_up, w), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv_with((4, 32, 4))(gate_up, w), want, rtol=1e-5, atol=1e-5)
+    baseline, gemv_with = tune.ops(folded=False)
+    x = gate_up[:, :24]
+    torch.testing.assert_close(gemv_with((4, 32, 4))(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)

@@ -3,7 +3,10 @@
     python -m lab.tune.gemv --out DIR
 
 For every linear-layer weight shape of Qwen3-0.6B, Qwen3-8B and Qwen3.5-0.8B (bf16), at 1, 2 and 4 rows:
-cuBLAS (`F.linear`) and the GEMV under each candidate (BLOCK_N, BLOCK_K, warps). Each time is the median replay
+cuBLAS (`F.linear`) and the GEMV under each candidate (BLOCK_N, BLOCK_K, warps). A decoder MLP's down projection
+is timed as the engine runs it (`GemvMLP`): the GEMV with the SiLU-and-mul folded in, which reads the [gate | up]
+input and computes the activation in every program (more of both with narrower BLOCK_N tiles), against the
+activation kernel then cuBLAS. Each time is the median replay
 of a CUDA graph that calls the op on enough distinct weight copies to stream past the L2 cache, as a decode step
 streams its layers, divided by the calls. Correctness: every shape's pick against F.linear in fp32 on the same
 bf16 inputs. Writes DIR/gpu_gemv_tune.json (everything) and DIR/gemv_configs.json: per shape the tiles and the
@@ -34,8 +37,10 @@ STREAM_BYTES = 256 << 20  # weight copies per graph: well past the H200's 50 MB 
 DEVICE = "cuda"
 
 
-def linear_shapes(config_dir: str) -> dict[tuple[int, int], int]:
-    """Weight shape -> how many linears of that shape the model has (built on the meta device: no memory)."""
+def linear_shapes(config_dir: str) -> tuple[dict[tuple[int, int], int], set[tuple[int, int]]]:
+    """Weight shape -> how many linears of that shape the model has, and the shapes of its MLPs' down projections
+    (which the engine runs with the activation folded in: `use_gemv(model, fold=(MLP,))`). Built on the meta
+    device: no memory."""
     from collections import Counter
 
     from torch import nn
@@ -44,13 +49,28 @@ def linear_shapes(config_dir: str) -> dict[tuple[int, int], int]:
     from minisgl.models import qwen3_5 as hybrid
     from minisgl.models.config import ModelConfig
     from minisgl.models.decoder import DecoderLM
+    from minisgl.models.layers import MLP
 
     hf = AutoConfig.from_pretrained(config_dir)
     config_cls, model_cls = ((hybrid.Qwen35Config, hybrid.Qwen35LM) if hf.model_type.startswith("qwen3_5")
                              else (ModelConfig, DecoderLM))
     with torch.device("meta"):
         net = model_cls(config_cls.from_hf(hf, (0,)), 4096)
-    return dict(Counter(tuple(m.weight.shape) for m in net.modules() if type(m) is nn.Linear))
+    counts = Counter(tuple(m.weight.shape) for m in net.modules() if type(m) is nn.Linear)
+    folded = {tuple(m.down_proj.weight.shape) for m in net.modules() if type(m) is MLP}
+    return dict(counts), folded
+
+
+def ops(folded: bool):
+    """(cuBLAS baseline, GEMV with `tiles`) as the engine calls them for one weight: a plain linear, or an MLP's
+    down projection whose input is [gate | up] (`folded`)."""
+    from minisgl.kernels import elementwise as ew
+    from minisgl.kernels import gemv as gv
+
+    if folded:
+        return (lambda x, w: F.linear(ew.silu_and_mul(x), w),
+                lambda tiles: partial(gv.gemv, silu_mul=True, tiles=tiles))
+    return F.linear, lambda tiles: partial(gv.gemv, tiles=tiles)
 
 
 def candidates(k: int | None = None, wide: bool = False) -> list[tuple[int, int, int]]:
@@ -116,25 +136,32 @@ def main(out_dir: str | Path = ".", models: tuple[str, ...] = tuple(MODELS), wid
                  "rows": ROWS, "models": list(models), "wide": wide, "candidates": candidates(wide=wide),
                  "shapes": []}
     shapes: dict[tuple[int, int], list[str]] = {}
+    folded: set[tuple[int, int]] = set()
     for model in models:
-        path = model_path(model)
-        for shape, count in linear_shapes(path).items():
+        counts, downs = linear_shapes(model_path(model))
+        for shape, count in counts.items():
             shapes.setdefault(shape, []).append(f"{model} x{count}")
+        folded |= downs
     picks: dict[str, list[int] | None] = {}
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     for (n, k), used_by in sorted(shapes.items()):
         t0 = time.time()
+        # a shape that is a down projection in any model is timed folded: that is how the engine runs it
+        fold = (n, k) in folded
+        baseline, gemv_with = ops(fold)
         copies = max(1, min(48, STREAM_BYTES // (n * k * 2)))
         weights = [torch.randn(n, k, generator=gen, device=DEVICE).bfloat16() * 0.05 for _ in range(copies)]
-        xs = {r: torch.randn(r, k, generator=gen, device=DEVICE).bfloat16() for r in ROWS}
-        row: dict = {"n": n, "k": k, "used_by": used_by, "copies": copies, "cublas_us": {}, "gemv_us": {}}
+        width = 2 * k if fold else k
+        xs = {r: torch.randn(r, width, generator=gen, device=DEVICE).bfloat16() for r in ROWS}
+        row: dict = {"n": n, "k": k, "used_by": used_by, "silu_mul": fold, "copies": copies, "cublas_us": {},
+                     "gemv_us": {}}
         for r in ROWS:
-            row["cublas_us"][r] = round(time_op(F.linear, xs[r], weights), 2)
+            row["cublas_us"][r] = round(time_op(baseline, xs[r], weights), 2)
         # every candidate at one row, the best four also at two and four rows
         one: dict[tuple, float] = {}
         for cfg in candidates(k, wide):
             try:
-                one[cfg] = time_op(partial(gv.gemv, tiles=cfg), xs[1], weights)
+                one[cfg] = time_op(gemv_with(cfg), xs[1], weights)
             except Exception as exc:  # noqa: BLE001 - a tile that fails to compile just drops out
                 row.setdefault("errors", []).append(f"{cfg}: {exc!r}"[:300])
                 one[cfg] = float("inf")
@@ -142,7 +169,7 @@ def main(out_dir: str | Path = ".", models: tuple[str, ...] = tuple(MODELS), wid
         finalists = sorted(one, key=one.get)[:4]
         totals = {}
         for cfg in finalists:
-            ts = {r: (one[cfg] if r == 1 else time_op(partial(gv.gemv, tiles=cfg), xs[r], weights)) for r in ROWS}
+            ts = {r: (one[cfg] if r == 1 else time_op(gemv_with(cfg), xs[r], weights)) for r in ROWS}
             row["gemv_us"][",".join(map(str, cfg))] = {r: round(t, 2) for r, t in ts.items()}
             totals[cfg] = sum(ts.values())
         best = min(totals, key=totals.get)
@@ -152,12 +179,13 @@ def main(out_dir: str | Path = ".", models: tuple[str, ...] = tuple(MODELS), wid
         row["cublas_total_us"] = round(sum(row["cublas_us"].values()), 2)
         row["best_1_row_tb_s"] = round(n * k * 2 / (one[best] * 1e-6) / 1e12, 2)
         row["cublas_1_row_tb_s"] = round(n * k * 2 / (row["cublas_us"][1] * 1e-6) / 1e12, 2)
-        # correctness of the pick: against F.linear in fp32 on the same bf16 inputs
+        # correctness of the pick: against F.linear in fp32 on the same bf16 inputs (folded: on the activation
+        # the unfused kernel computes, which the fold rounds the same way)
         errs = []
         for r in (1, 2, 3, 4):
-            x = torch.randn(r, k, generator=gen, device=DEVICE).bfloat16()
-            ref = F.linear(x.float(), weights[0].float())
-            got = gv.gemv(x, weights[0], tiles=best).float()
+            x = torch.randn(r, width, generator=gen, device=DEVICE).bfloat16()
+            ref = baseline(x, weights[0]).float() if fold else F.linear(x.float(), weights[0].float())
+            got = gemv_with(best)(x, weights[0]).float()
             errs.append(((got - ref).abs().max() / ref.abs().max()).item())
         row["max_rel_err"] = max(errs)
         row["ok"] = row["max_rel_err"] < 1e-2
