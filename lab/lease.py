@@ -3,6 +3,7 @@
 Here (the CPU machine), before the lease:
 
     python -m lab.lease split-wheels .sglang-whl     # SGLang's wheels in three parts that each fit beside the tree
+    python -m lab.lease serve-wheels                  # the serving calls' part gets minisgl's HTTP parser too
     python -m lab.lease plan                          # every call: its exact command, carry list and minutes
 
 On the device, each call is one command (the plan prints them with the commit filled in):
@@ -206,6 +207,27 @@ class FrontCheck(Step):
 API_WHEELS = f"{WHEEL_DIR}/api"
 API_SITE = Path("/tmp/site-api")
 API_FROM_KIT = ("apache_tvm_ffi-", "pydantic-", "pydantic_core-", "annotated_types-", "typing_inspection-")
+
+
+# The HTTP parser minisgl's `serve` extra installs (pyproject.toml): the device has neither it nor uvicorn, so both
+# servers take uvicorn from the kit's wheels and httptools from the `serve` part. SGLang's server (uvicorn too, its
+# `http` left at auto) picks it up as ours does: the two fronts keep one environment.
+SERVE_EXTRA = ("httptools==0.9.0",)
+
+
+def serve_wheels(root: Path = REPO) -> list[str]:
+    """Here, before a lease: add the cp312 wheels of SERVE_EXTRA to .sglang-whl/serve (the kit's prepare_wheels.sh
+    fills the rest); returns the names added or already there."""
+    dest = root / WHEEL_DIR / "serve"
+    if not dest.is_dir():
+        raise SystemExit(f"{dest} is missing: bash ../shared/sglang-kit/prepare_wheels.sh {WHEEL_DIR} first")
+    subprocess.run([sys.executable, "-m", "pip", "download", *SERVE_EXTRA, "--no-deps", "--python-version", "3.12",
+                    "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64", "-d", str(dest), "-q"], check=True)
+    return sorted(f.name for f in dest.glob("*.whl") if f.name.startswith(serve_extra_prefixes()))
+
+
+def serve_extra_prefixes() -> tuple[str, ...]:
+    return tuple(spec.split("==")[0] + "-" for spec in SERVE_EXTRA)
 
 
 def api_wheels(root: Path = REPO) -> list[str]:
@@ -581,7 +603,9 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
     unzip_wheels(REPO / WHEEL_DIR / "serve", SERVE_SITE)
     from minisgl.bench.runner import environment
     env = {**environment(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # the call's start
-    summary: dict = {"loads": {k: LOADS[k] for k in loads}, "servers": {}}
+    # uvicorn's HTTP parser in both servers: httptools when the serve part brought it (serve_wheels), else h11
+    parser = "httptools" if (SERVE_SITE / "httptools").is_dir() or (SITE / "httptools").is_dir() else "h11"
+    summary: dict = {"loads": {k: LOADS[k] for k in loads}, "http_parser": parser, "servers": {}}
     kept = os.path.join(LOGS, f"{name}_{OFFLINE_LOAD}_requests.json")
     for port, server in enumerate(servers, start=30001):
         argv = [a.format(port=port) for a in SERVERS[server]]
@@ -760,6 +784,11 @@ def plan() -> int:
         missing = [c for c in call.carry if not (REPO / c).exists()]
         if missing:
             problems.append(f"{name}: {', '.join(missing)} not here (see the module docstring)")
+        serve_part = REPO / WHEEL_DIR / "serve"
+        if (f"{WHEEL_DIR}/serve" in call.carry and serve_part.is_dir()
+                and not any(f.name.startswith(serve_extra_prefixes()) for f in serve_part.glob("*.whl"))):
+            problems.append(f"{name}: {WHEEL_DIR}/serve lacks {', '.join(SERVE_EXTRA)} (python -m lab.lease "
+                            "serve-wheels)")
         if carried > CARRY_LIMIT:
             problems.append(f"{name} carries {carried / 2**20:.1f} MiB, over {CARRY_LIMIT >> 20} MiB")
         if call.seconds > call.budget_s or files > 8 or len(command) > 2000 or len(call.carry) > 8:
@@ -773,7 +802,8 @@ def plan() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=[*CALLS, "plan", "split-wheels", "serve-bench", "serve-summary", "api-wheels"])
+    ap.add_argument("what", choices=[*CALLS, "plan", "split-wheels", "serve-bench", "serve-summary", "api-wheels",
+                                     "serve-wheels"])
     ap.add_argument("folder", nargs="?", default=WHEEL_DIR, help="split-wheels: the wheels' folder")
     ap.add_argument("--commit", help="the commit the device's tree is (it has no .git)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="where the JSON goes (default $OUT)")
@@ -791,6 +821,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.what == "api-wheels":
         print("\n".join(api_wheels()))
+        return 0
+    if a.what == "serve-wheels":
+        print("\n".join(serve_wheels()))
         return 0
     if not a.out:
         ap.error("--out or $OUT is required")
