@@ -215,19 +215,23 @@ API_FROM_KIT = ("apache_tvm_ffi-", "pydantic-", "pydantic_core-", "annotated_typ
 SERVE_EXTRA = ("httptools==0.9.0",)
 
 
+SERVE_EXTRA_PREFIXES = tuple(spec.split("==")[0] + "-" for spec in SERVE_EXTRA)  # their wheels' file names
+
+
+def download_device_wheels(specs: tuple[str, ...], dest: Path) -> None:
+    """Download the wheels of `specs` (no dependencies) for the device's Python (cp312, x86-64) into `dest`."""
+    subprocess.run([sys.executable, "-m", "pip", "download", *specs, "--no-deps", "--python-version", "3.12",
+                    "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64", "-d", str(dest), "-q"], check=True)
+
+
 def serve_wheels(root: Path = REPO) -> list[str]:
     """Here, before a lease: add the cp312 wheels of SERVE_EXTRA to .sglang-whl/serve (the kit's prepare_wheels.sh
     fills the rest); returns the names added or already there."""
     dest = root / WHEEL_DIR / "serve"
     if not dest.is_dir():
         raise SystemExit(f"{dest} is missing: bash ../shared/sglang-kit/prepare_wheels.sh {WHEEL_DIR} first")
-    subprocess.run([sys.executable, "-m", "pip", "download", *SERVE_EXTRA, "--no-deps", "--python-version", "3.12",
-                    "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64", "-d", str(dest), "-q"], check=True)
-    return sorted(f.name for f in dest.glob("*.whl") if f.name.startswith(serve_extra_prefixes()))
-
-
-def serve_extra_prefixes() -> tuple[str, ...]:
-    return tuple(spec.split("==")[0] + "-" for spec in SERVE_EXTRA)
+    download_device_wheels(SERVE_EXTRA, dest)
+    return sorted(f.name for f in dest.glob("*.whl") if f.name.startswith(SERVE_EXTRA_PREFIXES))
 
 
 def api_wheels(root: Path = REPO) -> list[str]:
@@ -235,9 +239,7 @@ def api_wheels(root: Path = REPO) -> list[str]:
     from the kit's wheels (prepare_wheels.sh's folder); returns the names."""
     dest = root / API_WHEELS
     dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "xgrammar==0.2.9", "--no-deps", "--python-version",
-                    "3.12", "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64", "-d", str(dest), "-q"],
-                   check=True)
+    download_device_wheels(("xgrammar==0.2.9",), dest)
     for f in (root / WHEEL_DIR).glob("*.whl"):
         if f.name.startswith(API_FROM_KIT) and not (dest / f.name).exists():
             shutil.copy2(f, dest / f.name)
@@ -291,6 +293,8 @@ class Call:
 # 40 and 55 s. run15's call 3 held all of Qwen3-8B and both profiles, ~620 s: more than a call's budget.
 # SGLang's wheels travel in three parts (run16: the tree grew to 38.4 MiB, and two halves of 25 MiB left <1 MiB of
 # room), one a call; SGLang's steps all run in call 3, once the three are on the machine.
+# issue 29's sweep in a fresh process: a call of its own, and the first step of `gemv`
+WARMUP_SWEEP = Lab("warmup_sweep", 170, ("warmup_sweep.json",), ("warmup_sweep",))
 CALLS: dict[str, Call] = {
     "call1": Call(
         "minisgl Qwen3-0.6B at this commit: the card's ceilings, the headline workloads and the ablation table "
@@ -363,7 +367,7 @@ CALLS: dict[str, Call] = {
         "optional: issue 29, a fresh process with the kernel warm-up on and an empty Triton cache through W1, W2 and "
         "the batch-mix sweep: the kernels compiled inside any of them (target: none)",
         carry=(),
-        steps=(Lab("warmup_sweep", 170, ("warmup_sweep.json",), ("warmup_sweep",)),)),
+        steps=(WARMUP_SWEEP,)),
     "gemv": Call(
         "optional, best as a fresh machine's first call: issue 29's sweep in a fresh process (as warmup_sweep), then "
         "the decode GEMV tuned again with the down projections timed as the engine runs them (the activation folded "
@@ -371,7 +375,7 @@ CALLS: dict[str, Call] = {
         "Qwen3-8B",
         carry=(),
         # run13: wide_ab06 96 s, wide_ab8 191 s
-        steps=(Lab("warmup_sweep", 170, ("warmup_sweep.json",), ("warmup_sweep",)),
+        steps=(WARMUP_SWEEP,
                Lab("wide_ab06", 100, ("wide06.json",), ("wide_ab06",)),
                Lab("wide_ab8", 200, ("wide8.json",), ("wide_ab8",)))),
     "mixes": Call(
@@ -786,7 +790,7 @@ def plan() -> int:
             problems.append(f"{name}: {', '.join(missing)} not here (see the module docstring)")
         serve_part = REPO / WHEEL_DIR / "serve"
         if (f"{WHEEL_DIR}/serve" in call.carry and serve_part.is_dir()
-                and not any(f.name.startswith(serve_extra_prefixes()) for f in serve_part.glob("*.whl"))):
+                and not any(f.name.startswith(SERVE_EXTRA_PREFIXES) for f in serve_part.glob("*.whl"))):
             problems.append(f"{name}: {WHEEL_DIR}/serve lacks {', '.join(SERVE_EXTRA)} (python -m lab.lease "
                             "serve-wheels)")
         if carried > CARRY_LIMIT:
