@@ -337,19 +337,28 @@ CALLS: dict[str, Call] = {
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("burst", 250, ("burst.json", "burst_minisgl.jsonl", "burst_sglang.jsonl"), loads=("burst",)),
                FrontCheck("front", 25, ("front.json",)))),
-    "hold": Call(
-        "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's all-at-once load with "
-        "minisgl's burst hold on (250 ms), then at 24 and 48 requests/s and all at once, both servers at their "
-        "defaults (the hold's A/B in one call), and the same requests offline",
+    "arms": Call(
+        "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's loads at 24/s and all at "
+        "once, minisgl's server at its defaults, with a backlog's prompts first (hold 100 ms) and with 16k-token "
+        "prefill steps, each with its request log (where each request's time went); then the burst's requests "
+        "offline. SGLang's server on the same loads is the `peer` call, on the same machine",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
-        # the A/B arm first, so a call short of time cuts the SGLang side, not the comparison
-        steps=(Serving("hold", 100, ("hold.json", "hold_minisgl_hold.jsonl"), loads=("burst",),
-                       servers=("minisgl_hold",)),
-               Serving("serving", 390, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl"),
-                       loads=("rate24", "rate48", "burst")))),
+        # run20: a minisgl server ~50 s to start, the client ~28 s, the two loads ~25 s; offline ~50 s
+        steps=(Serving("arms", 420, ("arms.json", "arms_minisgl.jsonl", "arms_minisgl_hold.jsonl",
+                                     "arms_minisgl_chunk16k.jsonl"), loads=("rate24", "burst"),
+                       servers=("minisgl", "minisgl_hold", "minisgl_chunk16k")),)),
+    "peer": Call(
+        "optional, after `arms` on the same machine: SGLang's server on issue 24's loads at 24/s and all at once; "
+        "then the backlog hold offline (Qwen3-0.6B W1, W3, W4 with it off and on, two rounds): what it costs W4's "
+        "decoders",
+        carry=(KIT, f"{WHEEL_DIR}/serve"),
+        # run20: SGLang's server 135 s to start; hold_ab06 in one round 73 s (run19)
+        steps=(Serving("peer", 200, ("peer.json", "peer_sglang.jsonl"), loads=("rate24", "burst"),
+                       servers=("sglang",)),
+               Lab("hold_ab06", 160, ("hold_ab06.json",), ("hold_ab06",)))),
     "hold_offline": Call(
-        "optional: the burst hold offline: Qwen3-0.6B W1, W3, W4 with it off and on (two rounds, interleaved); issue "
-        "29's Qwen3.5 mixes with it off and on, then SGLang on the same mixes",
+        "optional: the backlog hold offline: Qwen3-0.6B W1, W3, W4 with it off and on (two rounds, interleaved); "
+        "issue 29's Qwen3.5 mixes with it off and on, then SGLang on the same mixes",
         carry=(KIT,),
         # run19 (9ec2ba8, hold on by default): hold_ab06 in one round 73 s, the two mixes sections 78 s
         steps=(Lab("hold_ab06", 150, ("hold_ab06.json",), ("hold_ab06",)),
@@ -510,12 +519,14 @@ def run_call(name: str, out: str, commit: str | None, only: set[str] | None = No
 # command is an A/B of a serve flag.
 SERVE_MODEL = "/tmp/serving-model"
 SERVE_SITE = Path("/tmp/site-serve")  # the kit's serving.sh unpacks the `serve` half there (its stamp: .done)
+MINISGL_SERVE = [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODEL, "--load-format", "dummy",
+                 "--host", "127.0.0.1", "--port", "{port}", "--request-log", "{requests}"]
 SERVERS = {
-    "minisgl": [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODEL, "--load-format", "dummy",
-                "--host", "127.0.0.1", "--port", "{port}"],
-    # the burst hold's A/B (issue 24): a burst's prompts first, the decoders held at most 250 ms at a time
-    "minisgl_hold": [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODEL, "--load-format", "dummy",
-                     "--max-decode-hold-ms", "250", "--host", "127.0.0.1", "--port", "{port}"],
+    "minisgl": MINISGL_SERVE,
+    # issue 24's burst: a backlog's prompts first, the decoders held at most 100 ms at a time
+    "minisgl_hold": [*MINISGL_SERVE, "--max-decode-hold-ms", "100"],
+    # the same burst with twice the prefill tokens a step (SGLang's chunk on this card): fewer, longer steps
+    "minisgl_chunk16k": [*MINISGL_SERVE, "--chunked-prefill-size", "16384"],
     "sglang": ["bash", f"{KIT}/serving.sh", WHEEL_DIR, "sglang-server", "--", "--model-path", SERVE_MODEL,
                "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--grammar-backend", "none", "--host", "127.0.0.1", "--port", "{port}"],
@@ -612,7 +623,9 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
     summary: dict = {"loads": {k: LOADS[k] for k in loads}, "http_parser": parser, "servers": {}}
     kept = os.path.join(LOGS, f"{name}_{OFFLINE_LOAD}_requests.json")
     for port, server in enumerate(servers, start=30001):
-        argv = [a.format(port=port) for a in SERVERS[server]]
+        requests_log = LOGS / f"requests_{server}.jsonl"  # minisgl's --request-log (engine_side reads it)
+        requests_log.unlink(missing_ok=True)
+        argv = [a.format(port=port, requests=requests_log) for a in SERVERS[server]]
         jsonl = os.path.join(out, f"{name}_{server}.jsonl")
         if port_answers(port):
             summary["servers"][server] = {"command": argv, "ready_s": None, "runs": [], "results": {},
@@ -632,6 +645,9 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
             stop_group(proc, grace_s=SERVER_GRACE_S)
             log.close()
             summary["servers"][server]["results"] = serving_results(jsonl, loads)
+            if requests_log.is_file():
+                summary["servers"][server]["engine_side"] = engine_side(requests_log, LOGS / f"client_{server}",
+                                                                        loads)
             write_serving_summary(out, name, loads, servers, env, summary)
         print(server, summary["servers"][server], flush=True)
     ours = summary["servers"].get("minisgl", {}).get("results", {}).get(OFFLINE_LOAD)
@@ -640,6 +656,38 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
         summary["server_over_offline"] = ours["output_throughput"] / summary["offline"]["output_tok_s"]
         write_serving_summary(out, name, loads, servers, env, summary)
         print("offline", summary["offline"], "server/offline", round(summary["server_over_offline"], 3), flush=True)
+
+
+def engine_side(requests_log: Path, details: Path, loads: list[str]) -> dict:
+    """{load: where its requests' time went}, from minisgl's --request-log (one line per request: when it reached
+    the engine, its first token) and the client's run window (lab.serve_client's details: `started`, `ended`,
+    on the same clock). A request belongs to the load whose run window holds its arrival. `arrival_ms`: from the
+    run's start to the request reaching the engine (the client's send, the front's intake); `engine_ttft_ms`:
+    from there to its first token (the engine's queue and prefill); by arrival eighths, the engine's part as the
+    burst goes on (the client's TTFT minus it is the front's part, both ways)."""
+    import statistics
+    lines = [json.loads(line) for line in requests_log.read_text().splitlines() if line.strip()]
+    out = {}
+    for load in loads:
+        path = Path(f"{details}_{load}.json")
+        if not path.is_file():
+            continue
+        run = json.loads(path.read_text())
+        if run.get("started") is None:
+            continue
+        reqs = sorted((r for r in lines if run["started"] <= r["arrival"] <= run["ended"]
+                       and r["first_token"] is not None), key=lambda r: r["arrival"])
+        if not reqs:
+            continue
+        arrival = [1e3 * (r["arrival"] - run["started"]) for r in reqs]
+        ttft = [1e3 * (r["first_token"] - r["arrival"]) for r in reqs]
+        eighths = [ttft[i * len(ttft) // 8:(i + 1) * len(ttft) // 8] for i in range(8)]
+        out[load] = {"requests": len(reqs), "arrival_ms_median": statistics.median(arrival),
+                     "arrival_ms_max": max(arrival), "engine_ttft_ms_median": statistics.median(ttft),
+                     "engine_ttft_ms_p99": sorted(ttft)[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+                     "engine_ttft_ms_median_by_arrival_eighth": [statistics.median(e) if e else None
+                                                                 for e in eighths]}
+    return out
 
 
 def run_client(port: int, loads: list[str], jsonl: str, server: str, kept: str) -> list[dict]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import traceback
 
 
@@ -39,11 +40,14 @@ def recording(get_dataset, into: list):
 
 def per_request(benchmark, into: list):
     """`benchmark` (the client's coroutine) that also keeps each request's TTFT and lengths, in the order the
-    requests were sent (the JSONL line has only percentiles): where a burst's first tokens went."""
+    requests were sent (the JSONL line has only percentiles), and when the run started and ended: where a burst's
+    first tokens went."""
 
     async def benchmark_and_keep(*args, **kwargs):
+        started = time.perf_counter()  # the server's --request-log clock (CLOCK_MONOTONIC, one machine)
         result = await benchmark(*args, **kwargs)
-        into.append({k: result.get(k) for k in ("ttfts", "input_lens", "output_lens")})
+        into.append({**{k: result.get(k) for k in ("ttfts", "input_lens", "output_lens")}, "started": started,
+                     "ended": time.perf_counter()})
         return result
 
     return benchmark_and_keep

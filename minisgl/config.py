@@ -195,11 +195,10 @@ class EngineConfig:
                                      "the prefill budget, as in a step that does not); smaller keeps the token "
                                      "gaps of running streams steady while prompts arrive, at some prompt speed")
     max_decode_hold_ms: float = _opt(0.0, "--max-decode-hold-ms",
-                                     "chunked prefill: while more requests wait for their first token than are "
-                                     "decoding and more prompt tokens wait than one step takes (a burst), steps "
-                                     "prefill only and the decoders sit out, at most this long at a time; 0 = "
-                                     "off, every step decodes (scheduler/scheduler.py, _hold_decodes; off by "
-                                     "default: 250 gained nothing measurable on the H200, reports/h200/run19)")
+                                     "chunked prefill: while more prompt tokens wait than one step takes (a "
+                                     "backlog), steps prefill only and the decoders sit out, at most this long at "
+                                     "a time, then one step decodes (SGLang: prefill first, no bound); 0 = off, "
+                                     "every step decodes (scheduler/scheduler.py, _hold_decodes)")
     # the switches of the ablation table (chunked prefill is chunked_prefill_size <= 0)
     radix_cache: bool = _opt(True, "--disable-radix-cache", "no prefix reuse (the naive cache)", disable=True)
     overlap: bool = _opt(True, "--disable-overlap-schedule", "resolve each step before scheduling the next",

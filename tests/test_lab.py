@@ -454,8 +454,30 @@ def test_serve_bench_runs_the_client_once_a_server_and_the_offline_engine_on_the
     assert (tmp_path / "serving_x_minisgl.jsonl").is_file() and not lease.port_answers(30001)
     # each load's TTFTs, request by request, in the call's logs (the JSONL line has only percentiles)
     details = json.loads((tmp_path / "logs" / "client_minisgl_burst.json").read_text())
-    assert details == {"ttfts": [0.01, 0.02], "input_lens": [2, 3], "output_lens": [4, 2]}
+    started, ended = details.pop("started"), details.pop("ended")
+    assert details == {"ttfts": [0.01, 0.02], "input_lens": [2, 3], "output_lens": [4, 2]} and started <= ended
     assert not (tmp_path / "logs" / "client_minisgl_rate99.json").exists()
+
+
+def test_engine_side_splits_the_request_log_by_the_clients_runs(tmp_path):
+    """minisgl's --request-log lines go to the load whose client run holds their arrival; each load says when its
+    requests reached the engine and how long the engine took to their first token, by arrival eighths too."""
+    log = tmp_path / "requests.jsonl"
+    lines = [{"rid": i, "arrival": 100.0 + 0.01 * i, "first_token": 100.0 + 0.01 * i + 0.001 * (i + 1)}
+             for i in range(16)]  # the burst's: the engine's wait grows by 1 ms a request
+    lines += [{"rid": 16, "arrival": 200.5, "first_token": 200.52}, {"rid": 17, "arrival": 300.0,
+                                                                        "first_token": None}]  # rate24's; an error
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (tmp_path / "client_x_burst.json").write_text(json.dumps({"started": 99.9, "ended": 110.0}))
+    (tmp_path / "client_x_rate24.json").write_text(json.dumps({"started": 200.0, "ended": 210.0}))
+    got = lease.engine_side(log, tmp_path / "client_x", ["rate24", "burst", "rate48"])
+    assert set(got) == {"rate24", "burst"}
+    assert got["rate24"]["requests"] == 1 and got["rate24"]["arrival_ms_max"] == pytest.approx(500.0)
+    assert got["rate24"]["engine_ttft_ms_median"] == pytest.approx(20.0)
+    burst = got["burst"]
+    assert burst["requests"] == 16 and burst["arrival_ms_max"] == pytest.approx(250.0)
+    assert burst["engine_ttft_ms_median_by_arrival_eighth"] == pytest.approx([1.5 + 2 * k for k in range(8)])
+    assert burst["engine_ttft_ms_p99"] == pytest.approx(16.0)
 
 
 def test_the_offline_run_takes_the_kept_requests_text_or_ids(tmp_path, monkeypatch, qwen3_tok_path):

@@ -405,6 +405,28 @@ def test_non_stream_disconnect_aborts(http, server):
 
 
 # --- command line --------------------------------------------------------------------------------------
+def test_request_log(model_path, tmp_path):
+    """`--request-log`: the engine process writes a line per finished request, its times in order on the clock of
+    time.perf_counter (the test's own, on the same machine), its token counts as the client sees them."""
+    log = tmp_path / "requests.jsonl"
+    t0 = time.perf_counter()
+    srv = ServerThread(build_state(model_path, served_model_name="tiny", request_log=str(log), **ENGINE_KW)).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            usage = [client.post("/v1/completions", json={"model": "tiny", "prompt": list(range(5 + i, 12 + 2 * i)),
+                                                           "max_tokens": 3 + i, "temperature": 0,
+                                                           "ignore_eos": True}).json()["usage"] for i in range(2)]
+    finally:
+        srv.stop()  # the engine process closes the log as it stops
+    t1 = time.perf_counter()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["prompt_tokens"], r["output_tokens"], r["reason"]) for r in lines] == \
+        [(u["prompt_tokens"], u["completion_tokens"], "length") for u in usage]
+    for r in lines:
+        assert t0 < r["arrival"] <= r["first_token"] <= r["finish"] < t1, r
+    assert lines[0]["finish"] <= lines[1]["arrival"], "the requests were sent one after the other"
+
+
 def test_serve_args():
     """`python -m minisgl.server` and `python -m minisgl serve` share one parser's flags (SGLang's names)."""
     from minisgl.server import build_parser

@@ -257,16 +257,15 @@ class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
                 and req.num_outputs_scheduled < req.params.max_tokens)
 
     def _hold_decodes(self, num_decodes: int, prefills: list[Req]) -> bool:
-        """Whether this step leaves its decoders out and spends itself on prompts: yes while more requests wait
-        for their first token than are decoding, more prompt tokens wait than one step takes, and the decoders
-        have sat out less than `max_decode_hold_s`. A burst of arrivals then gets its first tokens sooner (a
-        step's decode rows would delay every one of them); a few long prompts among many decoders never stall
-        them (W4)."""
+        """Whether this step leaves its decoders out and spends itself on prompts: yes while more prompt tokens
+        wait than one step takes (the prefills under way, then the waiting requests that could start), until
+        the decoders have sat out `max_decode_hold_s`; then one step decodes, and the next may hold again. A
+        backlog of prompts is then prefilled first, as SGLang always does (a step's decode rows would delay
+        every prompt behind it), while a decoder still gets a token at least every `max_decode_hold_s` or so,
+        however long the backlog (SGLang's wait for the whole backlog)."""
         if self.max_decode_hold_s <= 0 or not self.chunked or not num_decodes:
             return False
         room = max(0, min(len(self.waiting), self.max_running - len(self.running), self.req_pool.num_free))
-        if len(prefills) + room <= num_decodes:
-            return False
         todo = 0
         for r in [*prefills, *islice(self.waiting, room)]:
             todo += r.num_tokens - r.kv_len

@@ -9,7 +9,8 @@ re-imports the parent's main script, which a script without a `__main__` guard c
 The pipe is one end of a socketpair, inherited as file descriptor FD, carrying pickled frames, 4-byte length
 first (the framing of `multiprocessing.connection.Connection`, which the front's asyncio side writes too):
 
-- front -> engine: first ("config", EngineConfig, front pid, heartbeat_s, log level, torch threads); then a
+- front -> engine: first ("config", EngineConfig, front pid, heartbeat_s, log level, torch threads, request log
+  path or None); then a
   list of commands per frame, all those the front queued since its last flush:
   ("add", rid, input_ids, params) | ("abort", rid, counted_as) | ("abort_all",) | ("stats", tag) | ("stop",)
 - engine -> front: ("ready", EngineInfo) once; then ("step", StepOutputs) after each step that has news, or
@@ -24,6 +25,7 @@ front goes away (its end of the pipe closes, or its pid changes).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -98,8 +100,10 @@ def send(conn, obj) -> None:
 class EngineLoop:
     """The step loop over one connection: apply the front's commands, step, send the step's news."""
 
-    def __init__(self, engine, conn, heartbeat_s: float = HEARTBEAT_S, per_token: tuple[str, ...] = ()) -> None:
+    def __init__(self, engine, conn, heartbeat_s: float = HEARTBEAT_S, per_token: tuple[str, ...] = (),
+                 request_log=None) -> None:
         self.engine, self.conn, self.heartbeat_s, self.per_token = engine, conn, heartbeat_s, per_token
+        self.request_log = request_log  # a text file: one JSON line per request that ends (`log_requests`)
         self.live: dict[int, object] = {}  # rid -> Req, until its outcome has been sent
         self.sent: dict[int, int] = {}  # rid -> output tokens sent
         self.stopped_by_front: set[int] = set()  # aborted because the front saw a stop string: counted finished
@@ -176,7 +180,22 @@ class EngineLoop:
         return out
 
     # --- the loop ------------------------------------------------------------------------------------
+    def log_requests(self) -> None:
+        """One JSON line per request that has ended, before its outcome leaves `live`: when it reached the engine,
+        its first token and its end, on the clock of `time.perf_counter` (CLOCK_MONOTONIC on Linux, so a client on
+        the same machine can put its own times beside them). Where a request's time went: the front before
+        `arrival`, the engine's queue and prefill until `first_token`."""
+        for rid, req in self.live.items():
+            if req.finished:
+                self.request_log.write(json.dumps({
+                    "rid": rid, "arrival": req.arrival_time, "first_token": req.first_token_time,
+                    "finish": req.finish_time, "prompt_tokens": len(req.input_ids),
+                    "cached_tokens": req.num_cached_prompt_tokens, "output_tokens": len(req.output_ids),
+                    "reason": req.finish_reason}) + "\n")
+
     def _news(self) -> StepOutputs:
+        if self.request_log is not None:
+            self.log_requests()
         msg = collect_outputs(self.engine.stats.get("steps", 0), self.live, self.sent, self.per_token)
         for i, finish in enumerate(msg.finishes):
             if finish is None:
@@ -254,7 +273,7 @@ def engine_main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front handles Ctrl-C and stops us in order
     conn = Connection(fd)
     try:
-        _, config, parent_pid, heartbeat_s, log_level, threads = pickle.loads(conn.recv_bytes())
+        _, config, parent_pid, heartbeat_s, log_level, threads, request_log = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         os._exit(1)  # the front went away before it said anything
     import torch
@@ -279,7 +298,10 @@ def engine_main(fd: int) -> None:
         if engine is not None:
             engine.runner.close()
         os._exit(1)
-    code = EngineLoop(engine, conn, heartbeat_s, per_token=PER_TOKEN).run()
+    log = open(request_log, "a", buffering=1 << 16) if request_log else None
+    code = EngineLoop(engine, conn, heartbeat_s, per_token=PER_TOKEN, request_log=log).run()
+    if log is not None:
+        log.close()
     engine.runner.close()  # the tensor-parallel ranks, in order
     conn.close()
     os._exit(code)  # skip interpreter teardown: nothing is left to flush, and the front is waiting for us
