@@ -686,8 +686,24 @@ def engine_side(requests_log: Path, details: Path, loads: list[str]) -> dict:
                      "arrival_ms_max": max(arrival), "engine_ttft_ms_median": statistics.median(ttft),
                      "engine_ttft_ms_p99": sorted(ttft)[min(len(ttft) - 1, int(0.99 * len(ttft)))],
                      "engine_ttft_ms_median_by_arrival_eighth": [statistics.median(e) if e else None
-                                                                 for e in eighths]}
+                                                                 for e in eighths],
+                     **long_gaps(reqs)}
     return out
+
+
+def long_gaps(reqs: list[dict]) -> dict:
+    """The engine's side of the client's P99 token gap, from the request log's long gaps (over its LONG_GAP_S):
+    the P99 of all gaps when 1% of them are long (None: the P99 is shorter than LONG_GAP_S), and how many long
+    gaps had a request reach the engine while they lasted (a prompt's prefill in those steps)."""
+    gaps = [g for r in reqs for g in r.get("long_gaps", [])]
+    total = sum(r.get("gaps", 0) for r in reqs)
+    ranked = sorted((1e3 * g for _, g in gaps), reverse=True)
+    k = int(0.01 * total)  # the gaps above the P99
+    arrivals = sorted(r["arrival"] for r in reqs)
+    import bisect
+    overlapped = sum(bisect.bisect_left(arrivals, end) > bisect.bisect_right(arrivals, end - g) for end, g in gaps)
+    return {"engine_itl_ms_p99": ranked[k] if k < len(ranked) else None, "long_gaps": len(gaps),
+            "long_gaps_with_an_arrival": overlapped, "long_gap_ms_max": ranked[0] if ranked else None}
 
 
 def run_client(port: int, loads: list[str], jsonl: str, server: str, kept: str) -> list[dict]:

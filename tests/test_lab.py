@@ -465,6 +465,8 @@ def test_engine_side_splits_the_request_log_by_the_clients_runs(tmp_path):
     log = tmp_path / "requests.jsonl"
     lines = [{"rid": i, "arrival": 100.0 + 0.01 * i, "first_token": 100.0 + 0.01 * i + 0.001 * (i + 1)}
              for i in range(16)]  # the burst's: the engine's wait grows by 1 ms a request
+    lines[3].update(gaps=100, long_gaps=[[100.12, 0.05], [100.3, 0.04]])  # requests 8-11 arrived in the first
+    lines[4].update(gaps=100, long_gaps=[[100.5, 0.02]])
     lines += [{"rid": 16, "arrival": 200.5, "first_token": 200.52}, {"rid": 17, "arrival": 300.0,
                                                                         "first_token": None}]  # rate24's; an error
     log.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -478,6 +480,10 @@ def test_engine_side_splits_the_request_log_by_the_clients_runs(tmp_path):
     assert burst["requests"] == 16 and burst["arrival_ms_max"] == pytest.approx(250.0)
     assert burst["engine_ttft_ms_median_by_arrival_eighth"] == pytest.approx([1.5 + 2 * k for k in range(8)])
     assert burst["engine_ttft_ms_p99"] == pytest.approx(16.0)
+    # 200 gaps, 3 long: the two longest are above the P99, the third is it; one had an arrival inside it
+    assert burst["engine_itl_ms_p99"] == pytest.approx(20.0) and burst["long_gap_ms_max"] == pytest.approx(50.0)
+    assert (burst["long_gaps"], burst["long_gaps_with_an_arrival"]) == (3, 1)
+    assert got["rate24"]["engine_itl_ms_p99"] is None and got["rate24"]["long_gaps"] == 0
 
 
 def test_the_offline_run_takes_the_kept_requests_text_or_ids(tmp_path, monkeypatch, qwen3_tok_path):

@@ -47,6 +47,7 @@ logger = logging.getLogger("minisgl.server")
 
 _FRONT_GRAMMARS: dict = {}  # model path -> minisgl.grammar.Grammars, the front's (EngineInfo.grammars)
 PER_TOKEN = ("output_logprobs",)  # Req lists parallel to output_ids sent with the tokens (empty without logprobs)
+LONG_GAP_S = 0.01  # --request-log: a token gap longer than this is logged with its time
 HEARTBEAT_S = 0.5  # the engine sends something at least this often, idle or not (unless a step takes longer)
 
 
@@ -187,11 +188,15 @@ class EngineLoop:
         `arrival`, the engine's queue and prefill until `first_token`."""
         for rid, req in self.live.items():
             if req.finished:
+                t = req.token_times
                 self.request_log.write(json.dumps({
                     "rid": rid, "arrival": req.arrival_time, "first_token": req.first_token_time,
                     "finish": req.finish_time, "prompt_tokens": len(req.input_ids),
                     "cached_tokens": req.num_cached_prompt_tokens, "output_tokens": len(req.output_ids),
-                    "reason": req.finish_reason}) + "\n")
+                    "reason": req.finish_reason, "gaps": max(0, len(t) - 1),
+                    # the gaps between its tokens longer than LONG_GAP_S, each with when it ended: a client's P99
+                    # token gap, seen from the engine (the rest are shorter)
+                    "long_gaps": [[b, b - a] for a, b in zip(t, t[1:]) if b - a > LONG_GAP_S]}) + "\n")
 
     def _news(self) -> StepOutputs:
         if self.request_log is not None:
