@@ -32,12 +32,14 @@ device returns at most 8 files a call: each call writes at most six JSON files a
 from __future__ import annotations
 
 import argparse
+import bisect
 import glob
 import json
 import os
 import shutil
 import signal
 import site
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -665,7 +667,6 @@ def engine_side(requests_log: Path, details: Path, loads: list[str]) -> dict:
     run's start to the request reaching the engine (the client's send, the front's intake); `engine_ttft_ms`:
     from there to its first token (the engine's queue and prefill); by arrival eighths, the engine's part as the
     burst goes on (the client's TTFT minus it is the front's part, both ways)."""
-    import statistics
     lines = [json.loads(line) for line in requests_log.read_text().splitlines() if line.strip()]
     out = {}
     for load in loads:
@@ -700,7 +701,6 @@ def long_gaps(reqs: list[dict]) -> dict:
     ranked = sorted((1e3 * g for _, g in gaps), reverse=True)
     k = int(0.01 * total)  # the gaps above the P99
     arrivals = sorted(r["arrival"] for r in reqs)
-    import bisect
     overlapped = sum(bisect.bisect_left(arrivals, end) > bisect.bisect_right(arrivals, end - g) for end, g in gaps)
     return {"engine_itl_ms_p99": ranked[k] if k < len(ranked) else None, "long_gaps": len(gaps),
             "long_gaps_with_an_arrival": overlapped, "long_gap_ms_max": ranked[0] if ranked else None}

@@ -10,8 +10,7 @@ The pipe is one end of a socketpair, inherited as file descriptor FD, carrying p
 first (the framing of `multiprocessing.connection.Connection`, which the front's asyncio side writes too):
 
 - front -> engine: first ("config", EngineConfig, front pid, heartbeat_s, log level, torch threads, request log
-  path or None); then a
-  list of commands per frame, all those the front queued since its last flush:
+  path or None); then a list of commands per frame, all those the front queued since its last flush:
   ("add", rid, input_ids, params) | ("abort", rid, counted_as) | ("abort_all",) | ("stats", tag) | ("stop",)
 - engine -> front: ("ready", EngineInfo) once; then ("step", StepOutputs) after each step that has news, or
   at least every `heartbeat_s` seconds (an empty one when idle: the front's watchdog counts on it);
