@@ -494,6 +494,7 @@ def test_the_offline_run_takes_the_kept_requests_text_or_ids(tmp_path, monkeypat
     monkeypatch.setattr(lease, "SERVE_MODEL", str(qwen3_tok_path))
     got = lease.offline_same_requests(str(kept))
     assert got["requests"] == 2 and got["output_tokens"] == 5 and got["output_tok_s"] > 0
+    assert got["prompt_tokens"] > 3 and 0 < got["ttft_median_ms"] <= got["ttft_max_ms"]
 
 
 def test_serve_bench_never_measures_a_server_it_did_not_start_and_stops_its_own_when_stopped(tmp_path, monkeypatch,

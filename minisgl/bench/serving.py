@@ -275,8 +275,14 @@ def run_offline(model: str, serve_args: list[str], reqs: list[tuple[list[int], i
     finally:
         llm.close()
     tokens = sum(len(o.token_ids) for o in outs)
+    # the last first token: when every prompt had been prefilled, so prompt tokens / it is the prefill rate with
+    # the decodes of the requests already streaming mixed in
+    last = max(o.ttft for o in outs)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     return {"requests": len(reqs), "output_tokens": tokens, "duration_s": round(duration, 3),
-            "output_tok_s": round(tokens / duration, 1), "ttft_median_ms": _ms(statistics.median(o.ttft for o in outs))}
+            "output_tok_s": round(tokens / duration, 1), "ttft_median_ms": _ms(statistics.median(o.ttft for o in outs)),
+            "ttft_max_ms": _ms(last), "prompt_tokens": prompt_tokens,
+            "prompt_tok_s_until_last_first_token": round(prompt_tokens / last, 1)}
 
 
 def cpu_seconds(pid: int | None) -> float | None:
