@@ -339,25 +339,17 @@ CALLS: dict[str, Call] = {
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("burst", 250, ("burst.json", "burst_minisgl.jsonl", "burst_sglang.jsonl"), loads=("burst",)),
                FrontCheck("front", 25, ("front.json",)))),
-    "arms": Call(
-        "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's loads at 24/s and all at "
-        "once, minisgl's server at its defaults, with a backlog's prompts first (hold 100 ms) and with 16k-token "
-        "prefill steps, each with its request log (where each request's time went); then the burst's requests "
-        "offline. SGLang's server on the same loads is the `peer` call, on the same machine",
+    "settle24": Call(
+        "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's bars in one call: "
+        "minisgl's server at its defaults, SGLang's, then minisgl's with 16k-token prefill steps, each at 24/s, "
+        "48/s and all at once under SGLang's client (minisgl's with its request log: where each request's time "
+        "went); then the burst's requests offline (the server/offline ratio)",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
-        # run20: a minisgl server ~50 s to start, the client ~28 s, the two loads ~25 s; offline ~50 s
-        steps=(Serving("arms", 420, ("arms.json", "arms_minisgl.jsonl", "arms_minisgl_hold.jsonl",
-                                     "arms_minisgl_chunk16k.jsonl"), loads=("rate24", "burst"),
-                       servers=("minisgl", "minisgl_hold", "minisgl_chunk16k")),)),
-    "peer": Call(
-        "optional, after `arms` on the same machine: SGLang's server on issue 24's loads at 24/s and all at once; "
-        "then the backlog hold offline (Qwen3-0.6B W1, W3, W4 with it off and on, two rounds): what it costs W4's "
-        "decoders",
-        carry=(KIT, f"{WHEEL_DIR}/serve"),
-        # run20: SGLang's server 135 s to start; hold_ab06 in one round 73 s (run19)
-        steps=(Serving("peer", 200, ("peer.json", "peer_sglang.jsonl"), loads=("rate24", "burst"),
-                       servers=("sglang",)),
-               Lab("hold_ab06", 160, ("hold_ab06.json",), ("hold_ab06",)))),
+        # run20/21: a minisgl server ~50 s to start, the client ~28 s, the loads ~12 + 7 + 9 s; SGLang's server
+        # 135 s to start; offline ~50 s. The order cuts the 16k arm and the offline run first.
+        steps=(Serving("settle24", 480, ("settle24.json", "settle24_minisgl.jsonl", "settle24_sglang.jsonl",
+                                         "settle24_minisgl_chunk16k.jsonl"), loads=("rate24", "rate48", "burst"),
+                       servers=("minisgl", "sglang", "minisgl_chunk16k")),)),
     "hold_offline": Call(
         "optional: the backlog hold offline: Qwen3-0.6B W1, W3, W4 with it off and on (two rounds, interleaved); "
         "issue 29's Qwen3.5 mixes with it off and on, then SGLang on the same mixes",
@@ -527,7 +519,8 @@ SERVERS = {
     "minisgl": MINISGL_SERVE,
     # issue 24's burst: a backlog's prompts first, the decoders held at most 100 ms at a time
     "minisgl_hold": [*MINISGL_SERVE, "--max-decode-hold-ms", "100"],
-    # the same burst with twice the prefill tokens a step (SGLang's chunk on this card): fewer, longer steps
+    # twice the prefill tokens a step (SGLang on this card: chunk 8192, max_prefill_tokens 16384): fewer, longer
+    # prefill steps through a burst
     "minisgl_chunk16k": [*MINISGL_SERVE, "--chunked-prefill-size", "16384"],
     "sglang": ["bash", f"{KIT}/serving.sh", WHEEL_DIR, "sglang-server", "--", "--model-path", SERVE_MODEL,
                "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
