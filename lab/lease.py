@@ -350,14 +350,6 @@ CALLS: dict[str, Call] = {
         steps=(Serving("settle24", 480, ("settle24.json", "settle24_minisgl.jsonl", "settle24_sglang.jsonl",
                                          "settle24_minisgl_chunk16k.jsonl"), loads=("rate24", "rate48", "burst"),
                        servers=("minisgl", "sglang", "minisgl_chunk16k")),)),
-    "hold_offline": Call(
-        "optional: the backlog hold offline: Qwen3-0.6B W1, W3, W4 with it off and on (two rounds, interleaved); "
-        "issue 29's Qwen3.5 mixes with it off and on, then SGLang on the same mixes",
-        carry=(KIT,),
-        # run19 (9ec2ba8, hold on by default): hold_ab06 in one round 73 s, the two mixes sections 78 s
-        steps=(Lab("hold_ab06", 150, ("hold_ab06.json",), ("hold_ab06",)),
-               Lab("minisgl_mixes35", 100, ("qwen35_mixes.json",), ("mixes35", "mixes35_hold")),
-               SGLang("sglang_mixes35", 130, ("sglang_mixes_35.json",), "qwen3.5-0.8b", ("mixes",)))),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "
@@ -517,8 +509,6 @@ MINISGL_SERVE = [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODE
                  "--host", "127.0.0.1", "--port", "{port}", "--request-log", "{requests}"]
 SERVERS = {
     "minisgl": MINISGL_SERVE,
-    # issue 24's burst: a backlog's prompts first, the decoders held at most 100 ms at a time
-    "minisgl_hold": [*MINISGL_SERVE, "--max-decode-hold-ms", "100"],
     # twice the prefill tokens a step (SGLang on this card: chunk 8192, max_prefill_tokens 16384): fewer, longer
     # prefill steps through a burst
     "minisgl_chunk16k": [*MINISGL_SERVE, "--chunked-prefill-size", "16384"],

@@ -571,12 +571,6 @@ SECTIONS: dict[str, Section] = {
                             "each step synchronised and timed (prefill against decode)"),
     "gdn_solve35": section(gdn_solve_ab, "Qwen3.5 on the 512-request mix with the chunk prepare's two triangular "
                            "solves (rows, blocks): tok/s and greedy tokens compared"),
-    "mixes35_hold": section(lambda: mixes("qwen3.5-0.8b", max_decode_hold_ms=100),
-                            "the same mixes with a backlog's prompts first (max_decode_hold_ms 100): the hold's A/B"),
-    "hold_ab06": section(Bench("qwen3-0.6b", (
-        Arm("default", ("w1", "w3", "w4"), about="every step decodes (max_decode_hold_ms 0)"),
-        Arm("hold100", ("w1", "w3", "w4"), {"max_decode_hold_ms": 100},
-            about="a backlog's prompts first, the decoders held at most 100 ms at a time")), rounds=2)),
     "mixes35_rows256": section(lambda: mixes("qwen3.5-0.8b", max_running_requests=256),
                                "the same mixes at 256 running requests (the old hybrid cap): the sizing's A/B"),
     "sweep06": section(lambda: sweep("qwen3-0.6b"), "the batch-mix sweep on Qwen3-0.6B, defaults"),

@@ -194,11 +194,6 @@ class EngineConfig:
                                      "chunked prefill: prefill tokens at most in a step that also decodes (0 = "
                                      "the prefill budget, as in a step that does not); smaller keeps the token "
                                      "gaps of running streams steady while prompts arrive, at some prompt speed")
-    max_decode_hold_ms: float = _opt(0.0, "--max-decode-hold-ms",
-                                     "chunked prefill: while more prompt tokens wait than one step takes (a "
-                                     "backlog), steps prefill only and the decoders sit out, at most this long at "
-                                     "a time, then one step decodes (SGLang: prefill first, no bound); 0 = off, "
-                                     "every step decodes (scheduler/scheduler.py, _hold_decodes)")
     # the switches of the ablation table (chunked prefill is chunked_prefill_size <= 0)
     radix_cache: bool = _opt(True, "--disable-radix-cache", "no prefix reuse (the naive cache)", disable=True)
     overlap: bool = _opt(True, "--disable-overlap-schedule", "resolve each step before scheduling the next",
@@ -289,8 +284,6 @@ class EngineConfig:
         integer("chunked_prefill_size", None, "must be an integer (<= 0: chunked prefill off)")
         integer("max_prefill_tokens", 1, "must be an integer >= 1")
         integer("mixed_prefill_tokens", 0, "must be an integer >= 0 (0 = off)")
-        need(isinstance(self.max_decode_hold_ms, (int, float)) and not isinstance(self.max_decode_hold_ms, bool)
-             and self.max_decode_hold_ms >= 0, "max_decode_hold_ms", "must be a number >= 0 (0 = off)")
         integer("cuda_graph_max_bs", 1, "must be an integer >= 1")
         integer("prefill_graph_max_tokens", 0, "must be an integer >= 0 (0 = off)")
         integer("prefill_graph_max_reqs", 1, "must be an integer >= 1")

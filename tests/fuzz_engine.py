@@ -283,8 +283,6 @@ def make_case(seed: int, refs: References, bank: dict[str, list[list[int]]] | No
         case["aborts"] = sorted([rng.randint(0, 60), rng.randrange(len(reqs)), 0] for _ in range(rng.randint(1, 3)))
     if mode == "steps" and rng.random() < 0.07:  # a forward that raises: every request ends, the engine goes on
         case["fail_at_step"] = rng.randint(1, 30)
-    if chunk > 0 and rng.random() < 0.3:  # the burst hold off, or never capped (drawn last: earlier cases unchanged)
-        sw["max_decode_hold_ms"] = rng.choice([0, 10 ** 6])
     return case
 
 

@@ -236,8 +236,7 @@ def test_a_bad_request_in_a_batch_runs_nothing(ctx_llm, qwen3_path):
                                       (dict(max_model_len=1), "max_model_len"), (dict(device="bogus"), "device"),
                                       (dict(device="cuda:x"), "device"), (dict(kv_cache_tokens=0), "kv_cache_tokens"),
                                       (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
-                                      (dict(page_size=2.0), "page_size"), (dict(tp_size=True), "tp_size"),
-                                      (dict(max_decode_hold_ms=-1), "max_decode_hold_ms")])
+                                      (dict(page_size=2.0), "page_size"), (dict(tp_size=True), "tp_size")])
 def test_bad_engine_config(kw, match, qwen3_path):
     """A setting out of range is a ConfigError (a ValueError) naming the field, before anything loads."""
     with pytest.raises(ConfigError, match=match) as info:

@@ -26,7 +26,7 @@ ALL_FLAGS = ["--prefill-graph-max-tokens", "512", "--prefill-graph-max-reqs", "4
              "--dtype", "float32", "--device", "cpu", "--load-format", "dummy", "--random-seed", "3",
              "--context-length", "256", "--page-size", "4", "--num-pages", "100", "--kv-memory-fraction", "0.5",
              "--kv-cache-tokens", "4096", "--max-running-requests", "8", "--chunked-prefill-size", "0",
-             "--max-prefill-tokens", "64", "--mixed-prefill-tokens", "32", "--max-decode-hold-ms", "40",
+             "--max-prefill-tokens", "64", "--mixed-prefill-tokens", "32",
              "--disable-radix-cache",
              "--disable-overlap-schedule",
              "--disable-cuda-graph", "--cuda-graph-max-bs", "16", "--disable-cuda-graph-split", "--disable-gemv",
@@ -37,7 +37,7 @@ ALL_FLAGS = ["--prefill-graph-max-tokens", "512", "--prefill-graph-max-reqs", "4
              "--cpu-threads", "3"]
 ALL_KWARGS = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, max_model_len=256, page_size=4,
                   num_pages=100, kv_memory_fraction=0.5, kv_cache_tokens=4096, max_running_requests=8,
-                  chunked_prefill_size=0, max_prefill_tokens=64, mixed_prefill_tokens=32, max_decode_hold_ms=40.0,
+                  chunked_prefill_size=0, max_prefill_tokens=64, mixed_prefill_tokens=32,
                   radix_cache=False,
                   overlap=False, cuda_graph=False,
                   cuda_graph_max_bs=16, cuda_graph_split=False, gemv=False, pdl=False, decode_fused_store=False,

@@ -102,6 +102,5 @@ class ModelRuntime:
         cache = (RadixCache if config.radix_cache else NaiveCache)(allocator, config.page_size)
         scheduler = Scheduler(allocator, req_pool, cache, config.page_size, config.max_running_requests,
                               config.prefill_budget, chunked=config.chunked_prefill,
-                              mixed_chunk_size=config.mixed_prefill_tokens,
-                              max_decode_hold_s=config.max_decode_hold_ms / 1e3)
+                              mixed_chunk_size=config.mixed_prefill_tokens)
         return cache, scheduler

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from itertools import islice
 
 from minisgl.kvcache import PageAllocator, PrefixCache, ReqToTokenPool
 from minisgl.scheduler.batch import Batch
@@ -232,7 +231,7 @@ class SchedulerAdmission:
 class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
     def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, cache: PrefixCache,
                  page_size: int, max_running: int, chunk_size: int, chunked: bool = True,
-                 mixed_chunk_size: int = 0, max_decode_hold_s: float = 0.0) -> None:
+                 mixed_chunk_size: int = 0) -> None:
         self.allocator, self.req_pool, self.cache = allocator, req_pool, cache
         self.page_size = page_size
         self.max_running = max_running
@@ -243,10 +242,6 @@ class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
         # Chunked: at most this many prefill tokens in a step that also decodes (0: chunk_size). A server under
         # steady arrivals may trade prompt speed for steadier token gaps of the requests already streaming.
         self.mixed_chunk_size = mixed_chunk_size
-        # Chunked: how long the decoders may sit out while a burst of prompts is prefilled first (0: never; see
-        # _hold_decodes), and when the steps without them began (None: the last step decoded).
-        self.max_decode_hold_s = max_decode_hold_s
-        self.decodes_held_since: float | None = None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.step_id = 0
@@ -255,28 +250,6 @@ class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
     def _wants_step(self, req: Req) -> bool:
         return (not req.finished and req.num_tokens > req.kv_len
                 and req.num_outputs_scheduled < req.params.max_tokens)
-
-    def _hold_decodes(self, num_decodes: int, prefills: list[Req]) -> bool:
-        """Whether this step leaves its decoders out and spends itself on prompts: yes while more prompt tokens
-        wait than one step takes (the prefills under way, then the waiting requests that could start), until
-        the decoders have sat out `max_decode_hold_s`; then one step decodes, and the next may hold again. A
-        backlog of prompts is then prefilled first, as SGLang always does (a step's decode rows would delay
-        every prompt behind it), while a decoder still gets a token at least every `max_decode_hold_s` or so,
-        however long the backlog (SGLang's wait for the whole backlog)."""
-        if self.max_decode_hold_s <= 0 or not self.chunked or not num_decodes:
-            return False
-        room = max(0, min(len(self.waiting), self.max_running - len(self.running), self.req_pool.num_free))
-        todo = 0
-        for r in [*prefills, *islice(self.waiting, room)]:
-            todo += r.num_tokens - r.kv_len
-            if todo > self.chunk_size:
-                break
-        else:
-            return False  # one step takes every waiting prompt token: decoding beside them costs no extra step
-        now = time.perf_counter()
-        if self.decodes_held_since is None:
-            self.decodes_held_since = now
-        return now - self.decodes_held_since < self.max_decode_hold_s
 
     def schedule(self):
         """The next Batch, None when nothing can run now, or NEED_SYNC."""
@@ -298,10 +271,6 @@ class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
                 if victim in group:
                     group.remove(victim)
         plan: list[tuple[Req, int]] = []
-        if self._hold_decodes(len(decodes), prefills):
-            held, decodes = decodes, []
-        else:
-            held, self.decodes_held_since = [], None
         for r in decodes:
             r.pages += self.allocator.alloc(self._pages_for(r, 1))
             plan.append((r, 1))
@@ -325,11 +294,6 @@ class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
                 break
             plan.append((req, n))
             prefill_tokens += n
-        if held and not plan:  # no prompt could start after all (the pool is short): the decoders go on
-            self.decodes_held_since = None
-            for r in held:
-                r.pages += self.allocator.alloc(self._pages_for(r, 1))
-                plan.append((r, 1))
         if not plan:
             return None
         return self._build(plan)
