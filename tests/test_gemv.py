@@ -220,3 +220,82 @@ def test_tune_times_down_projections_folded(force_triton):
     x = gate_up[:, :24]
     assert matmul_input(x) is x
     torch.testing.assert_close(gemv_with((4, 32, 4))(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+# --- the RMSNorm folded into the GEMV after it (kernel option gemv_norm_fold) -------------------------------
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_rms_norm_is_the_norm_then_the_gemv_to_the_bit(force_triton, rows, with_residual, dtype):
+    """Against the two launches it replaces, bit for bit: K = 200 over 64-wide tiles (the rstd summed tile by tile,
+    the last tile partial), with a bias; the residual returned is x + residual (x without one)."""
+    from minisgl.kernels import elementwise as ew
+
+    gen = torch.Generator().manual_seed(rows * 10 + with_residual)
+    x = (3 * torch.randn(rows, 200, generator=gen)).to(dtype)
+    residual = torch.randn(rows, 200, generator=gen).to(dtype) if with_residual else None
+    norm_w = (1 + 0.1 * torch.randn(200, generator=gen)).to(dtype)
+    w = torch.randn(40, 200, generator=gen).to(dtype)
+    b = torch.randn(40, generator=gen).to(dtype)
+    if with_residual:
+        h, want_res = ew.fused_add_rms_norm(x, residual, norm_w, 1e-6)
+    else:
+        h, want_res = ew.rms_norm(x, norm_w, 1e-6), x
+    want = gv.gemv(h, w, b, tiles=(8, 64, 4))
+    got, got_res = gv.gemv_rms_norm(x, residual, norm_w, 1e-6, w, b, tiles=(8, 64, 4))
+    assert torch.equal(got, want) and torch.equal(got_res, want_res)
+    assert (got_res is x) == (residual is None)
+    # the Triton norm against the torch reference: the fp64 sum of squares changes nothing beyond rounding
+    ref_h = ew.fused_add_rms_norm_ref(x, residual, norm_w, 1e-6)[0] if with_residual else ew.rms_norm_ref(
+        x, norm_w, 1e-6)
+    torch.testing.assert_close(h.float(), ref_h.float(), rtol=2e-2, atol=2e-2)  # two roundings: an ulp or two
+
+
+def test_gemv_rms_norm_refuses_mixed_dtypes(force_triton):
+    x = torch.randn(1, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one dtype"):
+        gv.gemv_rms_norm(x, None, torch.ones(16), 1e-6, torch.randn(8, 16, dtype=torch.bfloat16))
+
+
+class _Attn:
+    """An attention backend stand-in: the output mixes q and v, so the layer's q/k/v split and views matter."""
+
+    def forward(self, q, k, v, layer_id):
+        reps = q.shape[1] // v.shape[1]
+        return q * 0.5 + v.repeat_interleave(reps, dim=1) + k.repeat_interleave(reps, dim=1).flip(-1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_norm_fold_layer_matches_the_decoder_layer_to_the_bit(force_triton, arch):
+    """use_gemv(norm_fold=(DecoderLayer,)): two decoder layers in a row (the first without a residual) give the same
+    hidden states and residuals as the layers with only their linears and MLP swapped, for 1-4 rows; 6 rows take
+    the layer's own forward; the parameter names do not change."""
+    from minisgl.models.config import ModelConfig
+    from minisgl.models.decoder import DecoderLayer
+    from minisgl.models.layers import MLP, RotaryEmbedding
+
+    cfg = ModelConfig(arch=arch, vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_q_heads=4,
+                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+                      max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=arch == "qwen2",
+                      qk_norm=arch == "qwen3")
+    torch.manual_seed(7)
+    plain, folded = nn.Module(), nn.Module()
+    plain.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(2)).to(torch.bfloat16)
+    for p in plain.parameters():  # norms away from 1, so a skipped norm weight would show
+        p.data += 0.05 * torch.randn_like(p)
+    folded.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(2)).to(torch.bfloat16)
+    folded.load_state_dict(plain.state_dict())
+    keys = set(folded.state_dict())
+    assert gv.use_gemv(plain, fold=(MLP,)) == gv.use_gemv(folded, fold=(MLP,), norm_fold=(DecoderLayer,)) == 8
+    assert all(isinstance(layer, gv.GemvNormLayer) for layer in folded.layers) and set(folded.state_dict()) == keys
+    rotary = RotaryEmbedding(16, 64, 10000.0, None)
+    for rows in (1, 4, 6):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        positions = torch.arange(rows) + 3
+        outs = []
+        for model in (plain, folded):
+            h, residual = x, None
+            for layer in model.layers:
+                h, residual = layer(h, residual, positions, rotary, _Attn())
+            outs.append((h, residual))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), rows

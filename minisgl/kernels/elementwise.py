@@ -147,6 +147,16 @@ def _row_tile(n_rows, n_inner, N, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
     return i0, i1, offs[None, :], cmask, rmask[:, None] & cmask[None, :]
 
 
+@_jit
+def sum_squares(xf, axis: tl.constexpr):
+    """Sums of squares along `axis`, in fp64. A half-precision value's square is exact in fp32, and a sum of a few
+    thousand such squares is exact in fp64 (all but the rarest spreads of magnitude), so the sum does not depend
+    on the order of its terms: a kernel that adds a row tile by tile (the GEMV with its norm folded in,
+    kernels/gemv.py) gets the same rstd, to the bit, as the norm kernel that reduces the row at once."""
+    x64 = xf.to(tl.float64)
+    return tl.sum(x64 * x64, axis)
+
+
 # n_rows follows the step's token count: one compiled variant for all counts, not one per count % 16.
 @_jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
@@ -172,8 +182,7 @@ def _rms_norm_kernel(
     else:
         xf = x.to(tl.float32)
         norm_dtype = X.dtype.element_ty
-    var = tl.sum(xf * xf, 1) / N
-    rstd = tl.rsqrt(var + eps)
+    rstd = tl.rsqrt(sum_squares(xf, 1).to(tl.float32) / N + eps)
     w = tl.load(W + offs, mask=cmask[None, :], other=0.0).to(tl.float32)
     if ZERO_CENTRED:  # Qwen3.5: (1 + w), all in fp32, rounded once
         y = xf * rstd[:, None] * (1.0 + w)

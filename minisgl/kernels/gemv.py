@@ -47,8 +47,8 @@ except ImportError:  # CPU-only installs: GemvLinear is plain F.linear
     triton = None
     tl = None
 
-__all__ = ["GEMV_MAX_ROWS", "GemvLinear", "GemvMLP", "device_table", "gemv", "gemv_config", "gemv_max_rows",
-           "load_table", "table_for", "use_gemv"]
+__all__ = ["GEMV_MAX_ROWS", "GemvLinear", "GemvMLP", "GemvNormLayer", "device_table", "gemv", "gemv_config",
+           "gemv_max_rows", "gemv_rms_norm", "load_table", "table_for", "use_gemv"]
 
 # Rows (tokens) up to which the GEMV replaces cuBLAS; above it a GEMM's tiles reuse each weight load across rows.
 GEMV_MAX_ROWS = 4
@@ -110,21 +110,62 @@ def _load_w(w_ptr, offs_n, n_mask, k, k_mask, stride_wn):
 
 
 @_jit
-def _gemv_tile(acc, w, x_ptr, offs_m, m_mask, k, k_mask, K, stride_xm, SILU_MUL: tl.constexpr):
-    """acc + the products of the weight tile w [BLOCK_N, BLOCK_K] (columns k) with every input row."""
+def _x_tile(x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm, stride_rm,
+            SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """The input rows' columns k [ROWS_PAD, BLOCK_K], in fp32, as the matmul sees them."""
+    mask = m_mask[:, None] & k_mask[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k[None, :]
-    x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    dt = x_ptr.dtype.element_ty
     if SILU_MUL:  # x holds [gate | up] (2K wide): the input is silu(gate) * up, rounded as silu_and_mul does
-        up = tl.load(x_ptrs + K, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        silu = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        up = tl.load(x_ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        silu = (x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32)
+        x = (silu * up).to(dt).to(tl.float32)
+    if NORM:  # the RMSNorm's output, rounded where the norm kernel (kernels/elementwise.py) rounds it
+        if HAS_RES:
+            r = tl.load(r_ptr + offs_m[:, None] * stride_rm + k[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = (x + r).to(dt).to(tl.float32)
+        nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        x = (nw[None, :] * (x * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return x
+
+
+@_jit
+def _gemv_tile(acc, w, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm, stride_rm,
+               SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """acc + the products of the weight tile w [BLOCK_N, BLOCK_K] (columns k) with every input row."""
+    x = _x_tile(x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm, stride_rm, SILU_MUL, NORM,
+                HAS_RES)
     return acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
+def _norm_prologue(x_ptr, r_ptr, res_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, stride_om, eps,
+                   ROWS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr):
+    """The folded norm's first pass: each row's rstd, from its sum of squares taken tile by tile (exactly the norm
+    kernel's, ew.sum_squares); with a residual, x + residual rounded, and program 0 writes it out (the layer's
+    new residual stream)."""
+    ss = tl.zeros((ROWS_PAD,), dtype=tl.float64)
+    dt = x_ptr.dtype.element_ty
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        mask = m_mask[:, None] & (k < K)[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(r_ptr + offs_m[:, None] * stride_rm + k[None, :], mask=mask, other=0.0).to(tl.float32)
+            s = (x + r).to(dt)
+            tl.store(res_ptr + offs_m[:, None] * stride_om + k[None, :], s, mask=mask & (tl.program_id(0) == 0))
+            x = s.to(tl.float32)
+        ss += ew.sum_squares(x, 1)
+    return tl.rsqrt(ss.to(tl.float32) / K + eps)
+
+
+@_jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, N, K, stride_xm, stride_wn, stride_ym,
+                 stride_rm, stride_om, eps,
                  ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                 USE_PDL: tl.constexpr, EARLY_W: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS_PAD)
@@ -132,6 +173,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_
     n_mask = offs_n < N
     m_mask = offs_m < ROWS
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
+    rstd = tl.zeros((ROWS_PAD,), dtype=tl.float32)  # read only under NORM
     if USE_PDL:  # launched early (kernels/pdl.py): wait before reading x or writing y
         gdc_launch_dependents()
         # EARLY_W (0-3) weight tiles before the wait: weights are never written by a kernel (module docstring).
@@ -144,17 +186,27 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_
         if EARLY_W >= 3:
             w2 = _load_w(w_ptr, offs_n, n_mask, kc, kc < K, stride_wn)
         gdc_wait()
+        if NORM:
+            rstd = _norm_prologue(x_ptr, r_ptr, res_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm,
+                                  stride_om, eps, ROWS_PAD, BLOCK_K, HAS_RES)
         if EARLY_W >= 1:
-            acc = _gemv_tile(acc, w0, x_ptr, offs_m, m_mask, ka, ka < K, K, stride_xm, SILU_MUL)
+            acc = _gemv_tile(acc, w0, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, ka, ka < K, K, stride_xm,
+                             stride_rm, SILU_MUL, NORM, HAS_RES)
         if EARLY_W >= 2:
-            acc = _gemv_tile(acc, w1, x_ptr, offs_m, m_mask, kb, kb < K, K, stride_xm, SILU_MUL)
+            acc = _gemv_tile(acc, w1, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, kb, kb < K, K, stride_xm,
+                             stride_rm, SILU_MUL, NORM, HAS_RES)
         if EARLY_W >= 3:
-            acc = _gemv_tile(acc, w2, x_ptr, offs_m, m_mask, kc, kc < K, K, stride_xm, SILU_MUL)
+            acc = _gemv_tile(acc, w2, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, kc, kc < K, K, stride_xm,
+                             stride_rm, SILU_MUL, NORM, HAS_RES)
+    elif NORM:
+        rstd = _norm_prologue(x_ptr, r_ptr, res_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, stride_om,
+                              eps, ROWS_PAD, BLOCK_K, HAS_RES)
     for k0 in range(EARLY_W * BLOCK_K, K, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < K
         w = _load_w(w_ptr, offs_n, n_mask, k, k_mask, stride_wn)
-        acc = _gemv_tile(acc, w, x_ptr, offs_m, m_mask, k, k_mask, K, stride_xm, SILU_MUL)
+        acc = _gemv_tile(acc, w, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm, stride_rm,
+                         SILU_MUL, NORM, HAS_RES)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -187,28 +239,60 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     silu_mul=True: x is `[rows, 2K]` (gate | up) and the product is `silu_and_mul(x) @ weight.T`, the MLP's down
     projection with its activation folded in (one launch fewer per layer). `tiles`: (BLOCK_N, BLOCK_K, warps),
     by default from `table_for(x.device)` (a GemvLinear passes the ones it resolved when it was swapped in)."""
+    if not ew.use_triton(x) or x.shape[0] == 0:
+        return F.linear(ew.silu_and_mul(x) if silu_mul else x, weight, bias)
+    return _launch(x, weight, bias, tiles, silu_mul=silu_mul)[0]
+
+
+def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's RMSNorm and the projection after it in one launch: `(rms_norm(x + residual) @ weight.T +
+    bias, x + residual)`, to the bit what `ew.fused_add_rms_norm` then `gemv` return (residual None: `ew.rms_norm`
+    then `gemv`, and the residual returned is x). Every program computes the rows' rstd itself (the rows are a few
+    KB, read from L2), so the norm's own launch and its wait in the chain of kernels are gone. The norm weight and
+    the residual must have x's dtype (a bf16 or fp16 model's)."""
+    if not ew.use_triton(x) or x.shape[0] == 0:
+        if residual is None:
+            return F.linear(ew.rms_norm(x, norm_weight, eps), weight, bias), x
+        h, residual = ew.fused_add_rms_norm(x, residual, norm_weight, eps)
+        return F.linear(h, weight, bias), residual
+    if norm_weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+        raise ValueError(f"gemv_rms_norm needs x, residual and norm weight in one dtype, got {x.dtype}, "
+                         f"{None if residual is None else residual.dtype}, {norm_weight.dtype}")
+    return _launch(x, weight, bias, tiles, norm=(residual, norm_weight, eps))
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None,
+            silu_mul: bool = False, norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, k = x.shape
     n = weight.shape[0]
     if silu_mul:
         k //= 2
-    if not ew.use_triton(x) or rows == 0:
-        return F.linear(ew.silu_and_mul(x) if silu_mul else x, weight, bias)
     if rows > GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {rows}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert weight.stride(-1) == 1 and weight.shape[1] == k
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    residual, norm_weight, eps = norm if norm is not None else (None, weight, 0.0)
+    res_out = x  # the residual stream after the norm: x itself when there is no residual to add
+    if residual is not None:
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+        res_out = torch.empty_like(x)
     block_n, block_k, warps = tiles or gemv_config(n, k, table_for(x.device))
     kw = pdl_launch(x)
     early = current_options().gemv_pdl_early_tiles
     early_tiles = min(early, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
+    r = residual if residual is not None else x
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, bias if bias is not None else weight, y, r, norm_weight, res_out, n, k, x.stride(0),
+        weight.stride(0), y.stride(0), r.stride(0), res_out.stride(0), eps,
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, USE_PDL=bool(kw), EARLY_W=early_tiles,
-        num_warps=warps, **kw)
-    return y
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RES=residual is not None,
+        USE_PDL=bool(kw), EARLY_W=early_tiles, num_warps=warps, **kw)
+    return y, (res_out if norm is not None else None)
 
 
 class GemvLinear(nn.Module):
@@ -253,27 +337,74 @@ class GemvMLP(nn.Module):
         return self._mlp_forward(x)
 
 
+class GemvNormLayer(nn.Module):
+    """A decoder layer (models/decoder.py's DecoderLayer: input_layernorm, self_attn, post_attention_layernorm,
+    mlp) whose few-row calls run each RMSNorm inside the GEMV after it (`gemv_rms_norm`): two launches a layer
+    fewer in a decode step, with the same outputs to the bit. Holds the same submodules under the same names;
+    more rows, or a projection the table left to cuBLAS, run the layer's own forward."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = layer.input_layernorm
+        self.self_attn = layer.self_attn
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.mlp = layer.mlp
+        self._layer_forward = layer.forward  # a bound method, not a submodule (as GemvMLP's)
+
+    def forward(self, x, residual, positions, rotary, attn):
+        a, mlp = self.self_attn, self.mlp
+        t = x.shape[0]
+        if x.dim() != 2 or not _takes_gemv(a.qkv_proj, t):
+            return self._layer_forward(x, residual, positions, rotary, attn)
+        norm = self.input_layernorm
+        qkv, residual = gemv_rms_norm(x, residual, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias,
+                                      a.qkv_proj.tiles)
+        # the rest of Attention.forward (models/decoder.py), after its projection
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = q.view(t, a.num_q_heads, a.head_dim)
+        k = k.view(t, a.num_kv_heads, a.head_dim)
+        v = v.view(t, a.num_kv_heads, a.head_dim)
+        q, k = rotary(q, k, positions, a.q_norm, a.k_norm)
+        h = a.o_proj(attn.forward(q, k, v, a.layer_id).reshape(t, a.q_size))
+        norm = self.post_attention_layernorm
+        if isinstance(mlp, GemvMLP) and _takes_gemv(mlp.gate_up_proj, t) and t <= mlp.max_rows:
+            gate_up, residual = gemv_rms_norm(h, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, None,
+                                              mlp.gate_up_proj.tiles)
+            return gemv(gate_up, mlp.down_proj.weight, silu_mul=True, tiles=mlp.down_proj.tiles), residual
+        h, residual = norm(h, residual)
+        return mlp(h), residual
+
+
+def _takes_gemv(linear: nn.Module, rows: int) -> bool:
+    return isinstance(linear, GemvLinear) and rows <= linear.max_rows
+
+
 def _gemv_shape(linear: nn.Module, table: GemvTable) -> bool:
     return type(linear) is nn.Linear and gemv_max_rows(*linear.weight.shape, table) > 0
 
 
 def use_gemv(model: nn.Module, fold: tuple[type, ...] = (), max_rows: int = GEMV_MAX_ROWS,
-             table: GemvTable | None = None) -> int:
+             table: GemvTable | None = None, norm_fold: tuple[type, ...] = ()) -> int:
     """Swap every plain `nn.Linear` under `model` for a GemvLinear, except shapes the table gives to cuBLAS, and
     every module whose class is in `fold` (decoder MLPs: gate_up_proj, SiLU-and-mul, down_proj) for a GemvMLP;
-    returns how many matmuls now take the GEMV. `table`: by default `table_for` the model's device under the
-    kernel options in force. Subclasses of nn.Linear (e.g. tensor-parallel linears) are left alone: their forward
-    does more than the matmul."""
+    returns how many matmuls now take the GEMV. Modules whose class is in `norm_fold` (decoder layers) become
+    GemvNormLayers around their swapped insides (the kernel option `gemv_norm_fold`). `table`: by default
+    `table_for` the model's device under the kernel options in force. Subclasses of nn.Linear (e.g.
+    tensor-parallel linears) are left alone: their forward does more than the matmul."""
     if table is None:
         weight = next(model.parameters(), None)
         table = table_for(weight.device) if weight is not None else NO_TABLE
-    return _swap(model, fold, max_rows, table)
+    return _swap(model, fold, max_rows, table, norm_fold)
 
 
-def _swap(model: nn.Module, fold: tuple[type, ...], max_rows: int, table: GemvTable) -> int:
+def _swap(model: nn.Module, fold: tuple[type, ...], max_rows: int, table: GemvTable,
+          norm_fold: tuple[type, ...] = ()) -> int:
     swapped = 0
     for name, child in list(model.named_children()):
-        if (type(child) in fold and _gemv_shape(child.down_proj, table) and child.down_proj.bias is None
+        if type(child) in norm_fold:
+            swapped += _swap(child, fold, max_rows, table)
+            setattr(model, name, GemvNormLayer(child))
+        elif (type(child) in fold and _gemv_shape(child.down_proj, table) and child.down_proj.bias is None
                 and type(child.gate_up_proj) is nn.Linear):
             mlp = GemvMLP(child, max_rows, table)
             setattr(model, name, mlp)
@@ -282,5 +413,5 @@ def _swap(model: nn.Module, fold: tuple[type, ...], max_rows: int, table: GemvTa
             setattr(model, name, GemvLinear(child, max_rows, table))
             swapped += 1
         else:
-            swapped += _swap(child, fold, max_rows, table)
+            swapped += _swap(child, fold, max_rows, table, norm_fold)
     return swapped
