@@ -415,11 +415,10 @@ def kernels(*flags: str) -> dict:
     return child_check("lab.checks.kernels", *flags)
 
 
-def pdl_tokens(model: str = "qwen3-0.6b", new_tokens: int = 300) -> dict:
-    """Tokens with PDL on (graphs), on without CUDA graphs, and off: batch 1 (two prompts, each alone: the GEMV
-    path) and batch 8, greedy and seeded top-k/top-p sampling. PDL changes no arithmetic, so every run must give
-    PDL off's tokens exactly."""
-    from minisgl.kernels import pdl
+def same_tokens(model: str, runs: dict[str, tuple[dict, dict]], reference: str, new_tokens: int = 300) -> dict:
+    """Each run (label: (settings, kernel options)) on a fresh engine: batch 1 (two prompts, each alone: the GEMV
+    path) and batch 8, greedy and seeded top-k/top-p sampling; every run's tokens against the `reference` run's,
+    request by request (`ok`: all the same), with where each first differs."""
     rng = random.Random(10)
     prompts = [[rng.randint(0, 150000) for _ in range(rng.randint(50, 400))] for _ in range(8)]
     greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -428,29 +427,54 @@ def pdl_tokens(model: str = "qwen3-0.6b", new_tokens: int = 300) -> dict:
 
     def body(llm) -> dict:
         toks = {"bs1_greedy": [llm.generate([p], greedy, progress=False)[0].token_ids for p in prompts[:2]],
+                "bs1_sampled": [llm.generate([p], sp, progress=False)[0].token_ids
+                                for p, sp in zip(prompts[:2], sampled)],
                 "bs8_greedy": [o.token_ids for o in llm.generate(prompts, greedy, progress=False)],
                 "bs8_sampled": [o.token_ids for o in llm.generate(prompts, sampled, progress=False)]}
-        with use_options(llm.config.kernels):  # what a launch of this engine gets
-            active = bool(pdl.pdl_launch(next(llm.engine.runner.model.parameters())))
-        return {"pdl_enabled": llm.config.kernels.pdl, "pdl_active": active,
-                "graph_steps": llm.engine.stats["graph_steps"], "decode_steps": llm.engine.stats["decode_steps"],
-                "tokens": toks}
+        return {"kernel_options": kernel_record(llm), "graph_steps": llm.engine.stats["graph_steps"],
+                "decode_steps": llm.engine.stats["decode_steps"], "tokens": toks}
 
-    runs = {label: with_engine(model, body, settings, kernel, max_model_len=4096, kv_memory_fraction=0.3)
-            for label, settings, kernel in (("no_pdl", {}, {"pdl": False}), ("pdl", {}, {}),
-                                            ("pdl_no_graph", {"cuda_graph": False}, {}))}
-    ref = runs["no_pdl"]["tokens"]
+    results = {label: with_engine(model, body, settings, kernel, max_model_len=4096, kv_memory_fraction=0.3)
+               for label, (settings, kernel) in runs.items()}
+    ref = results[reference]["tokens"]
     out = {}
-    for label, r in runs.items():
+    for label, r in results.items():
         same = {k: [a == b for a, b in zip(v, ref[k])] for k, v in r["tokens"].items()}
         first_diff = {k: [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                           for a, b in zip(v, ref[k])] for k, v in r["tokens"].items()}
-        out[label] = {**{k: v for k, v in r.items() if k != "tokens"}, "same_as_no_pdl": same,
+        out[label] = {**{k: v for k, v in r.items() if k != "tokens"}, f"same_as_{reference}": same,
                       "first_divergence": first_diff}
-        log("pdl_tokens", label, {k: v for k, v in out[label].items() if k != "first_divergence"})
-    out["ok"] = (all(all(all(v) for v in o["same_as_no_pdl"].values()) for o in out.values())
-                 and out["pdl"]["pdl_active"] and not out["no_pdl"]["pdl_enabled"])
+        log("same_tokens", label, {k: v for k, v in out[label].items() if k != "first_divergence"})
+    out["ok"] = all(all(all(v) for v in o[f"same_as_{reference}"].values()) for o in out.values())
     return out
+
+
+def pdl_tokens(model: str = "qwen3-0.6b") -> dict:
+    """Tokens with PDL on (graphs), on without CUDA graphs, and off. PDL changes no arithmetic, so every run must
+    give PDL off's tokens exactly."""
+    from minisgl.kernels import pdl
+    out = same_tokens(model, {"no_pdl": ({}, {"pdl": False}), "pdl": ({}, {}),
+                              "pdl_no_graph": ({"cuda_graph": False}, {})}, "no_pdl")
+
+    def active(llm) -> bool:
+        with use_options(llm.config.kernels):  # what a launch of this engine gets
+            return bool(pdl.pdl_launch(next(llm.engine.runner.model.parameters())))
+
+    out["pdl_active"] = with_engine(model, active, max_model_len=4096, kv_memory_fraction=0.3)
+    out["ok"] = out["ok"] and out["pdl_active"] and not out["no_pdl"]["kernel_options"]["pdl"]
+    return out
+
+
+def norm_fold(model: str, rounds: int = 2) -> dict:
+    """The kernel option gemv_norm_fold (kernels/gemv.py, GemvNormLayer): tokens with it off and on (eager and
+    under CUDA graphs; the fold changes no arithmetic, so they must be the same), then W2 with it off and on,
+    interleaved `rounds` times."""
+    fold = {"gemv_norm_fold": True}
+    tokens = same_tokens(model, {"off": ({}, {}), "on": ({}, fold), "on_no_graph": ({"cuda_graph": False}, fold)},
+                         "off")
+    runs = Bench(model, (Arm("off", ("w2",)), Arm("on", ("w2",), kernel=fold,
+                                                   about="RMSNorms folded into the GEMVs")), rounds)()
+    return {"tokens": tokens, "runs": runs, "ok": tokens["ok"]}
 
 
 def pdl_check() -> dict:
@@ -599,6 +623,9 @@ SECTIONS: dict[str, Section] = {
     "early_ab8": section(early_tiles("qwen3-8b", (1, 3), rounds=1)),
     "wide_ab06": section(lambda: wide_gemv_ab("qwen3-0.6b"),
                          "Qwen3-0.6B: the GEMV tuned with wide K tiles, then W2 with three GEMV tables"),
+    "fold06": section(lambda: norm_fold("qwen3-0.6b"),
+                      "Qwen3-0.6B: tokens and W2 with the RMSNorms folded into the GEMVs, off and on"),
+    "fold8": section(lambda: norm_fold("qwen3-8b", rounds=1), "the same on Qwen3-8B, one round"),
     "wide_ab8": section(lambda: wide_gemv_ab("qwen3-8b"), "the same on Qwen3-8B"),
     # GPU self-checks
     "kernels": section(kernels, "Triton kernels against torch references (lab.checks.kernels)"),

@@ -104,6 +104,10 @@ class KernelOptions:
                                     "merge the decode attention's splits in its first launch (the last program "
                                     "of a request merges) instead of a second launch (kernels/attention.py)",
                                     enable=True)
+    gemv_norm_fold: bool = _opt(False, "--enable-gemv-norm-fold",
+                                "a decode step's RMSNorms run inside the GEMV after each (two launches a layer "
+                                "fewer, the same outputs to the bit; kernels/gemv.py, GemvNormLayer; dense models, "
+                                "one GPU)", enable=True)
     mixed_decode_split: bool = _opt(True, "--disable-mixed-decode-split",
                                     "a mixed step's decode rows go through the extend kernel with the prefill "
                                     "chunks instead of the decode kernel (attention/triton_backend.py)",

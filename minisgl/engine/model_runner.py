@@ -186,9 +186,11 @@ class ModelRunner:
         self.gemv_linears = 0
         if config.gemv and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16):
             from minisgl.kernels.gemv import use_gemv
+            from minisgl.models.decoder import DecoderLayer
             from minisgl.models.layers import MLP
             # few-row matmuls stream the weights (kernels/gemv.py); more rows stay cuBLAS
-            self.gemv_linears = use_gemv(self.model, fold=(MLP,))
+            norm_fold = (DecoderLayer,) if config.kernels.gemv_norm_fold and self.tp is None else ()
+            self.gemv_linears = use_gemv(self.model, fold=(MLP,), norm_fold=norm_fold)
         lap("load")
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.page_size = config.page_size
