@@ -214,8 +214,12 @@ class EngineConfig:
     prefill_graph_max_tokens: int = _opt(4096, "--prefill-graph-max-tokens",
                                          "largest prefill/extend step (tokens) replayed as a CUDA graph; token "
                                          "buckets 16, 32, ... up to it; 0 = off")
-    prefill_graph_max_reqs: int = _opt(16, "--prefill-graph-max-reqs",
-                                       "most requests in a prefill/extend step replayed as a CUDA graph")
+    # 64, not 16: a server's mixed steps carry a prompt beside every running stream, and at 24 req/s on the H200
+    # more than 16 streams ran at times; those steps went eager, took 40-55 ms on a slow host and let more streams
+    # pile up (reports/h200/run22: every token gap over 10 ms fell while more than 16 requests ran)
+    prefill_graph_max_reqs: int = _opt(64, "--prefill-graph-max-reqs",
+                                       "most requests in a prefill/extend step replayed as a CUDA graph (request "
+                                       "buckets 1, 4, 16, 64, ... up to it)")
     kernel_warmup: bool = _opt(True, "--disable-kernel-warmup",
                                "engine start compiles only what the CUDA-graph captures launch, one kernel after "
                                "another; the eager steps' Triton variants compile inside the first workload "
