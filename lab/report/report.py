@@ -503,6 +503,8 @@ SERVING_FIGURES = (("median_ttft_ms", "median TTFT ms", 1), ("p99_ttft_ms", "P99
                    ("median_tpot_ms", "median TPOT ms", 2), ("median_itl_ms", "median ITL ms", 2),
                    ("p99_itl_ms", "P99 ITL ms", 1), ("output_throughput", "output tok/s", 0))
 SERVING_CHART = ("median_ttft_ms", "median_tpot_ms", "p99_itl_ms")
+# the lease calls whose serve-bench runs both servers on the same machine (lab/lease.py): the newest one is shown
+SERVING_SECTIONS = ("serving", "settle24")
 
 
 def serving(page: Page) -> list[str]:
@@ -510,9 +512,10 @@ def serving(page: Page) -> list[str]:
     client, the latency-against-rate curve, and the server's all-at-once rate against the offline engine's on the
     same requests. The server's code counts here, so the section says when it changed after the run (the
     headline's freshness check leaves the server out)."""
-    run = page.sources.result("serving")
-    if run is None:
+    runs = [r for r in map(page.sources.result, SERVING_SECTIONS) if r is not None]
+    if not runs:
         return []
+    run = max(runs, key=lambda r: r.time_utc)
     servers = {name: s["results"] for name, s in run.result.get("servers", {}).items() if s.get("results")}
     loads = run.result.get("loads", {})
     names = sorted(servers, key=lambda n: n != "minisgl")  # minisgl first: the ratio column is minisgl / SGLang
