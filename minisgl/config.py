@@ -107,7 +107,7 @@ class KernelOptions:
     gemv_norm_fold: bool = _opt(False, "--enable-gemv-norm-fold",
                                 "a decode step's RMSNorms run inside the GEMV after each (two launches a layer "
                                 "fewer, the same outputs to the bit; kernels/gemv.py, GemvNormLayer; dense models, "
-                                "one GPU)", enable=True)
+                                "one GPU; 0.6-1.1% slower on an H100, reports/h100/run22)", enable=True)
     mixed_decode_split: bool = _opt(True, "--disable-mixed-decode-split",
                                     "a mixed step's decode rows go through the extend kernel with the prefill "
                                     "chunks instead of the decode kernel (attention/triton_backend.py)",

@@ -17,6 +17,11 @@ tile table is the kernel option `gemv_configs` or the GPU's tuned table, resolve
 so each keeps its engine's tiles. Like the other kernel modules, CPU tensors take the torch path unless the kernel
 option `triton_on_cpu` is on (then the Triton interpreter).
 
+`GemvNormLayer` (the kernel option `gemv_norm_fold`, off by default) goes one step further: a decoder layer's
+RMSNorms run inside the GEMV after each (`gemv_rms_norm`: every program computes the rows' rstd itself), the
+same outputs to the bit. Measured on an H100 it made batch-1 decode 0.6-1.1% slower (reports/h100/run22): the
+launch it saves costs less than reading the rows twice more in every program.
+
 With programmatic dependent launch (kernels/pdl.py) the GEMV may start while the kernel before it still runs. It
 waits for it before reading x or writing y, but it loads its first weight tiles *before* the wait (up to the kernel
 option `gemv_pdl_early_tiles` of them), so the weight stream overlaps the predecessor's tail: the weights are
