@@ -22,6 +22,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -415,10 +416,12 @@ def kernels(*flags: str) -> dict:
     return child_check("lab.checks.kernels", *flags)
 
 
-def same_tokens(model: str, runs: dict[str, tuple[dict, dict]], reference: str, new_tokens: int = 300) -> dict:
+def same_tokens(model: str, runs: dict[str, tuple[dict, dict]], reference: str, new_tokens: int = 300,
+                probe: Callable[[Any], dict] | None = None) -> dict:
     """Each run (label: (settings, kernel options)) on a fresh engine: batch 1 (two prompts, each alone: the GEMV
     path) and batch 8, greedy and seeded top-k/top-p sampling; every run's tokens against the `reference` run's,
-    request by request (`ok`: all the same), with where each first differs."""
+    request by request (`ok`: all the same), with where each first differs. `probe(llm)`: more of each engine's
+    record, read while it is up."""
     rng = random.Random(10)
     prompts = [[rng.randint(0, 150000) for _ in range(rng.randint(50, 400))] for _ in range(8)]
     greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -432,7 +435,7 @@ def same_tokens(model: str, runs: dict[str, tuple[dict, dict]], reference: str, 
                 "bs8_greedy": [o.token_ids for o in llm.generate(prompts, greedy, progress=False)],
                 "bs8_sampled": [o.token_ids for o in llm.generate(prompts, sampled, progress=False)]}
         return {"kernel_options": kernel_record(llm), "graph_steps": llm.engine.stats["graph_steps"],
-                "decode_steps": llm.engine.stats["decode_steps"], "tokens": toks}
+                "decode_steps": llm.engine.stats["decode_steps"], **(probe(llm) if probe else {}), "tokens": toks}
 
     results = {label: with_engine(model, body, settings, kernel, max_model_len=4096, kv_memory_fraction=0.3)
                for label, (settings, kernel) in runs.items()}
@@ -453,15 +456,14 @@ def pdl_tokens(model: str = "qwen3-0.6b") -> dict:
     """Tokens with PDL on (graphs), on without CUDA graphs, and off. PDL changes no arithmetic, so every run must
     give PDL off's tokens exactly."""
     from minisgl.kernels import pdl
-    out = same_tokens(model, {"no_pdl": ({}, {"pdl": False}), "pdl": ({}, {}),
-                              "pdl_no_graph": ({"cuda_graph": False}, {})}, "no_pdl")
 
-    def active(llm) -> bool:
+    def active(llm) -> dict:
         with use_options(llm.config.kernels):  # what a launch of this engine gets
-            return bool(pdl.pdl_launch(next(llm.engine.runner.model.parameters())))
+            return {"pdl_active": bool(pdl.pdl_launch(next(llm.engine.runner.model.parameters())))}
 
-    out["pdl_active"] = with_engine(model, active, max_model_len=4096, kv_memory_fraction=0.3)
-    out["ok"] = out["ok"] and out["pdl_active"] and not out["no_pdl"]["kernel_options"]["pdl"]
+    out = same_tokens(model, {"no_pdl": ({}, {"pdl": False}), "pdl": ({}, {}),
+                              "pdl_no_graph": ({"cuda_graph": False}, {})}, "no_pdl", probe=active)
+    out["ok"] = out["ok"] and out["pdl"]["pdl_active"] and not out["no_pdl"]["kernel_options"]["pdl"]
     return out
 
 
