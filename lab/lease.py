@@ -642,6 +642,7 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
             if requests_log.is_file():
                 summary["servers"][server]["engine_side"] = engine_side(requests_log, LOGS / f"client_{server}",
                                                                         loads)
+            summary["servers"][server]["client_side"] = client_side(LOGS / f"client_{server}", loads)
             write_serving_summary(out, name, loads, servers, env, summary)
         print(server, summary["servers"][server], flush=True)
     ours = summary["servers"].get("minisgl", {}).get("results", {}).get(OFFLINE_LOAD)
@@ -680,7 +681,49 @@ def engine_side(requests_log: Path, details: Path, loads: list[str]) -> dict:
                      "engine_ttft_ms_p99": sorted(ttft)[min(len(ttft) - 1, int(0.99 * len(ttft)))],
                      "engine_ttft_ms_median_by_arrival_eighth": [statistics.median(e) if e else None
                                                                  for e in eighths],
+                     "from_first_send_ms": from_first_send(reqs, first_send(run)),
                      **long_gaps(reqs)}
+    return out
+
+
+def from_first_send(reqs: list[dict], t0: float | None) -> dict | None:
+    """When the measured requests reached the engine and got their first token, in ms from `t0`, client_side's
+    origin (None without the client's starts)."""
+    reqs = [r for r in reqs if t0 is not None and r["arrival"] >= t0]
+    if not reqs:
+        return None
+    ms = lambda t: 1e3 * (t - t0)  # noqa: E731
+    return {"arrival_first": ms(reqs[0]["arrival"]),
+            "arrival_median": ms(statistics.median(r["arrival"] for r in reqs)), "arrival_max": ms(reqs[-1]["arrival"]),
+            "first_token_median": ms(statistics.median(r["first_token"] for r in reqs))}
+
+
+def first_send(details: dict) -> float | None:
+    """When the run's first measured request started its clock (the client's `starts`, the warm-up's dropped)."""
+    starts = details.get("starts") or []
+    return min(t for t, _ in starts[1:]) if len(starts) > 1 else None
+
+
+def client_side(details: Path, loads: list[str]) -> dict:
+    """{load: the client's own timeline}, from lab.serve_client's details (any server): in ms from the first
+    measured request's start, when the requests started their clocks (a burst's tasks start one after another
+    on the client's one event loop) and when their first tokens reached it. Beside minisgl's engine_side (the same
+    origin): the client's share, the front's intake, the engine, the way back."""
+    out = {}
+    for load in loads:
+        path = Path(f"{details}_{load}.json")
+        if not path.is_file():
+            continue
+        run = json.loads(path.read_text())
+        t0 = first_send(run)
+        if t0 is None:
+            continue
+        starts = [t for t, _ in run["starts"][1:]]
+        firsts = sorted(1e3 * (t + ttft - t0) for t, ttft in run["starts"][1:] if ttft)
+        out[load] = {"requests": len(starts), "sends_ms_median": 1e3 * (statistics.median(starts) - t0),
+                     "sends_ms_max": 1e3 * (max(starts) - t0),
+                     "first_token_ms_median": statistics.median(firsts) if firsts else None,
+                     "first_token_ms_max": firsts[-1] if firsts else None}
     return out
 
 

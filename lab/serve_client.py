@@ -20,6 +20,8 @@ when it raised).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import sys
 import time
@@ -40,17 +42,45 @@ def recording(get_dataset, into: list):
 
 def per_request(benchmark, into: list):
     """`benchmark` (the client's coroutine) that also keeps each request's TTFT and lengths, in the order the
-    requests were sent (the JSONL line has only percentiles), and when the run started and ended: where a burst's
-    first tokens went."""
+    requests were sent (the JSONL line has only percentiles), when the run started and ended, and when each
+    request's clock started (`starts`: the client takes it in the request's task, just before the POST, after its
+    warm-up request and a one-second pause; on the server's clock), in the order the requests finished: where a
+    burst's first tokens went, the client's own share included."""
 
     async def benchmark_and_keep(*args, **kwargs):
         started = time.perf_counter()  # the server's --request-log clock (CLOCK_MONOTONIC, one machine)
-        result = await benchmark(*args, **kwargs)
+        starts: list[list[float]] = []
+        with request_clocks(starts):
+            result = await benchmark(*args, **kwargs)
         into.append({**{k: result.get(k) for k in ("ttfts", "input_lens", "output_lens")}, "started": started,
-                     "ended": time.perf_counter()})
+                     "ended": time.perf_counter(), "starts": starts})
         return result
 
     return benchmark_and_keep
+
+
+@contextlib.contextmanager
+def request_clocks(into: list):
+    """While open, every request function of the client also appends [its start, its TTFT] to `into` (the
+    output's own `start_time` and `ttft`; the warm-up request's included, first)."""
+    from sglang.benchmark import serving
+
+    real = dict(serving.ASYNC_REQUEST_FUNCS)
+
+    def keeping(fn):
+        @functools.wraps(fn)
+        async def run(*args, **kwargs):
+            out = await fn(*args, **kwargs)
+            if getattr(out, "start_time", None) is not None:
+                into.append([out.start_time, out.ttft])
+            return out
+        return run
+
+    serving.ASYNC_REQUEST_FUNCS.update({k: keeping(fn) for k, fn in real.items()})
+    try:
+        yield
+    finally:
+        serving.ASYNC_REQUEST_FUNCS.update(real)
 
 
 def run_loads(runs: list[dict], status_path: str, keep: str | None = None, keep_out: str | None = None,

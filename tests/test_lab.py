@@ -402,8 +402,15 @@ from types import SimpleNamespace
 def get_dataset(args, tokenizer, model_id=None):
     return [SimpleNamespace(prompt="two words", output_len=4), SimpleNamespace(prompt=[5, 6, 7], output_len=2)]
 
+async def request(row, i):
+    return SimpleNamespace(start_time=1000.0 + i, ttft=0.01 * (i + 1))
+
+ASYNC_REQUEST_FUNCS = {"vllm": request}
+
 async def benchmark(rows, rate):
-    return {"completed": len(rows), "ttfts": [0.01 * (i + 1) for i in range(len(rows))],
+    request_func = ASYNC_REQUEST_FUNCS["vllm"]  # looked up per run, as the real client does
+    outs = [await request_func(row, i) for i, row in enumerate(rows)]
+    return {"completed": len(rows), "ttfts": [o.ttft for o in outs],
             "input_lens": [2, 3], "output_lens": [r.output_len for r in rows], "itls": [[0.001]] * len(rows)}
 
 def cli_main():
@@ -455,6 +462,7 @@ def test_serve_bench_runs_the_client_once_a_server_and_the_offline_engine_on_the
     # each load's TTFTs, request by request, in the call's logs (the JSONL line has only percentiles)
     details = json.loads((tmp_path / "logs" / "client_minisgl_burst.json").read_text())
     started, ended = details.pop("started"), details.pop("ended")
+    assert details.pop("starts") == [[1000.0, 0.01], [1001.0, 0.02]]  # each request's clock and TTFT
     assert details == {"ttfts": [0.01, 0.02], "input_lens": [2, 3], "output_lens": [4, 2]} and started <= ended
     assert not (tmp_path / "logs" / "client_minisgl_rate99.json").exists()
 
@@ -484,6 +492,26 @@ def test_engine_side_splits_the_request_log_by_the_clients_runs(tmp_path):
     assert burst["engine_itl_ms_p99"] == pytest.approx(20.0) and burst["long_gap_ms_max"] == pytest.approx(50.0)
     assert (burst["long_gaps"], burst["long_gaps_with_an_arrival"]) == (3, 1)
     assert got["rate24"]["engine_itl_ms_p99"] is None and got["rate24"]["long_gaps"] == 0
+
+
+def test_the_client_side_and_the_engine_side_share_the_first_measured_send_as_origin(tmp_path):
+    """The client's starts (the warm-up's first, dropped) give the origin: when the requests started their clocks
+    and got their first tokens on the client, and when they reached the engine and got them there."""
+    starts = [[90.0, 0.01]] + [[100.0 + 0.01 * i, 0.5] for i in range(4)]  # the warm-up, then 4 sent 10 ms apart
+    (tmp_path / "client_x_burst.json").write_text(json.dumps({"started": 89.0, "ended": 110.0, "starts": starts}))
+    (tmp_path / "client_x_rate24.json").write_text(json.dumps({"started": 200.0, "ended": 210.0}))  # no starts
+    got = lease.client_side(tmp_path / "client_x", ["burst", "rate24"])
+    assert set(got) == {"burst"} and got["burst"]["requests"] == 4
+    burst = got["burst"]
+    assert burst["sends_ms_median"] == pytest.approx(15.0) and burst["sends_ms_max"] == pytest.approx(30.0)
+    assert burst["first_token_ms_median"] == pytest.approx(515.0)
+    log = tmp_path / "requests.jsonl"
+    lines = [{"rid": 0, "arrival": 90.001, "first_token": 90.005}]  # the warm-up's
+    lines += [{"rid": i + 1, "arrival": 100.2 + 0.01 * i, "first_token": 100.4 + 0.01 * i} for i in range(4)]
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    side = lease.engine_side(log, tmp_path / "client_x", ["burst"])["burst"]["from_first_send_ms"]
+    assert side == pytest.approx({"arrival_first": 200.0, "arrival_median": 215.0, "arrival_max": 230.0,
+                                  "first_token_median": 415.0})
 
 
 def test_the_offline_run_takes_the_kept_requests_text_or_ids(tmp_path, monkeypatch, qwen3_tok_path):
