@@ -515,7 +515,7 @@ def run_call(name: str, out: str, commit: str | None, only: set[str] | None = No
 SERVE_MODEL = "/tmp/serving-model"
 SERVE_SITE = Path("/tmp/site-serve")  # the kit's serving.sh unpacks the `serve` half there (its stamp: .done)
 MINISGL_SERVE = [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODEL, "--load-format", "dummy",
-                 "--host", "127.0.0.1", "--port", "{port}", "--request-log", "{requests}"]
+                 "--host", "127.0.0.1", "--port", "{port}", "--request-log", "{requests}", "--step-log", "{steps}"]
 SERVERS = {
     "minisgl": MINISGL_SERVE,
     # twice the prefill tokens a step (SGLang on this card: chunk 8192, max_prefill_tokens 16384): fewer, longer
@@ -618,8 +618,10 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
     kept = os.path.join(LOGS, f"{name}_{OFFLINE_LOAD}_requests.json")
     for port, server in enumerate(servers, start=30001):
         requests_log = LOGS / f"requests_{server}.jsonl"  # minisgl's --request-log (engine_side reads it)
+        steps_log = LOGS / f"steps_{server}.jsonl"  # and its --step-log (step_side)
         requests_log.unlink(missing_ok=True)
-        argv = [a.format(port=port, requests=requests_log) for a in SERVERS[server]]
+        steps_log.unlink(missing_ok=True)
+        argv = [a.format(port=port, requests=requests_log, steps=steps_log) for a in SERVERS[server]]
         jsonl = os.path.join(out, f"{name}_{server}.jsonl")
         if port_answers(port):
             summary["servers"][server] = {"command": argv, "ready_s": None, "runs": [], "results": {},
@@ -642,6 +644,8 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
             if requests_log.is_file():
                 summary["servers"][server]["engine_side"] = engine_side(requests_log, LOGS / f"client_{server}",
                                                                         loads)
+            if steps_log.is_file():
+                summary["servers"][server]["step_side"] = step_side(steps_log, LOGS / f"client_{server}", loads)
             summary["servers"][server]["client_side"] = client_side(LOGS / f"client_{server}", loads)
             write_serving_summary(out, name, loads, servers, env, summary)
         print(server, summary["servers"][server], flush=True)
@@ -683,6 +687,43 @@ def engine_side(requests_log: Path, details: Path, loads: list[str]) -> dict:
                                                                  for e in eighths],
                      "from_first_send_ms": from_first_send(reqs, first_send(run)),
                      **long_gaps(reqs)}
+    return out
+
+
+def step_side(steps_log: Path, details: Path, loads: list[str]) -> dict:
+    """{load: the engine's steps in the client's run window}, from minisgl's --step-log: how the steps ran (CUDA
+    graph or eager), how long a loop turn took (until the next turn) in steps that prefilled and in those that only
+    decoded, and the prompt tokens a second through the prefill phase (its first prompt step to its last one's
+    end): a burst's engine time, step by step."""
+    steps = [json.loads(line) for line in steps_log.read_text().splitlines() if line.strip()]
+    out = {}
+    for load in loads:
+        path = Path(f"{details}_{load}.json")
+        if not path.is_file():
+            continue
+        run = json.loads(path.read_text())
+        if run.get("started") is None:
+            continue
+        window = [s for s in steps if run["started"] <= s["t"] <= run["ended"]]
+        turns = [(s, 1e3 * (b["t"] - s["t"])) for s, b in zip(window, window[1:]) if "reqs" in s]
+        if not turns:
+            continue
+        prompt = [(s, ms) for s, ms in turns if s["prompt_tokens"]]
+        decode = [ms for s, ms in turns if not s["prompt_tokens"]]
+        kinds: dict[str, int] = {}
+        for s, _ in turns:
+            kinds[s["kind"]] = kinds.get(s["kind"], 0) + 1
+        phase_s = (prompt[-1][0]["t"] + prompt[-1][1] / 1e3 - prompt[0][0]["t"]) if prompt else 0.0
+        median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        out[load] = {"steps": len(turns), "kinds": kinds, "prompt_steps": len(prompt),
+                     "prompt_turn_ms_median": median([ms for _, ms in prompt]),
+                     "prompt_step_decode_rows_median": median([s["decode_rows"] for s, _ in prompt]),
+                     "prompt_step_tokens_median": median([s["prompt_tokens"] for s, _ in prompt]),
+                     "prompt_kinds": {k: sum(1 for s, _ in prompt if s["kind"] == k) for k in kinds},
+                     "prompt_tok_s": sum(s["prompt_tokens"] for s, _ in prompt) / phase_s if phase_s else None,
+                     "decode_turn_ms_median": median(decode),
+                     "host_ms_median": median([s["drain_ms"] + s["news_ms"] for s, _ in turns]),
+                     "step_call_ms_median": median([s["step_ms"] for s, _ in turns])}
     return out
 
 

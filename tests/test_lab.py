@@ -514,6 +514,27 @@ def test_the_client_side_and_the_engine_side_share_the_first_measured_send_as_or
                                   "first_token_median": 415.0})
 
 
+def test_step_side_splits_the_step_log_into_prefill_and_decode_turns(tmp_path):
+    """--step-log lines in the client's run window: two prefill steps of 8192 prompt tokens 50 ms apart, then decode
+    steps 10 ms apart; a turn that launched nothing is skipped; the steps before the run are not its."""
+    log = tmp_path / "steps.jsonl"
+
+    def step(t, prompt, rows, kind):
+        return {"t": t, "drain_ms": 0.1, "step_ms": 1.0, "news_ms": 0.4, "running": rows, "waiting": 0,
+                "reqs": rows + (prompt > 0), "decode_rows": rows, "prompt_tokens": prompt, "kind": kind}
+
+    lines = [step(5.0, 100, 0, "eager"), step(100.0, 8192, 10, "eager"), step(100.05, 8192, 20, "eager")]
+    lines += [step(100.1 + 0.01 * i, 0, 30, "graph") for i in range(5)]
+    lines.insert(4, {"t": 100.105, "drain_ms": 0.0, "step_ms": 0.0, "news_ms": 0.1, "running": 0, "waiting": 0})
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (tmp_path / "client_x_burst.json").write_text(json.dumps({"started": 99.0, "ended": 101.0}))
+    got = lease.step_side(log, tmp_path / "client_x", ["burst", "rate24"])["burst"]
+    assert got["steps"] == 6 and got["kinds"] == {"eager": 2, "graph": 4}  # the last step has no next turn
+    assert got["prompt_steps"] == 2 and got["prompt_turn_ms_median"] == pytest.approx(50.0)
+    assert got["prompt_tok_s"] == pytest.approx(2 * 8192 / 0.1) and got["prompt_step_decode_rows_median"] == 15
+    assert got["decode_turn_ms_median"] == pytest.approx(10.0, abs=0.01) and got["host_ms_median"] == pytest.approx(0.5)
+
+
 def test_the_offline_run_takes_the_kept_requests_text_or_ids(tmp_path, monkeypatch, qwen3_tok_path):
     """What the offline half of serve-bench runs: the kept requests (random-ids prompts come as text, which the
     engine tokenizes as the server does), greedy, each to its length; every output token counted."""

@@ -407,10 +407,12 @@ def test_non_stream_disconnect_aborts(http, server):
 # --- command line --------------------------------------------------------------------------------------
 def test_request_log(model_path, tmp_path):
     """`--request-log`: the engine process writes a line per finished request, its times in order on the clock of
-    time.perf_counter (the test's own, on the same machine), its token counts as the client sees them."""
-    log = tmp_path / "requests.jsonl"
+    time.perf_counter (the test's own, on the same machine), its token counts as the client sees them.
+    `--step-log`: a line per step, on the same clock; its prompt tokens and decode rows add up to the requests'."""
+    log, step_log = tmp_path / "requests.jsonl", tmp_path / "steps.jsonl"
     t0 = time.perf_counter()
-    srv = ServerThread(build_state(model_path, served_model_name="tiny", request_log=str(log), **ENGINE_KW)).start()
+    srv = ServerThread(build_state(model_path, served_model_name="tiny", request_log=str(log),
+                                   step_log=str(step_log), **ENGINE_KW)).start()
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as client:
             usage = [client.post("/v1/completions", json={"model": "tiny", "prompt": list(range(5 + i, 12 + 2 * i)),
@@ -427,6 +429,13 @@ def test_request_log(model_path, tmp_path):
         assert r["gaps"] == r["output_tokens"] - 1 and all(r["first_token"] < end <= r["finish"] and gap > 0.01
                                                            for end, gap in r["long_gaps"]), r
     assert lines[0]["finish"] <= lines[1]["arrival"], "the requests were sent one after the other"
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    assert all(t0 < s["t"] < t1 and min(s["drain_ms"], s["step_ms"], s["news_ms"]) >= 0 for s in steps), steps
+    launched = [s for s in steps if "reqs" in s]
+    assert sum(s["prompt_tokens"] for s in launched) == sum(r["prompt_tokens"] - r["cached_tokens"] for r in lines)
+    # the first token of each comes from its prefill
+    assert sum(s["decode_rows"] for s in launched) == sum(r["output_tokens"] - 1 for r in lines) == (3 - 1) + (4 - 1)
+    assert all(s["kind"] in ("eager", "prefill_graph", "graph", "graph_pieces") for s in launched)
 
 
 def test_serve_args():

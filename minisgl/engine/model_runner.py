@@ -240,6 +240,10 @@ class ModelRunner:
         lap("decode_graphs")
         # --- prefill graphs (engine/prefill_graph.py): extend steps replayed per token bucket ---
         self.prefill_graph = None
+        # the last step's batch and how it ran: "graph", "graph_pieces", "prefill_graph" or "eager" (read by a
+        # server's --step-log)
+        self.last_batch: Batch | None = None
+        self.last_step_kind = ""
         if self.graph_runner is not None and prefill_graphs:
             from minisgl.engine.prefill_graph import build_prefill_graphs, graph_pool_of
             self.prefill_graph = build_prefill_graphs(self, config.prefill_graph_max_tokens,
@@ -397,6 +401,7 @@ class ModelRunner:
                 self._forward(batch, writes)
 
     def _forward(self, batch: Batch, writes: tuple[np.ndarray, int] | None = None) -> StepOutput:
+        self.last_batch = batch
         shape = self.prefill_graph.shape_for(batch) if self.prefill_graph is not None else None
         input_ids, positions, meta, logit_idx, sampling, token_dst = self.prepare(batch, pad_to=shape, writes=writes)
         self.runtime.before_step(batch)  # e.g. a hybrid's admitted requests start from zeros or a snapshot
@@ -406,14 +411,18 @@ class ModelRunner:
                                            processing)
         in_graph = self.graph_runner is not None and self.graph_runner.can_run(batch)
         if in_graph:  # one replay: forward, sampler and token-table write (`tokens` is a view, copied below)
+            self.last_step_kind = "graph"
             tokens = self.graph_runner.run(input_ids, positions, meta, sampling, token_dst=token_dst)
         elif (self.graph_runner is not None and batch.is_decode and len(batch.sample_rows) == batch.size
               and self.config.cuda_graph_split):  # every row samples (see CudaGraphRunner.can_run)
+            self.last_step_kind = "graph_pieces"
             tokens = run_in_pieces(self.graph_runner, input_ids, positions, meta, sampling)  # engine/graph_pieces.py
         elif shape is not None:  # prefill graph (engine/prefill_graph.py)
+            self.last_step_kind = "prefill_graph"
             logits = self.prefill_graph.run(shape, input_ids, positions, meta, logit_idx, len(batch.sample_rows))
             tokens = sample(logits, sampling)
         else:
+            self.last_step_kind = "eager"
             self.attn.prepare(meta)
             tokens = sample(self.model(input_ids, positions, self.attn, logit_idx), sampling)
         self.runtime.after_step(batch)  # e.g. a hybrid's snapshots of the state after this step
@@ -477,10 +486,13 @@ class ModelRunner:
     def _forward_processed(self, batch: Batch, shape, input_ids, positions, meta, logit_idx, sampling, token_dst,
                            processing: LogitsProcessing) -> StepOutput:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):  # the forward alone, replayed
+            self.last_step_kind = "graph"
             logits = self.graph_runner.run(input_ids, positions, meta, replace(sampling, processed=True))
         elif shape is not None:
+            self.last_step_kind = "prefill_graph"
             logits = self.prefill_graph.run(shape, input_ids, positions, meta, logit_idx, len(batch.sample_rows))
         else:
+            self.last_step_kind = "eager"
             if self.graph_runner is not None:
                 self.graph_runner.last_run_used_graph = False
             self.attn.prepare(meta)

@@ -133,12 +133,13 @@ class EngineClient:
     """The engine process, seen from the front."""
 
     def __init__(self, config: EngineConfig, watchdog_timeout: float | None = None,
-                 heartbeat_s: float = HEARTBEAT_S, log_level: str = "warning", request_log: str | None = None) -> None:
+                 heartbeat_s: float = HEARTBEAT_S, log_level: str = "warning", request_log: str | None = None,
+                 step_log: str | None = None) -> None:
         if watchdog_timeout is not None and watchdog_timeout <= heartbeat_s:
             raise ValueError(f"watchdog_timeout must be longer than the heartbeat ({heartbeat_s}s), "
                              f"got {watchdog_timeout}")
         self.config, self.watchdog_timeout, self.heartbeat_s = config, watchdog_timeout, heartbeat_s
-        self.log_level, self.request_log = log_level, request_log
+        self.log_level, self.request_log, self.step_log = log_level, request_log, step_log
         self.info: EngineInfo | None = None
         self.proc: subprocess.Popen | None = None
         self.conn = None  # the blocking Connection, until attach() hands the socket to asyncio
@@ -174,7 +175,7 @@ class EngineClient:
         # the engine ran in this process before it had one of its own: it keeps this process's torch threads
         import torch
         self.conn.send_bytes(pickle.dumps(("config", self.config, os.getpid(), self.heartbeat_s, self.log_level,
-                                           torch.get_num_threads(), self.request_log)))
+                                           torch.get_num_threads(), self.request_log, self.step_log)))
 
     def wait_ready(self, timeout: float | None = None) -> EngineInfo:
         """Block until the engine is ready (model loaded, graphs captured); RuntimeError if it failed."""

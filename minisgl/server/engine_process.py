@@ -101,9 +101,10 @@ class EngineLoop:
     """The step loop over one connection: apply the front's commands, step, send the step's news."""
 
     def __init__(self, engine, conn, heartbeat_s: float = HEARTBEAT_S, per_token: tuple[str, ...] = (),
-                 request_log=None) -> None:
+                 request_log=None, step_log=None) -> None:
         self.engine, self.conn, self.heartbeat_s, self.per_token = engine, conn, heartbeat_s, per_token
         self.request_log = request_log  # a text file: one JSON line per request that ends (`log_requests`)
+        self.step_log = step_log  # a text file: one JSON line per step (`log_step`)
         self.live: dict[int, object] = {}  # rid -> Req, until its outcome has been sent
         self.sent: dict[int, int] = {}  # rid -> output tokens sent
         self.stopped_by_front: set[int] = set()  # aborted because the front saw a stop string: counted finished
@@ -197,6 +198,22 @@ class EngineLoop:
                     # token gap, seen from the engine (the rest are shorter)
                     "long_gaps": [[b, b - a] for a, b in zip(t, t[1:]) if b - a > LONG_GAP_S]}) + "\n")
 
+    def log_step(self, t0: float, drained: float, stepped: float, sent: float) -> None:
+        """One JSON line for the loop's last turn: when it began (time.perf_counter's clock, as the request log),
+        its parts in ms (the front's commands, the engine's step, the news to the front), the step the engine
+        launched in it (its requests, decode rows, prompt tokens, how it ran) and the queue after it. With overlap
+        the step's own GPU time hides in the next turn's wait; a turn that takes long says where a gap came from."""
+        runner = self.engine.runner
+        batch, sched = runner.last_batch, self.engine.scheduler
+        line = {"t": t0, "drain_ms": 1e3 * (drained - t0), "step_ms": 1e3 * (stepped - drained),
+                "news_ms": 1e3 * (sent - stepped), "running": len(sched.running), "waiting": len(sched.waiting)}
+        if batch is not None:
+            decodes = sum(1 for n in batch.extend_lens if n == 1)
+            line.update(reqs=batch.size, decode_rows=decodes, prompt_tokens=sum(batch.extend_lens) - decodes,
+                        kind=runner.last_step_kind)
+            runner.last_batch = None  # a turn that launches nothing logs no step
+        self.step_log.write(json.dumps(line) + "\n")
+
     def _news(self) -> StepOutputs:
         if self.request_log is not None:
             self.log_requests()
@@ -241,11 +258,19 @@ class EngineLoop:
     def run(self) -> int:
         """Serve until told to stop; returns the exit status (1 after a failed step)."""
         engine = self.engine
+        clock = time.perf_counter
         try:
-            while self._drain(0.0 if engine.has_work else self.heartbeat_s):
-                if engine.has_work:
+            while True:
+                t0 = clock()
+                if not self._drain(0.0 if engine.has_work else self.heartbeat_s):
+                    break
+                drained, working = clock(), engine.has_work
+                if working:
                     engine.step()
+                stepped = clock()
                 self._send_news()
+                if working and self.step_log is not None:
+                    self.log_step(t0, drained, stepped, clock())
             # stopping: abort what is left and step until every page is back, then report the aborts
             for rid in list(self.live):
                 self._abort(rid, "abort")
@@ -277,7 +302,8 @@ def engine_main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front handles Ctrl-C and stops us in order
     conn = Connection(fd)
     try:
-        _, config, parent_pid, heartbeat_s, log_level, threads, request_log = pickle.loads(conn.recv_bytes())
+        _, config, parent_pid, heartbeat_s, log_level, threads, request_log, step_log = pickle.loads(
+            conn.recv_bytes())
     except (EOFError, OSError):
         os._exit(1)  # the front went away before it said anything
     import torch
@@ -303,9 +329,11 @@ def engine_main(fd: int) -> None:
             engine.runner.close()
         os._exit(1)
     log = open(request_log, "a", buffering=1 << 16) if request_log else None
-    code = EngineLoop(engine, conn, heartbeat_s, per_token=PER_TOKEN, request_log=log).run()
-    if log is not None:
-        log.close()
+    steps = open(step_log, "a", buffering=1 << 16) if step_log else None
+    code = EngineLoop(engine, conn, heartbeat_s, per_token=PER_TOKEN, request_log=log, step_log=steps).run()
+    for f in (log, steps):
+        if f is not None:
+            f.close()
     engine.runner.close()  # the tensor-parallel ranks, in order
     conn.close()
     os._exit(code)  # skip interpreter teardown: nothing is left to flush, and the front is waiting for us

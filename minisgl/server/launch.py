@@ -82,6 +82,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="append one JSON line per finished request to PATH, written by the engine process: when "
                             "it reached the engine, its first token and its end (time.perf_counter's clock), its "
                             "prompt, cached and output tokens; where a request's time went (default: none)")
+    group.add_argument("--step-log", default=None, metavar="PATH",
+                       help="append one JSON line per engine step to PATH, written by the engine process: when its "
+                            "loop turn began and how long its parts took (the front's commands, the step, the news), "
+                            "the step's requests, decode rows and prompt tokens, and how it ran (CUDA graph or "
+                            "eager); where a token gap came from (default: none)")
     group.add_argument("--exit-after-engine-failure", type=float, default=DEFAULT_EXIT_AFTER_ENGINE_FAILURE,
                        help="seconds the server keeps answering 503 after its engine died or froze, then it exits "
                             f"with status 1 (default {DEFAULT_EXIT_AFTER_ENGINE_FAILURE:g}; < 0: until signalled)")
@@ -114,7 +119,8 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # missing server packages, or an engine that cannot start, raise here (one line from `run_command`)
     state = build_state(args.model, args.served_model_name, watchdog_timeout=args.watchdog_timeout,
-                        log_level=args.log_level, request_log=args.request_log, **engine_kwargs_from_args(args))
+                        log_level=args.log_level, request_log=args.request_log, step_log=args.step_log,
+                        **engine_kwargs_from_args(args))
     return serve(state, args.host, args.port, args.shutdown_timeout, args.log_level, args.exit_after_engine_failure,
                  http=args.http, loop=args.loop, limits=limits)
 
@@ -137,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # --- building and running --------------------------------------------------------------------------------
 def build_state(model: str, served_model_name: str | None = None, watchdog_timeout: float | None = None,
-                log_level: str = "warning", request_log: str | None = None, **engine_kwargs):
+                log_level: str = "warning", request_log: str | None = None, step_log: str | None = None,
+                **engine_kwargs):
     """Start the engine process, wait until it is ready, then load the tokenizer of the folder it resolved;
     returns the app's ServerState. When the engine cannot start, the exception it raised in its process
     (traceback logged at debug level)."""
@@ -148,7 +155,8 @@ def build_state(model: str, served_model_name: str | None = None, watchdog_timeo
 
     config = make_config(model, **engine_kwargs)
     config.validate()  # a bad switch is a ValueError here, not a traceback from the engine process
-    engine = EngineClient(config, watchdog_timeout=watchdog_timeout, log_level=log_level, request_log=request_log)
+    engine = EngineClient(config, watchdog_timeout=watchdog_timeout, log_level=log_level, request_log=request_log,
+                          step_log=step_log)
     engine.start_process()
     try:
         info = engine.wait_ready()
