@@ -528,6 +528,31 @@ def test_signal_mid_stream_exits_cleanly(model_path, sig):
 
 
 # --- the engine loop on its own ------------------------------------------------------------------------
+def test_engine_loop_drains_commands_for_its_budget_then_steps():
+    """A burst of "add" frames: with a budget the loop applies frames until it has passed, then returns to step (it
+    read all 40 frames before a first step on a slow host, reports/h100/run23); without one it reads every frame
+    waiting. The frames left are read by the next turn, in order."""
+    import pickle
+    from multiprocessing import Pipe
+
+    from minisgl import SamplingParams
+    from minisgl.server.engine_process import EngineLoop
+
+    class SlowAdds(_FakeEngine):
+        def add_requests(self, ids, params):
+            time.sleep(0.002)  # what a 1k-token add costs the engine loop on a slow host, a few times over
+            return super().add_requests(ids, params)
+
+    ours, theirs = Pipe(duplex=True)
+    loop = EngineLoop(SlowAdds(fail_at_step=-1), theirs)
+    for rid in range(40):
+        ours.send_bytes(pickle.dumps([("add", rid, [1, 2, 3], SamplingParams())]))
+    assert loop._drain(0.0, budget_s=0.01) and 1 <= len(loop.live) < 10
+    first = len(loop.live)
+    assert loop._drain(0.0) and len(loop.live) == 40  # no budget: every frame waiting
+    assert list(loop.live) == list(range(40)) and first > 0
+
+
 class _FakeEngine:
     """Just enough of Engine for EngineLoop: each step gives every request a token; step `fail_at_step`
     raises, the way a bug in the engine would."""

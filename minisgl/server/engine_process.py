@@ -10,7 +10,8 @@ The pipe is one end of a socketpair, inherited as file descriptor FD, carrying p
 first (the framing of `multiprocessing.connection.Connection`, which the front's asyncio side writes too):
 
 - front -> engine: first ("config", EngineConfig, front pid, heartbeat_s, log level, torch threads, request log
-  path or None); then a list of commands per frame, all those the front queued since its last flush:
+  path or None, step log path or None); then a list of commands per frame, all those the front queued since
+  its last flush:
   ("add", rid, input_ids, params) | ("abort", rid, counted_as) | ("abort_all",) | ("stats", tag) | ("stop",)
 - engine -> front: ("ready", EngineInfo) once; then ("step", StepOutputs) after each step that has news, or
   at least every `heartbeat_s` seconds (an empty one when idle: the front's watchdog counts on it);
@@ -48,6 +49,12 @@ _FRONT_GRAMMARS: dict = {}  # model path -> minisgl.grammar.Grammars, the front'
 PER_TOKEN = ("output_logprobs",)  # Req lists parallel to output_ids sent with the tokens (empty without logprobs)
 LONG_GAP_S = 0.01  # --request-log: a token gap longer than this is logged with its time
 HEARTBEAT_S = 0.5  # the engine sends something at least this often, idle or not (unless a step takes longer)
+# With work to do, a turn applies the front's commands for at most this share of the last turn's time (and at
+# least DRAIN_MIN_S), then steps again. A burst of requests otherwise kept the loop reading "add" commands while
+# the device waited: 218 ms before the first full prefill step on a slow host (reports/h100/run23). The step in
+# flight lasts about as long as the last turn, so the share is read while the device works.
+DRAIN_SHARE = 0.5
+DRAIN_MIN_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -240,17 +247,19 @@ class EngineLoop:
             send(self.conn, ("step", msg))
             self.last_sent = now
 
-    def _drain(self, timeout: float) -> bool:
-        """Apply every command waiting (after waiting up to `timeout` for the first); False on stop or when
-        the front has gone (its end of the pipe closed)."""
+    def _drain(self, timeout: float, budget_s: float = float("inf")) -> bool:
+        """Apply the commands waiting (after waiting up to `timeout` for the first), frame by frame, until none is
+        left or `budget_s` has passed since the first; False on stop or when the front has gone (its end of the
+        pipe closed)."""
         try:
             if not self.conn.poll(timeout):
                 return True
+            deadline = time.perf_counter() + budget_s
             while True:
                 for cmd in pickle.loads(self.conn.recv_bytes()):
                     if not self.apply(cmd):
                         return False
-                if not self.conn.poll(0):
+                if not self.conn.poll(0) or time.perf_counter() > deadline:
                     return True
         except (EOFError, OSError):
             return False
@@ -259,10 +268,13 @@ class EngineLoop:
         """Serve until told to stop; returns the exit status (1 after a failed step)."""
         engine = self.engine
         clock = time.perf_counter
+        last_turn_s = 0.0  # the last turn that stepped, from its start to the next turn's
         try:
             while True:
                 t0 = clock()
-                if not self._drain(0.0 if engine.has_work else self.heartbeat_s):
+                busy = engine.has_work
+                budget = max(DRAIN_MIN_S, DRAIN_SHARE * last_turn_s) if busy else DRAIN_MIN_S
+                if not self._drain(0.0 if busy else self.heartbeat_s, budget):
                     break
                 drained, working = clock(), engine.has_work
                 if working:
@@ -271,6 +283,7 @@ class EngineLoop:
                 self._send_news()
                 if working and self.step_log is not None:
                     self.log_step(t0, drained, stepped, clock())
+                last_turn_s = clock() - t0 if working else 0.0
             # stopping: abort what is left and step until every page is back, then report the aborts
             for rid in list(self.live):
                 self._abort(rid, "abort")
