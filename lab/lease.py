@@ -350,6 +350,12 @@ CALLS: dict[str, Call] = {
         steps=(Serving("settle24", 480, ("settle24.json", "settle24_minisgl.jsonl", "settle24_sglang.jsonl",
                                          "settle24_minisgl_chunk16k.jsonl"), loads=("rate24", "rate48", "burst"),
                        servers=("minisgl", "sglang", "minisgl_chunk16k")),)),
+    "mixed": Call(
+        "optional: issue 24's burst on the engine alone: Qwen3-0.6B on the 512-request mix, each step's host time "
+        "by phase (schedule, launch, wait for the device) and each step synchronised and timed; run23's burst "
+        "took ~50 ms a mixed step for 8k and for 16k prompt tokens alike",
+        carry=(),
+        steps=(Lab("mix_phases06", 100, ("mix_phases06.json",), ("mix_phases06",)),)),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "

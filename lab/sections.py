@@ -599,6 +599,9 @@ SECTIONS: dict[str, Section] = {
     "mix_phases35": section(lambda: mix_phases("qwen3.5-0.8b"),
                             "Qwen3.5 on the 512-request mix: host time per step by phase, each step's batch, and "
                             "each step synchronised and timed (prefill against decode)"),
+    "mix_phases06": section(lambda: mix_phases("qwen3-0.6b"),
+                            "Qwen3-0.6B on the 512-request mix: host time per step by phase (a burst's mixed steps "
+                            "of a prompt chunk and hundreds of decode rows run eagerly: host-bound or not?)"),
     "gdn_solve35": section(gdn_solve_ab, "Qwen3.5 on the 512-request mix with the chunk prepare's two triangular "
                            "solves (rows, blocks): tok/s and greedy tokens compared"),
     "mixes35_rows256": section(lambda: mixes("qwen3.5-0.8b", max_running_requests=256),
