@@ -529,9 +529,8 @@ def test_signal_mid_stream_exits_cleanly(model_path, sig):
 
 # --- the engine loop on its own ------------------------------------------------------------------------
 def test_engine_loop_drains_commands_for_its_budget_then_steps():
-    """A burst of "add" frames: with a budget the loop applies frames until it has passed, then returns to step (it
-    read all 40 frames before a first step on a slow host, reports/h100/run23); without one it reads every frame
-    waiting. The frames left are read by the next turn, in order."""
+    """A flood of "add" frames: with a budget the loop applies frames until it has passed, then returns to step;
+    without one it reads every frame waiting. The frames left are read by the next turn, in order."""
     import pickle
     from multiprocessing import Pipe
 

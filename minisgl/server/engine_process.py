@@ -50,9 +50,10 @@ PER_TOKEN = ("output_logprobs",)  # Req lists parallel to output_ids sent with t
 LONG_GAP_S = 0.01  # --request-log: a token gap longer than this is logged with its time
 HEARTBEAT_S = 0.5  # the engine sends something at least this often, idle or not (unless a step takes longer)
 # With work to do, a turn applies the front's commands for at most this share of the last turn's time (and at
-# least DRAIN_MIN_S), then steps again. A burst of requests otherwise kept the loop reading "add" commands while
-# the device waited: 218 ms before the first full prefill step on a slow host (reports/h100/run23). The step in
-# flight lasts about as long as the last turn, so the share is read while the device works.
+# least DRAIN_MIN_S), then steps again, so a flood of commands (thousands of adds at once) never stalls the
+# running streams for longer than a step. The step in flight lasts about as long as the last turn, so the share
+# is read while the device works. On run23's 512-request burst it changed nothing measurable: the front hands the
+# adds over no faster than a turn reads them (reports/h100/run23).
 DRAIN_SHARE = 0.5
 DRAIN_MIN_S = 0.001
 
@@ -208,8 +209,9 @@ class EngineLoop:
     def log_step(self, t0: float, drained: float, stepped: float, sent: float) -> None:
         """One JSON line for the loop's last turn: when it began (time.perf_counter's clock, as the request log),
         its parts in ms (the front's commands, the engine's step, the news to the front), the step the engine
-        launched in it (its requests, decode rows, prompt tokens, how it ran) and the queue after it. With overlap
-        the step's own GPU time hides in the next turn's wait; a turn that takes long says where a gap came from."""
+        launched in it (its requests, decode rows, prompt tokens, how it ran) and the queue after it. A turn that
+        began idle counts its wait for the first command as `drain_ms`. With overlap the step's own GPU time
+        hides in the next turn's wait; a turn that takes long says where a gap came from."""
         runner = self.engine.runner
         batch, sched = runner.last_batch, self.engine.scheduler
         line = {"t": t0, "drain_ms": 1e3 * (drained - t0), "step_ms": 1e3 * (stepped - drained),
