@@ -240,10 +240,6 @@ class ModelRunner:
         lap("decode_graphs")
         # --- prefill graphs (engine/prefill_graph.py): extend steps replayed per token bucket ---
         self.prefill_graph = None
-        # the last step's batch and how it ran: "graph", "graph_pieces", "prefill_graph" or "eager" (read by a
-        # server's --step-log)
-        self.last_batch: Batch | None = None
-        self.last_step_kind = ""
         if self.graph_runner is not None and prefill_graphs:
             from minisgl.engine.prefill_graph import build_prefill_graphs, graph_pool_of
             self.prefill_graph = build_prefill_graphs(self, config.prefill_graph_max_tokens,
@@ -251,6 +247,10 @@ class ModelRunner:
                                                       pool=graph_pool_of(self.graph_runner))
         # --- end prefill graphs ---
         lap("prefill_graphs")
+        # the last step's batch and how it ran: "graph", "graph_pieces", "prefill_graph" or "eager" (read by a
+        # server's --step-log)
+        self.last_batch: Batch | None = None
+        self.last_step_kind = ""
         # the count table of penalised requests (engine/logits_processing.py): no memory until one arrives
         self.penalties = PenaltyTable(mc.vocab_size, self.device)
         self._mask_host: torch.Tensor | None = None  # mask_buffer's
