@@ -674,6 +674,17 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
         print("offline", summary["offline"], "server/offline", round(summary["server_over_offline"], 3), flush=True)
 
 
+def client_runs(details: Path, loads: list[str]):
+    """(load, the client's details of its run) for each load that ran (lab.serve_client's DETAILS_<load>.json with
+    its run window)."""
+    for load in loads:
+        path = Path(f"{details}_{load}.json")
+        if path.is_file():
+            run = json.loads(path.read_text())
+            if run.get("started") is not None:
+                yield load, run
+
+
 def engine_side(requests_log: Path, details: Path, loads: list[str]) -> dict:
     """{load: where its requests' time went}, from minisgl's --request-log (one line per request: when it reached
     the engine, its first token) and the client's run window (lab.serve_client's details: `started`, `ended`,
@@ -683,13 +694,7 @@ def engine_side(requests_log: Path, details: Path, loads: list[str]) -> dict:
     burst goes on (the client's TTFT minus it is the front's part, both ways)."""
     lines = [json.loads(line) for line in requests_log.read_text().splitlines() if line.strip()]
     out = {}
-    for load in loads:
-        path = Path(f"{details}_{load}.json")
-        if not path.is_file():
-            continue
-        run = json.loads(path.read_text())
-        if run.get("started") is None:
-            continue
+    for load, run in client_runs(details, loads):
         reqs = sorted((r for r in lines if run["started"] <= r["arrival"] <= run["ended"]
                        and r["first_token"] is not None), key=lambda r: r["arrival"])
         if not reqs:
@@ -714,13 +719,7 @@ def step_side(steps_log: Path, details: Path, loads: list[str]) -> dict:
     end): a burst's engine time, step by step."""
     steps = [json.loads(line) for line in steps_log.read_text().splitlines() if line.strip()]
     out = {}
-    for load in loads:
-        path = Path(f"{details}_{load}.json")
-        if not path.is_file():
-            continue
-        run = json.loads(path.read_text())
-        if run.get("started") is None:
-            continue
+    for load, run in client_runs(details, loads):
         window = [s for s in steps if run["started"] <= s["t"] <= run["ended"]]
         turns = [(s, 1e3 * (b["t"] - s["t"])) for s, b in zip(window, window[1:]) if "reqs" in s]
         if not turns:
@@ -768,11 +767,7 @@ def client_side(details: Path, loads: list[str]) -> dict:
     on the client's one event loop) and when their first tokens reached it. Beside minisgl's engine_side (the same
     origin): the client's share, the front's intake, the engine, the way back."""
     out = {}
-    for load in loads:
-        path = Path(f"{details}_{load}.json")
-        if not path.is_file():
-            continue
-        run = json.loads(path.read_text())
+    for load, run in client_runs(details, loads):
         t0 = first_send(run)
         if t0 is None:
             continue
