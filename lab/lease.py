@@ -744,13 +744,16 @@ def step_side(steps_log: Path, details: Path, loads: list[str]) -> dict:
 
 
 def from_first_send(reqs: list[dict], t0: float | None) -> dict | None:
-    """When the measured requests reached the engine and got their first token, in ms from `t0`, client_side's
-    origin (None without the client's starts)."""
+    """When the measured requests reached the front's handlers (`received`, where the request log has it) and the
+    engine, and got their first token, in ms from `t0`, client_side's origin (None without the client's starts)."""
     reqs = [r for r in reqs if t0 is not None and r["arrival"] >= t0]
     if not reqs:
         return None
     ms = lambda t: 1e3 * (t - t0)  # noqa: E731
-    return {"arrival_first": ms(reqs[0]["arrival"]),
+    received = sorted(r["received"] for r in reqs if r.get("received") is not None)  # the front's handlers began
+    return {**({"received_first": ms(received[0]), "received_median": ms(statistics.median(received)),
+                "received_max": ms(received[-1])} if received else {}),
+            "arrival_first": ms(reqs[0]["arrival"]),
             "arrival_median": ms(statistics.median(r["arrival"] for r in reqs)), "arrival_max": ms(reqs[-1]["arrival"]),
             "first_token_median": ms(statistics.median(r["first_token"] for r in reqs))}
 

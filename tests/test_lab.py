@@ -507,10 +507,12 @@ def test_the_client_side_and_the_engine_side_share_the_first_measured_send_as_or
     assert burst["first_token_ms_median"] == pytest.approx(515.0)
     log = tmp_path / "requests.jsonl"
     lines = [{"rid": 0, "arrival": 90.001, "first_token": 90.005}]  # the warm-up's
-    lines += [{"rid": i + 1, "arrival": 100.2 + 0.01 * i, "first_token": 100.4 + 0.01 * i} for i in range(4)]
+    lines += [{"rid": i + 1, "received": 100.1 + 0.01 * i, "arrival": 100.2 + 0.01 * i, "first_token": 100.4 + 0.01 * i}
+              for i in range(4)]
     log.write_text("".join(json.dumps(r) + "\n" for r in lines))
     side = lease.engine_side(log, tmp_path / "client_x", ["burst"])["burst"]["from_first_send_ms"]
-    assert side == pytest.approx({"arrival_first": 200.0, "arrival_median": 215.0, "arrival_max": 230.0,
+    assert side == pytest.approx({"received_first": 100.0, "received_median": 115.0, "received_max": 130.0,
+                                  "arrival_first": 200.0, "arrival_median": 215.0, "arrival_max": 230.0,
                                   "first_token_median": 415.0})
 
 

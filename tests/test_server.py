@@ -425,7 +425,7 @@ def test_request_log(model_path, tmp_path):
     assert [(r["prompt_tokens"], r["output_tokens"], r["reason"]) for r in lines] == \
         [(u["prompt_tokens"], u["completion_tokens"], "length") for u in usage]
     for r in lines:
-        assert t0 < r["arrival"] <= r["first_token"] <= r["finish"] < t1, r
+        assert t0 < r["received"] <= r["arrival"] <= r["first_token"] <= r["finish"] < t1, r
         assert r["gaps"] == r["output_tokens"] - 1 and all(r["first_token"] < end <= r["finish"] and gap > 0.01
                                                            for end, gap in r["long_gaps"]), r
     assert lines[0]["finish"] <= lines[1]["arrival"], "the requests were sent one after the other"

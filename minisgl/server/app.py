@@ -480,10 +480,11 @@ async def _gather(state: ServerState, handle: RequestHandle, ts, stops, choice: 
 
 
 async def respond(state: ServerState, request: Request, req, ids: list[int], params: SamplingParams, chunk, full,
-                  first: Callable[[int], dict] | None = None):
+                  first: Callable[[int], dict] | None = None, received: float | None = None):
     """Submit the request's `params.n` streams (one engine group: the prompt is prefilled once) and answer
     them: one JSON body, or server-sent events when req.stream, the choices' events interleaved as they come.
-    chunk(index, text, reason, token_ids, logprob entries) -> one event; full(choices, usage) -> the body."""
+    chunk(index, text, reason, token_ids, logprob entries) -> one event; full(choices, usage) -> the body.
+    `received`: when its handler began (time.perf_counter), for the engine's request log."""
     def scanner():
         return StopStringScanner(state.tokenizer, params.stop) if params.stop else None
 
@@ -491,7 +492,7 @@ async def respond(state: ServerState, request: Request, req, ids: list[int], par
         stops = [scanner() for _ in range(params.n)]
     except RequestError as e:
         raise to_api_error(e) from None
-    handles = [RequestHandle(ids, params) for _ in range(params.n)]
+    handles = [RequestHandle(ids, params, received) for _ in range(params.n)]
     streams = [TextStream(state.tokenizer, params.stop) if state.tokenizer is not None else _NoTokenizerStream()
                for _ in handles]
 
@@ -591,6 +592,7 @@ async def read_request(state: ServerState, request: Request, schema):
 
 
 async def completions(state: ServerState, request: Request):
+    received = time.perf_counter()
     req: CompletionRequest = await read_request(state, request, CompletionRequest)
     if isinstance(req.prompt, str):
         if state.tokenizer is None:
@@ -621,10 +623,11 @@ async def completions(state: ServerState, request: Request):
                 "choices": [choice(i, c.text, c.reason, c.token_ids, c.logprobs) for i, c in enumerate(choices)],
                 "usage": usage}
 
-    return await respond(state, request, req, ids, params, chunk, full)
+    return await respond(state, request, req, ids, params, chunk, full, received=received)
 
 
 async def chat_completions(state: ServerState, request: Request):
+    received = time.perf_counter()
     req: ChatCompletionRequest = await read_request(state, request, ChatCompletionRequest)
     tok = state.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
@@ -656,7 +659,7 @@ async def chat_completions(state: ServerState, request: Request):
                 "usage": usage}
 
     return await respond(state, request, req, ids, params, chunk, full,
-                         first=lambda i: chunk(i, None, None, [], [], role=True))
+                         first=lambda i: chunk(i, None, None, [], [], role=True), received=received)
 
 
 def check_available(state: ServerState) -> None:

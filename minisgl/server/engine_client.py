@@ -64,9 +64,10 @@ class Delta:
 class RequestHandle:
     """One request as the front sees it. Create, `EngineClient.submit`, then iterate `events()`."""
 
-    def __init__(self, input_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, input_ids: list[int], params: SamplingParams, received: float | None = None) -> None:
         self.input_ids = list(input_ids)
         self.params = params
+        self.received = received  # when the front took the request (time.perf_counter), for the request log
         self.rid: int | None = None
         self.pending: Delta | None = None  # news that events() has not taken yet, merged into one Delta
         self._wakeup: asyncio.Future | None = None  # set while events() waits for news
@@ -330,7 +331,7 @@ class EngineClient:
             h.rid = next(self._rids)
             self.handles[h.rid] = h
         first = handles[0]
-        self._send(("add", [h.rid for h in handles], first.input_ids, first.params))
+        self._send(("add", [h.rid for h in handles], first.input_ids, first.params, first.received))
 
     def abort(self, handle: RequestHandle, counted_as: str = "abort") -> None:
         if handle.rid is not None and handle.rid in self.handles and self.fatal_error is None:

@@ -12,7 +12,7 @@ first (the framing of `multiprocessing.connection.Connection`, which the front's
 - front -> engine: first ("config", EngineConfig, front pid, heartbeat_s, log level, torch threads, request log
   path or None, step log path or None); then a list of commands per frame, all those the front queued since
   its last flush:
-  ("add", rid, input_ids, params) | ("abort", rid, counted_as) | ("abort_all",) | ("stats", tag) | ("stop",)
+  ("add", rid, input_ids, params, received) | ("abort", rid, counted_as) | ("abort_all",) | ("stats", tag) | ("stop",)
 - engine -> front: ("ready", EngineInfo) once; then ("step", StepOutputs) after each step that has news, or
   at least every `heartbeat_s` seconds (an empty one when idle: the front's watchdog counts on it);
   ("stats", tag, dict) answers; ("fatal", message) when a step raised (every open request fails with it, and
@@ -117,6 +117,7 @@ class EngineLoop:
         self.sent: dict[int, int] = {}  # rid -> output tokens sent
         self.stopped_by_front: set[int] = set()  # aborted because the front saw a stop string: counted finished
         self.pending: list[tuple[int, Finish]] = []  # outcomes decided outside a step (refused adds)
+        self.received: dict[int, float] = {}  # rid -> when the front took it, until its request log line
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "aborted": 0, "errors": 0}
         self.last_sent = 0.0
 
@@ -137,8 +138,10 @@ class EngineLoop:
             return False
         return True
 
-    def _add(self, rids: int | list[int], input_ids: list[int], params: SamplingParams) -> None:
-        """A request, or the `params.n` streams of one (a rid each, in stream order)."""
+    def _add(self, rids: int | list[int], input_ids: list[int], params: SamplingParams,
+             received: float | None = None) -> None:
+        """A request, or the `params.n` streams of one (a rid each, in stream order); `received`: when the front
+        took it (kept for the request log)."""
         rids = [rids] if isinstance(rids, int) else list(rids)
         try:
             reqs = self.engine.add_requests(input_ids, params)
@@ -153,6 +156,8 @@ class EngineLoop:
             self.counters["submitted"] += 1
             self.live[rid] = req
             self.sent[rid] = 0
+            if self.request_log is not None and received is not None:
+                self.received[rid] = received
 
     def _abort(self, rid: int, counted_as: str) -> None:
         req = self.live.get(rid)
@@ -192,13 +197,15 @@ class EngineLoop:
     def log_requests(self) -> None:
         """One JSON line per request that has ended, before its outcome leaves `live`: when it reached the engine,
         its first token and its end, on the clock of `time.perf_counter` (CLOCK_MONOTONIC on Linux, so a client on
-        the same machine can put its own times beside them). Where a request's time went: the front before
+        the same machine can put its own times beside them). Where a request's time went: the client and the
+        HTTP server before `received` (when the front's handler began), the front's parsing and tokenization until
         `arrival`, the engine's queue and prefill until `first_token`."""
         for rid, req in self.live.items():
             if req.finished:
                 t = req.token_times
                 self.request_log.write(json.dumps({
-                    "rid": rid, "arrival": req.arrival_time, "first_token": req.first_token_time,
+                    "rid": rid, "received": self.received.pop(rid, None), "arrival": req.arrival_time,
+                    "first_token": req.first_token_time,
                     "finish": req.finish_time, "prompt_tokens": len(req.input_ids),
                     "cached_tokens": req.num_cached_prompt_tokens, "output_tokens": len(req.output_ids),
                     "reason": req.finish_reason, "gaps": max(0, len(t) - 1),

@@ -80,8 +80,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "with the engine on a GPU, 120 on a CPU, where a real model's prefill step can be long)")
     group.add_argument("--request-log", default=None, metavar="PATH",
                        help="append one JSON line per finished request to PATH, written by the engine process: when "
-                            "it reached the engine, its first token and its end (time.perf_counter's clock), its "
-                            "prompt, cached and output tokens; where a request's time went (default: none)")
+                            "the front took it, when it reached the engine, its first token and its end "
+                            "(time.perf_counter's clock), its prompt, cached and output tokens; where a request's "
+                            "time went (default: none)")
     group.add_argument("--step-log", default=None, metavar="PATH",
                        help="append one JSON line per engine step to PATH, written by the engine process: when its "
                             "loop turn began and how long its parts took (the front's commands, the step, the news), "
