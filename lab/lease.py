@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import glob
 import json
 import os
@@ -726,9 +727,7 @@ def step_side(steps_log: Path, details: Path, loads: list[str]) -> dict:
             continue
         prompt = [(s, ms) for s, ms in turns if s["prompt_tokens"]]
         decode = [ms for s, ms in turns if not s["prompt_tokens"]]
-        kinds: dict[str, int] = {}
-        for s, _ in turns:
-            kinds[s["kind"]] = kinds.get(s["kind"], 0) + 1
+        kinds = dict(collections.Counter(s["kind"] for s, _ in turns))
         phase_s = (prompt[-1][0]["t"] + prompt[-1][1] / 1e3 - prompt[0][0]["t"]) if prompt else 0.0
         median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
         out[load] = {"steps": len(turns), "kinds": kinds, "prompt_steps": len(prompt),

@@ -452,6 +452,16 @@ def same_tokens(model: str, runs: dict[str, tuple[dict, dict]], reference: str, 
     return out
 
 
+def same_tokens_by_mode(model: str, arms: dict[str, dict], reference: str,
+                        probe: Callable[[Any], dict] | None = None) -> dict:
+    """`same_tokens` under CUDA graphs and eagerly ({"graphs": ..., "eager": ...}): each arm (label: kernel
+    options) against the `reference` arm in the same mode, since eager and graph steps may differ from each other
+    (run22: padded prefill graphs)."""
+    return {mode: same_tokens(model, {label: (settings, kernel) for label, kernel in arms.items()}, reference,
+                              probe=probe)
+            for mode, settings in (("graphs", {}), ("eager", {"cuda_graph": False}))}
+
+
 def pdl_tokens(model: str = "qwen3-0.6b") -> dict:
     """Tokens with PDL on and off, under CUDA graphs and eagerly, each against PDL off in the same mode. PDL changes
     no arithmetic, so they must be the same (eager and graph steps may differ from each other: run22)."""
@@ -461,10 +471,7 @@ def pdl_tokens(model: str = "qwen3-0.6b") -> dict:
         with use_options(llm.config.kernels):  # what a launch of this engine gets
             return {"pdl_active": bool(pdl.pdl_launch(next(llm.engine.runner.model.parameters())))}
 
-    eager = {"cuda_graph": False}
-    out = {"graphs": same_tokens(model, {"no_pdl": ({}, {"pdl": False}), "pdl": ({}, {})}, "no_pdl", probe=active),
-           "eager": same_tokens(model, {"no_pdl": (eager, {"pdl": False}), "pdl": (eager, {})}, "no_pdl",
-                                probe=active)}
+    out = same_tokens_by_mode(model, {"no_pdl": {"pdl": False}, "pdl": {}}, "no_pdl", probe=active)
     out["ok"] = all(t["ok"] and t["pdl"]["pdl_active"] and not t["no_pdl"]["kernel_options"]["pdl"]
                     for t in out.values())
     return out
@@ -475,9 +482,8 @@ def norm_fold(model: str, rounds: int = 2) -> dict:
     graphs and eagerly, each against the fold off in the same mode (the fold changes no arithmetic, so they must
     be the same; eager and graph steps may differ from each other, run22), then W2 with it off and on,
     interleaved `rounds` times."""
-    fold, eager = {"gemv_norm_fold": True}, {"cuda_graph": False}
-    tokens = {"graphs": same_tokens(model, {"off": ({}, {}), "on": ({}, fold)}, "off"),
-              "eager": same_tokens(model, {"off": (eager, {}), "on": (eager, fold)}, "off")}
+    fold = {"gemv_norm_fold": True}
+    tokens = same_tokens_by_mode(model, {"off": {}, "on": fold}, "off")
     runs = Bench(model, (Arm("off", ("w2",)), Arm("on", ("w2",), kernel=fold,
                                                    about="RMSNorms folded into the GEMVs")), rounds)()
     return {"tokens": tokens, "runs": runs, "ok": all(t["ok"] for t in tokens.values())}

@@ -213,21 +213,20 @@ class EngineLoop:
                     # token gap, seen from the engine (the rest are shorter)
                     "long_gaps": [[b, b - a] for a, b in zip(t, t[1:]) if b - a > LONG_GAP_S]}) + "\n")
 
-    def log_step(self, t0: float, drained: float, stepped: float, sent: float) -> None:
+    def log_step(self, t0: float, drained: float, stepped: float, sent: float, launched: bool) -> None:
         """One JSON line for the loop's last turn: when it began (time.perf_counter's clock, as the request log),
         its parts in ms (the front's commands, the engine's step, the news to the front), the step the engine
         launched in it (its requests, decode rows, prompt tokens, how it ran) and the queue after it. A turn that
         began idle counts its wait for the first command as `drain_ms`. With overlap the step's own GPU time
         hides in the next turn's wait; a turn that takes long says where a gap came from."""
-        runner = self.engine.runner
-        batch, sched = runner.last_batch, self.engine.scheduler
+        runner, sched = self.engine.runner, self.engine.scheduler
         line = {"t": t0, "drain_ms": 1e3 * (drained - t0), "step_ms": 1e3 * (stepped - drained),
                 "news_ms": 1e3 * (sent - stepped), "running": len(sched.running), "waiting": len(sched.waiting)}
-        if batch is not None:
+        if launched:  # a turn that launched nothing (it only resolved the step in flight) has no batch of its own
+            batch = runner.last_batch
             decodes = sum(1 for n in batch.extend_lens if n == 1)
             line.update(reqs=batch.size, decode_rows=decodes, prompt_tokens=sum(batch.extend_lens) - decodes,
                         kind=runner.last_step_kind)
-            runner.last_batch = None  # a turn that launches nothing logs no step
         self.step_log.write(json.dumps(line) + "\n")
 
     def _news(self) -> StepOutputs:
@@ -286,12 +285,13 @@ class EngineLoop:
                 if not self._drain(0.0 if busy else self.heartbeat_s, budget):
                     break
                 drained, working = clock(), engine.has_work
+                steps = engine.stats.get("steps", 0)  # the engine counts the steps it launches
                 if working:
                     engine.step()
                 stepped = clock()
                 self._send_news()
                 if working and self.step_log is not None:
-                    self.log_step(t0, drained, stepped, clock())
+                    self.log_step(t0, drained, stepped, clock(), launched=engine.stats.get("steps", 0) != steps)
                 last_turn_s = clock() - t0 if working else 0.0
             # stopping: abort what is left and step until every page is back, then report the aborts
             for rid in list(self.live):
