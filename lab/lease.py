@@ -357,6 +357,12 @@ CALLS: dict[str, Call] = {
         "took ~50 ms a mixed step for 8k and for 16k prompt tokens alike",
         carry=(),
         steps=(Lab("mix_phases06", 100, ("mix_phases06.json",), ("mix_phases06",)),)),
+    "launch": Call(
+        "optional: issue 24's burst on the engine alone, host side: Qwen3-0.6B on the 512-request mix with every step "
+        "launched on an idle device (host launch time against device time, by how the step ran) and the prefill "
+        "launches under cProfile; run23's mix took ~20 ms to launch an eager mixed step",
+        carry=(),
+        steps=(Lab("launch06", 90, ("launch06.json",), ("launch06",)),)),
     "graphs": Call(
         "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's burst with mixed steps "
         "in CUDA graphs: minisgl's server at its defaults, with prefill graphs up to 8,192 tokens and 512 requests, "

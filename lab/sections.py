@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -336,6 +337,68 @@ def mix_phases(model: str, mix: str = "mix512") -> dict:
     return with_engine(model, body)
 
 
+def launch_profile(model: str, mix: str = "mix512", top: int = 40) -> dict:
+    """Where an eager mixed step's host time goes (issue 24's burst: run23 saw ~20 ms to launch a step of one 8k
+    prompt chunk and hundreds of decode rows, ~383 kernels). The mix runs once to warm up, then twice more with
+    every step launched on an idle device: the runner's forward is timed from an idle device to its return
+    (`launch_ms`: nothing queued ahead, so no wait on a full launch queue can hide in it) and then to the device's
+    end (`tail_ms`); the first of the two passes is timed, the second runs the eager prefill launches under
+    cProfile (`profile`: the functions by own time and with callees; profiling slows Python code, so only its
+    shares mean something)."""
+    import cProfile
+
+    from lab.checks.warmup import profile_table
+
+    def body(llm) -> dict:
+        w = mix_workload(mix, llm.engine.model_config.vocab_size)
+        run_throughput(llm, w)  # warm: every batch shape of the mix once
+        runner = llm.engine.runner
+        forward, steps, profiler = runner.forward, [], cProfile.Profile()
+        state = {"profiling": False}
+
+        def isolated(batch):
+            _sync()
+            profiling, prefill = state["profiling"], not batch.is_decode
+            if profiling and prefill:
+                profiler.enable()
+            t0 = time.perf_counter()
+            out = forward(batch)
+            t1 = time.perf_counter()
+            if profiling and prefill:
+                profiler.disable()
+            _sync()
+            if not profiling:
+                steps.append((runner.last_step_kind, batch.size, batch.num_tokens, batch.num_tokens - batch.size,
+                              t1 - t0, time.perf_counter() - t1))
+            return out
+
+        with replaced(runner, "forward", isolated):
+            for profiling in (False, True):
+                state["profiling"] = profiling
+                flush_prefix_cache(llm)
+                generate_wall(llm, w)
+
+        def summary(kind: str) -> dict:
+            rows = [s for s in steps if s[0] == kind]
+            if not rows:
+                return {"steps": 0}
+            return {"steps": len(rows), "launch_ms_median": round(1e3 * statistics.median(s[4] for s in rows), 3),
+                    "tail_ms_median": round(1e3 * statistics.median(s[5] for s in rows), 3),
+                    "tokens_median": statistics.median(s[2] for s in rows)}
+
+        kinds = sorted({s[0] for s in steps})
+        res = {"mix": mix, "by_kind": {k: summary(k) for k in kinds},
+               "steps": [[k, b, n, extra, round(1e3 * lt, 3), round(1e3 * tt, 3)] for k, b, n, extra, lt, tt in steps],
+               "steps_columns": ["kind", "batch_size", "tokens", "tokens_beyond_one_per_request", "launch_ms",
+                                 "tail_ms"],
+               "profile": {"by_own_time": profile_table(profiler, "tottime", top),
+                           "by_cumulative_time": profile_table(profiler, "cumtime", top)}}
+        log(model, "launch_profile", mix, res["by_kind"])
+        return res
+
+    return with_engine(model, body)
+
+
 def gdn_solve_ab(model: str = "qwen3.5-0.8b", mix: str = "mix512") -> dict:
     """The chunk prepare's two triangular solves (gdn.prepare_solve "rows" / "blocks") on the 512-request mix:
     output tok/s of each (a warm run, then the measured one), and the greedy tokens of the measured runs compared
@@ -608,6 +671,9 @@ SECTIONS: dict[str, Section] = {
     "mix_phases06": section(lambda: mix_phases("qwen3-0.6b"),
                             "Qwen3-0.6B on the 512-request mix: host time per step by phase (a burst's mixed steps "
                             "of a prompt chunk and hundreds of decode rows run eagerly: host-bound or not?)"),
+    "launch06": section(lambda: launch_profile("qwen3-0.6b"),
+                        "Qwen3-0.6B on the 512-request mix: each step launched on an idle device (host launch time "
+                        "against device time, by how the step ran), the eager prefill launches under cProfile"),
     "gdn_solve35": section(gdn_solve_ab, "Qwen3.5 on the 512-request mix with the chunk prepare's two triangular "
                            "solves (rows, blocks): tok/s and greedy tokens compared"),
     "mixes35_rows256": section(lambda: mixes("qwen3.5-0.8b", max_running_requests=256),

@@ -138,6 +138,23 @@ def test_mix_phases_splits_host_and_device_time_of_a_mix_by_step(tiny_model, mon
     assert sum(n for _, _, n, _, _ in timed["steps"]) == timed["prefill_tokens"] + timed["decode_tokens"]
 
 
+def test_launch_profile_times_each_launch_on_an_idle_device_and_profiles_the_prefill_launches(tiny_model,
+                                                                                             monkeypatch):
+    """Issue 24's host-side diagnosis on the tiny model, the mix shrunk: every step of the timed pass is recorded
+    with how it ran, launch and tail times, and the profiled pass's tables name the model's forward."""
+    from minisgl.bench import workloads
+    monkeypatch.setitem(workloads.MIXES, "mix512", workloads.SweepCell(6, 4, 40, 2, 6, "greedy"))
+    assert "launch06" in sections.SECTIONS
+    res = sections.launch_profile(tiny_model, top=200)
+    kinds = {row[0] for row in res["steps"]}
+    assert kinds <= {"eager", "graph", "graph_pieces", "prefill_graph"} and kinds
+    assert sum(v["steps"] for v in res["by_kind"].values()) == len(res["steps"])
+    assert all(row[4] > 0 and row[5] >= 0 for row in res["steps"])
+    assert sum(row[2] for row in res["steps"]) >= 6 * 2  # the prompts' tokens and then the outputs'
+    cumulative = [row["function"] for row in res["profile"]["by_cumulative_time"]]
+    assert any("(_forward)" in f for f in cumulative)  # the runner's step, profiled from the inside
+
+
 def test_gdn_solve_ab_compares_both_solves_tokens_and_rates(tiny_model, monkeypatch):
     """The chunk prepare's A/B section on the tiny model (no Gated DeltaNet layers: the same tokens both ways),
     the mix shrunk: both arms' rates, each engine's resolved option, the requests compared one by one."""
