@@ -365,12 +365,12 @@ CALLS: dict[str, Call] = {
         steps=(Lab("launch06", 90, ("launch06.json",), ("launch06",)),)),
     "graphs": Call(
         "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's burst with mixed steps "
-        "in CUDA graphs: minisgl's server at its defaults, with prefill graphs up to 8,192 tokens and 512 requests, "
-        "and SGLang's, at 24/s and all at once (step logs: how each step ran); then the burst's requests offline",
+        "in CUDA graphs: minisgl's server at its defaults, with prefill graphs up to 8,704 tokens (an 8k chunk and "
+        "512 decode rows) and 512 requests, and SGLang's, at 24/s and all at once (step logs: how each step ran); then the burst's requests offline",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
-        steps=(Serving("graphs", 420, ("graphs.json", "graphs_minisgl.jsonl", "graphs_minisgl_graphs8k.jsonl",
+        steps=(Serving("graphs", 420, ("graphs.json", "graphs_minisgl.jsonl", "graphs_minisgl_mixed_graphs.jsonl",
                                        "graphs_sglang.jsonl"), loads=("rate24", "burst"),
-                       servers=("minisgl", "minisgl_graphs8k", "sglang")),)),
+                       servers=("minisgl", "minisgl_mixed_graphs", "sglang")),)),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "
@@ -543,8 +543,10 @@ SERVERS = {
     # prefill steps through a burst
     "minisgl_chunk16k": [*MINISGL_SERVE, "--chunked-prefill-size", "16384"],
     # a burst's mixed steps (8k prompt tokens beside hundreds of decode rows) in CUDA graphs too: run23 found them
-    # eager and host-bound (20-45 ms of launches a step); in a graph the decode rows take the extend kernel
-    "minisgl_graphs8k": [*MINISGL_SERVE, "--prefill-graph-max-tokens", "8192", "--prefill-graph-max-reqs", "512"],
+    # eager and host-bound (20-45 ms of launches a step); in a graph the decode rows take the extend kernel. A
+    # mixed step's tokens are its 8,192 prompt tokens plus one per decode row, so the largest bucket is 8192 + 512
+    "minisgl_mixed_graphs": [*MINISGL_SERVE, "--prefill-graph-max-tokens", "8704", "--prefill-graph-max-reqs",
+                             "512"],
     "sglang": ["bash", f"{KIT}/serving.sh", WHEEL_DIR, "sglang-server", "--", "--model-path", SERVE_MODEL,
                "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--grammar-backend", "none", "--host", "127.0.0.1", "--port", "{port}"],
