@@ -366,7 +366,8 @@ CALLS: dict[str, Call] = {
     "graphs": Call(
         "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's burst with mixed steps "
         "in CUDA graphs: minisgl's server at its defaults, with prefill graphs up to 8,704 tokens (an 8k chunk and "
-        "512 decode rows) and 512 requests, and SGLang's, at 24/s and all at once (step logs: how each step ran); then the burst's requests offline",
+        "512 decode rows) and 512 requests, and SGLang's, at 24/s and all at once (step logs: how each step ran); "
+        "then the burst's requests offline",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("graphs", 420, ("graphs.json", "graphs_minisgl.jsonl", "graphs_minisgl_mixed_graphs.jsonl",
                                        "graphs_sglang.jsonl"), loads=("rate24", "burst"),
