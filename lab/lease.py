@@ -363,15 +363,21 @@ CALLS: dict[str, Call] = {
         "launches under cProfile; run23's mix took ~20 ms to launch an eager mixed step",
         carry=(),
         steps=(Lab("launch06", 90, ("launch06.json",), ("launch06",)),)),
-    "graphs": Call(
-        "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's burst with mixed steps "
-        "in CUDA graphs: minisgl's server at its defaults, with prefill graphs up to 8,704 tokens (an 8k chunk and "
-        "512 decode rows) and 512 requests, and SGLang's, at 24/s and all at once (step logs: how each step ran); "
-        "then the burst's requests offline",
+    "tiles": Call(
+        "optional, on a machine calls 1-3 staged (or carry the last part along): the extend kernel from a tile list "
+        "(kernel option extend_tiles) in serving: minisgl's server at its defaults, with --enable-extend-tiles, and "
+        "with it and prefill graphs up to 8,704 tokens (an 8k chunk and 512 decode rows) and 512 requests (the "
+        "burst's mixed steps in graphs too), at 24/s and all at once (step logs: how each step ran); then the "
+        "burst's requests offline",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
-        steps=(Serving("graphs", 420, ("graphs.json", "graphs_minisgl.jsonl", "graphs_minisgl_mixed_graphs.jsonl",
-                                       "graphs_sglang.jsonl"), loads=("rate24", "burst"),
-                       servers=("minisgl", "minisgl_mixed_graphs", "sglang")),)),
+        steps=(Serving("tiles", 420, ("tiles.json", "tiles_minisgl.jsonl", "tiles_minisgl_tiles.jsonl",
+                                      "tiles_minisgl_tiles_mixed_graphs.jsonl"), loads=("rate24", "burst"),
+                       servers=("minisgl", "minisgl_tiles", "minisgl_tiles_mixed_graphs")),)),
+    "tiles_offline": Call(
+        "optional: the extend kernel from a tile list (extend_tiles) against its grid on Qwen3-0.6B: W1, W3, W4 and "
+        "the 512-request mix, two rounds interleaved, and the prefill graphs against eager steps with it on",
+        carry=(),
+        steps=(Lab("tiles_ab06", 300, ("tiles_ab06.json",), ("tiles_ab06", "prefill_check_tiles")),)),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "
@@ -543,11 +549,14 @@ SERVERS = {
     # twice the prefill tokens a step (SGLang on this card: chunk 8192, max_prefill_tokens 16384): fewer, longer
     # prefill steps through a burst
     "minisgl_chunk16k": [*MINISGL_SERVE, "--chunked-prefill-size", "16384"],
-    # a burst's mixed steps (8k prompt tokens beside hundreds of decode rows) in CUDA graphs too: run23 found them
-    # eager and host-bound (20-45 ms of launches a step); in a graph the decode rows take the extend kernel. A
-    # mixed step's tokens are its 8,192 prompt tokens plus one per decode row, so the largest bucket is 8192 + 512
-    "minisgl_mixed_graphs": [*MINISGL_SERVE, "--prefill-graph-max-tokens", "8704", "--prefill-graph-max-reqs",
-                             "512"],
+    # the extend kernel from a tile list (kernels/attention.py): no programs for blocks past the requests' ends,
+    # which a prefill graph's grid (its request bucket x its token bucket in blocks) is mostly made of
+    "minisgl_tiles": [*MINISGL_SERVE, "--enable-extend-tiles"],
+    # and a burst's mixed steps (8k prompt tokens beside hundreds of decode rows) in CUDA graphs too: run23 found
+    # them eager and host-bound (20-45 ms of launches a step); in a graph the decode rows take the extend kernel.
+    # A mixed step's tokens are its 8,192 prompt tokens plus one per decode row: the largest bucket is 8192 + 512
+    "minisgl_tiles_mixed_graphs": [*MINISGL_SERVE, "--enable-extend-tiles", "--prefill-graph-max-tokens", "8704",
+                                   "--prefill-graph-max-reqs", "512"],
     "sglang": ["bash", f"{KIT}/serving.sh", WHEEL_DIR, "sglang-server", "--", "--model-path", SERVE_MODEL,
                "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--grammar-backend", "none", "--host", "127.0.0.1", "--port", "{port}"],

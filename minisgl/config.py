@@ -112,6 +112,11 @@ class KernelOptions:
                                     "a mixed step's decode rows go through the extend kernel with the prefill "
                                     "chunks instead of the decode kernel (attention/triton_backend.py)",
                                     disable=True)
+    extend_tiles: bool = _opt(False, "--enable-extend-tiles",
+                              "the extend attention kernel runs one program per real block of new tokens, from a "
+                              "list the host makes each step, instead of a grid over every request and the "
+                              "longest extend (a prefill graph's grid is its buckets'; kernels/attention.py)",
+                              enable=True)
     gemv_configs: str | None = _opt(None, "--gemv-configs",
                                     "the GEMV's tile table, a JSON file as lab/tune/gemv.py writes it "
                                     "(default: the GPU's table in kernels/gemv_tuned/, if any)")

@@ -14,6 +14,7 @@ from helpers import MAX_NEW, PROMPTS, assert_all_pages_back, assert_parity, hf_g
 from minisgl import SamplingParams
 from minisgl.config import EngineConfig
 from minisgl.engine import prefill_graph as pg
+from minisgl.kernels.options import use_options
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
@@ -93,6 +94,12 @@ def spy_compare(llm, seen: list) -> None:
     def spy(batch):
         shape = runner.prefill_graph.shape_for(batch)
         if shape is not None:
+            with use_options(runner.config.kernels):  # as the runner's own forward runs
+                compare(batch, shape)
+        return forward(batch)
+
+    def compare(batch, shape):
+        if shape is not None:
             runner.req_pool.flush()
             ids, pos, meta, logit_idx, *_ = runner.prepare(batch)
             runner.attn.prepare(meta)
@@ -102,7 +109,6 @@ def spy_compare(llm, seen: list) -> None:
             padded = runner.prefill_graph.run(shape, ids, pos, meta, logit_idx, len(batch.sample_rows)).clone()
             mixed = 1 in batch.extend_lens and max(batch.extend_lens) > 1
             seen.append((shape, batch.num_tokens, batch.size, mixed, eager, padded))
-        return forward(batch)
 
     runner.forward = spy
 
@@ -134,6 +140,43 @@ def test_padded_forward_matches_eager_and_hf(switches, qwen3_path, make_llm):
         assert any(mixed for _, _, _, mixed, _, _ in seen)  # decodes + a prefill chunk in one graph step
     assert any(shape[0] > n_tok for shape, n_tok, *_ in seen)  # token padding was exercised
     assert any(shape[1] > n_req for shape, _, n_req, *_ in seen)  # request padding too
+
+
+@pytest.fixture
+def interpreted():
+    pytest.importorskip("triton", reason="Triton is not installed (the GPU kernels are optional)")
+    from helpers import use_triton_interpreter
+    use_triton_interpreter("minisgl.kernels.elementwise", "minisgl.kernels.attention",
+                           "minisgl.attention.triton_backend")
+
+
+def test_padded_forward_on_the_triton_backend_reads_the_extend_tile_list(interpreted, qwen3_path, make_llm):
+    """The Triton backend (through the interpreter) with the kernel option extend_tiles: the padded fixed-buffer
+    forward reads the fixed tile list, which each step's host lengths refill before the run; its logits equal the
+    eager forward's (which makes its own list) and its tokens HF's, mixed steps included."""
+    llm = make_llm(qwen3_path, dtype="float32", attention_backend="triton", triton_on_cpu=True, extend_tiles=True,
+                   chunked_prefill_size=7)
+    with use_options(llm.config.kernels):  # as the engine builds its graphs: under its kernel options
+        graphs = attach_graph_shaped_runner(llm, max_tokens=64, max_reqs=8)
+    attn = llm.engine.runner.attn
+    assert attn._graph_tiles is not None
+    listed = []
+    extend = attn.forward
+
+    def forward_seeing_tiles(*args):
+        listed.append(attn._tiles is not None and attn._tiles.data_ptr() == attn._graph_tiles.data_ptr())
+        return extend(*args)
+
+    attn.forward = forward_seeing_tiles
+    seen: list = []
+    spy_compare(llm, seen)
+    prompts = PROMPTS[:2]
+    assert_parity(llm.generate(prompts, GREEDY), hf_greedy(qwen3_path, prompts), prompts)
+    assert_all_pages_back(llm)
+    assert seen and graphs.replays == 2 * len(seen) and any(listed)  # the graphs' layers read the fixed list
+    assert any(mixed for *_, mixed, _, _ in seen)
+    for _, _, _, _, eager, padded in seen:
+        torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
 
 
 def test_steps_too_large_run_eagerly(qwen3_path, make_llm):

@@ -349,6 +349,49 @@ def test_extend_attention_from_a_first_row():
         assert torch.equal(part[own:], full[own:])
 
 
+def test_extend_tile_list_orders_pads_and_bounds():
+    """One (request, block) pair per block of new tokens from first_row on, the blocks with the most keys first,
+    padded with blocks past every extend; the bound holds every split of a shape's tokens."""
+    tiles = attention_kernels.extend_tile_list([0, 40, 7, 0], [1, 1, 50, 9], block_m=16, first_row=2)
+    pairs = tiles.reshape(-1, 2).tolist()
+    # request 2: 50 new tokens over 7 cached -> blocks 0..3 seeing 23, 39, 55, 57 keys; request 3: 9 keys
+    assert pairs == [[2, 3], [2, 2], [2, 1], [2, 0], [3, 0]]
+    padded = attention_kernels.extend_tile_list([0, 40, 7, 0], [1, 1, 50, 9], 16, first_row=2, pad_to=8)
+    assert padded.reshape(-1, 2)[:5].tolist() == pairs
+    assert (padded.reshape(-1, 2)[5:, 1] * 16 > 10 ** 6).all()  # blocks past any extend: the programs exit
+    with pytest.raises(ValueError, match="do not fit"):
+        attention_kernels.extend_tile_list([0], [100], 16, pad_to=6)
+    bound = attention_kernels.extend_tiles_bound
+    for tokens, reqs in ((64, 4), (100, 7), (16, 16)):
+        even = tokens // reqs
+        for split in ([tokens - reqs + 1] + [1] * (reqs - 1), [even] * (reqs - 1) + [tokens - even * (reqs - 1)]):
+            n = len(attention_kernels.extend_tile_list([0] * reqs, split, 16)) // 2
+            assert n <= bound(tokens, reqs, 16), (tokens, reqs, split)
+
+
+def test_extend_attention_from_a_tile_list_matches_the_grid():
+    """The tile list's programs compute what the grid's do, to the bit: with and without a first row, padded."""
+    gen = torch.Generator().manual_seed(12)
+    hq, hkv, d, page_size, max_len = 4, 2, 32, 4, 96
+    num_pages = 4 * max_len // page_size + 1
+    k_buf, v_buf = make_pool(num_pages * page_size, hkv, d, torch.float32, gen)
+    r2t = make_slot_table(4, max_len, page_size, num_pages, gen)
+    rows = torch.tensor([2, 0, 3, 1])
+    prefix, ext = [40, 7, 0, 20], [1, 1, 50, 9]
+    prefix_lens, extend_lens = i32(prefix), i32(ext)
+    extend_start = torch.cumsum(extend_lens, 0, dtype=torch.int32) - extend_lens
+    q = torch.randn(int(extend_lens.sum()), hq, d, generator=gen)
+    for first in (0, 2):
+        grid = extend_attention(q, k_buf, v_buf, r2t, rows, prefix_lens, extend_lens, extend_start,
+                                torch.full_like(q, float("nan")), d ** -0.5, 50, block_m=32, first_row=first)
+        for pad in (None, 12):
+            tiles = torch.from_numpy(attention_kernels.extend_tile_list(prefix, ext, 32, first, pad_to=pad))
+            listed = extend_attention(q, k_buf, v_buf, r2t, rows, prefix_lens, extend_lens, extend_start,
+                                      torch.full_like(q, float("nan")), d ** -0.5, 50, block_m=32,
+                                      first_row=first, tiles=tiles)
+            assert torch.equal(listed.isnan(), grid.isnan()) and torch.equal(listed.nan_to_num(), grid.nan_to_num())
+
+
 # ------------------------------------------------------------------ backend ---------------------------------
 
 
@@ -363,16 +406,18 @@ def _meta(rows, prefix, ext, total_slots_used, out_cache_loc, is_decode):
         extend_lens_cpu=list(ext))
 
 
+@pytest.mark.parametrize("extend_tiles", [False, True], ids=["grid", "tiles"])
 @pytest.mark.parametrize("mixed_split", [True, False], ids=["mixed_split", "mixed_one_launch"])
 @pytest.mark.parametrize("fused_store", [True, False], ids=["fused_store", "store_kv"])
-def test_triton_backend_matches_torch_backend(fused_store, mixed_split, monkeypatch, options_for_test):
+def test_triton_backend_matches_torch_backend(fused_store, mixed_split, extend_tiles, monkeypatch, options_for_test):
     """Extend, decode, then a mixed step (a decode row first, a chunk after it) through the backend API (the K/V
     store included), against the torch backend: the same outputs and the same pool. With the option
     decode_fused_store the decode step stores inside the decode kernel and never calls the pool's store; off, and in
     every extend step, it stores through the pool first. With mixed_decode_split the mixed step's decode row takes
-    the decode kernel (one row) and the chunk the extend kernel."""
+    the decode kernel (one row) and the chunk the extend kernel. With extend_tiles the extend kernel runs from the
+    step's tile list."""
     from minisgl.attention import triton_backend
-    options_for_test(decode_fused_store=fused_store, mixed_decode_split=mixed_split)
+    options_for_test(decode_fused_store=fused_store, mixed_decode_split=mixed_split, extend_tiles=extend_tiles)
     decode_rows = []  # rows of every decode-kernel launch, and whether the step was a decode step
     kernel = triton_backend.decode_attention
     monkeypatch.setattr(triton_backend, "decode_attention",

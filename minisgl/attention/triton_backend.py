@@ -18,6 +18,10 @@ The extend kernel gives each request and head a 128-query tile: a decode row wou
 the tensor-core work of 128 over its whole context, which made the decode rows of a 1-4k-prompt mix three times
 dearer in a mixed step than in a decode step (reports/h200/run12, sweep_phases06). The split needs the host's
 extend lengths, so a prefill-graph step (engine/prefill_graph.py, whose fixed metadata has none) keeps one launch.
+
+With the kernel option `extend_tiles` the extend kernel runs from a tile list (kernels/attention.py): `prepare`
+makes an eager step's list from the host lengths; a prefill graph reads a fixed list, which `load_graph_step`
+fills from the step's host lengths before each replay (`init_prefill_graph_state` allocates it).
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from minisgl.kernels.attention import (
     decode_num_splits,
     decode_shared_workspace_numel,
     extend_attention,
+    extend_block_m,
+    extend_tile_list,
+    extend_tiles_bound,
 )
 from minisgl.kernels.options import current_options
 
@@ -67,6 +74,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph_ws_bs = 0
         self._eager_workspace: torch.Tensor | None = None  # grows for eager batches larger than max_bs
         self._eager_ws_bs = 0
+        self._block_m = extend_block_m(head_dim, device, kv_cache.dtype.itemsize)
+        self._tiles: torch.Tensor | None = None  # this step's extend tile list (kernel option extend_tiles)
+        self._graph_tiles: torch.Tensor | None = None  # the prefill graphs' fixed list (init_prefill_graph_state)
 
     def _num_splits(self, bs: int) -> int:
         return decode_num_splits(bs, self.num_kv_heads, self.max_context_len, self._num_sms)
@@ -92,6 +102,51 @@ class TritonAttentionBackend(AttentionBackend):
         every call, so a captured graph holds the path of the options it was captured under)."""
         return current_options().decode_fused_store and k.stride(-1) == 1 and v.stride(-1) == 1
 
+    # --- extend tile lists (kernel option extend_tiles) ---
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        self._tiles = None
+        if meta.is_decode or not current_options().extend_tiles:
+            return
+        if meta.extend_lens_cpu is None:  # a prefill graph's fixed metadata: its fixed list, sized for its shape
+            if self._graph_tiles is not None:
+                bound = extend_tiles_bound(meta.out_cache_loc.shape[0], meta.batch_size, self._block_m)
+                self._tiles = self._graph_tiles[:2 * bound]
+            return
+        tiles = extend_tile_list(meta.prefix_lens_cpu, meta.extend_lens_cpu, self._block_m, self._first_row(meta))
+        host = torch.from_numpy(tiles)
+        device = meta.req_pool_indices.device
+        self._tiles = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+    def _first_row(self, meta: AttentionMetadata) -> int:
+        """The first request of a step the extend kernel computes (the others are decode rows for the decode
+        kernel; see forward)."""
+        return leading_decode_rows(meta) if current_options().mixed_decode_split else 0
+
+    def init_prefill_graph_state(self, max_tokens: int, max_reqs: int) -> None:
+        """The fixed tile list every prefill graph reads (each its first extend_tiles_bound(shape) tiles). Kept
+        once allocated when large enough: captured graphs point at it (a second runner of the same buckets, such
+        as an uncaptured twin, shares it)."""
+        if not current_options().extend_tiles:
+            return
+        need = 2 * extend_tiles_bound(max_tokens, max_reqs, self._block_m)
+        if self._graph_tiles is None or self._graph_tiles.numel() < need:
+            self._graph_tiles = torch.zeros(need, dtype=torch.int32, device=self.req_to_token.device)
+
+    def load_graph_step(self, meta: AttentionMetadata, shape: tuple[int, int]) -> None:
+        """Before a prefill graph's replay: the step's tile list (from its host lengths, padded to the graph's
+        bound) into the fixed list. A graph runs every request through the extend kernel (no host split)."""
+        if self._graph_tiles is None:
+            return
+        tokens, reqs = shape
+        bound = extend_tiles_bound(tokens, reqs, self._block_m)
+        tiles = extend_tile_list(meta.prefix_lens_cpu, meta.extend_lens_cpu, self._block_m, pad_to=bound)
+        host = torch.from_numpy(tiles)
+        if self._graph_tiles.is_cuda:
+            host = host.pin_memory()
+        self._graph_tiles[:2 * bound].copy_(host, non_blocking=True)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         meta = self.meta
         fuse_store = meta.is_decode and self._fuse_store(k, v)
@@ -108,13 +163,13 @@ class TritonAttentionBackend(AttentionBackend):
                              workspace=self._workspace(bs, q.device), num_splits=self._num_splits(bs),
                              new_kv=(k, v, meta.out_cache_loc) if fuse_store else None)
         else:
-            n_dec = leading_decode_rows(meta) if current_options().mixed_decode_split else 0
+            n_dec = self._first_row(meta)
             if n_dec:
                 self._mixed_decode_rows(n_dec, q, k, v, k_buf, v_buf, out)
             # the requests from n_dec on; extend_start holds absolute token offsets, so only their rows are written
             extend_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.prefix_lens,
                              meta.extend_lens, meta.extend_start, out, self.scale, meta.max_extend_len,
-                             first_row=n_dec)
+                             first_row=n_dec, tiles=self._tiles)
         return out
 
     def _mixed_decode_rows(self, n: int, q, k, v, k_buf, v_buf, out) -> None:

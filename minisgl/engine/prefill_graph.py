@@ -136,6 +136,11 @@ class PrefillGraphRunner:
         self.inputs = runner.runtime.graph_inputs(r, dev, decode=False)
         self.tokens_may_equal_requests = runner.runtime.tokens_may_equal_requests
         self.metas = {shape: self._meta(shape) for shape in self.shapes}  # built once: no per-step host work
+        # a backend's own fixed inputs beyond the metadata (the Triton backend's extend tile list), refreshed from
+        # each step's host lengths by load_graph_step
+        init_state = getattr(self.attn, "init_prefill_graph_state", None)
+        if init_state is not None:
+            init_state(self.max_tokens, self.max_reqs)
         self.graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
         self.replays = 0  # steps served by this runner (graph replays, or padded eager runs on a CPU)
         self.capture_seconds = 0.0
@@ -206,6 +211,9 @@ class PrefillGraphRunner:
         self.extend_start[:r].copy_(meta.extend_start)
         self.logit_idx[:r].copy_(logit_idx)
         self.inputs.load(meta, r)
+        load_step = getattr(self.attn, "load_graph_step", None)
+        if load_step is not None:
+            load_step(meta, shape)
         self.replays += 1
         if self.captured:
             self.attn.prepare(self.metas[shape])  # the backend's meta must not point at a freed step's tensors

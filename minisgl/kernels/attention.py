@@ -21,8 +21,9 @@ The Triton import is guarded: this module imports on a machine without Triton; o
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from minisgl.kernels.elementwise import _jit  # triton.jit where Triton is installed, with its options
@@ -36,8 +37,8 @@ except ImportError:  # CPU-only installs: nothing here can run, but importing mu
     triton = None
     tl = None
 
-__all__ = ["decode_attention", "decode_merge_counters",
-           "decode_num_splits", "decode_shared_workspace_numel", "decode_workspace_numel", "extend_attention"]
+__all__ = ["decode_attention", "decode_merge_counters", "decode_num_splits", "decode_shared_workspace_numel",
+           "decode_workspace_numel", "extend_attention", "extend_block_m", "extend_tile_list", "extend_tiles_bound"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -397,6 +398,15 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 # Extend: one program per (request, q head, block of BLOCK_M new tokens). Keys 0..seq_len-1 of the request are
 # read through req_to_token (the new tokens' K/V are already stored); query j sits at position prefix + j and
 # sees keys at positions <= prefix + j. Online softmax over BLOCK_N key tiles.
+#
+# Which (request, block) pairs get a program: either a grid over every request and as many blocks as the longest
+# extend (the plain grid), or a tile list the host made for the step (`extend_tile_list`, kernel option
+# `extend_tiles`): one program per real block and q head. The plain grid is sized by host values the step's
+# requests need not fill; a prefill CUDA graph sizes it by its buckets (its requests times its token bucket in
+# blocks, e.g. 64 x 16 x 16 = 16,384 programs for a 1k-token prompt beside a few decode rows), and every program
+# beyond a request's end still has to be scheduled and exit. With ~200 KB of shared memory a program on Hopper,
+# one runs per SM at a time, so those empty programs queue up behind each other. A tile list holds only the real
+# blocks, padded to a bound a graph can fix (`extend_tiles_bound`) with blocks that start past every extend.
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -454,18 +464,24 @@ def _extend_tile(
 # compiled variant
 @_jit(do_not_specialize=["first_row"])
 def _extend_kernel(
-    Q, K, V, Out, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart,
+    Q, K, V, Out, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart, Tiles,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_r2t,
     qk_scale, first_row,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM: tl.constexpr, IEEE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TILES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         pdl_enter()
-    b = tl.program_id(0) + first_row
-    h = tl.program_id(1)
-    # Last query blocks first: under the causal mask they have the most keys, so the short ones fill the tail.
-    mblk = tl.num_programs(2) - 1 - tl.program_id(2)
+    if USE_TILES:  # grid (q heads, tiles): every head's first tiles (the host put the longest first) start first
+        h = tl.program_id(0)
+        tile = tl.program_id(1)
+        b = tl.load(Tiles + 2 * tile)
+        mblk = tl.load(Tiles + 2 * tile + 1)
+    else:
+        b = tl.program_id(0) + first_row
+        h = tl.program_id(1)
+        # Last query blocks first: under the causal mask they have the most keys, so the short ones fill the tail.
+        mblk = tl.num_programs(2) - 1 - tl.program_id(2)
     ext_len = tl.load(ExtendLens + b).to(tl.int32)
     m_start = mblk * BLOCK_M
     if m_start < ext_len:  # the grid is sized for the longest request; shorter ones skip the extra blocks
@@ -530,10 +546,52 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return _capability_cache[idx]
 
 
+def extend_block_m(head_dim: int, device: torch.device, elem_size: int = 2) -> int:
+    """BLOCK_M, the new tokens one extend program takes: what a tile list is cut by."""
+    return _extend_blocks(head_dim, device, elem_size)[0]
+
+
+# A tile past every extend (BLOCK_M * _PAD_BLOCK is past any step's tokens): the program exits at once.
+_PAD_BLOCK = 1 << 20
+
+
+def extend_tile_list(prefix_lens: Sequence[int], extend_lens: Sequence[int], block_m: int, first_row: int = 0,
+                     pad_to: int | None = None) -> np.ndarray:
+    """The extend kernel's work list for a step (host values): int32 pairs (request, query block), one per block
+    of `block_m` new tokens of each request from `first_row` on, the blocks with the most keys first (a block
+    sees its request's prefix and the new tokens up to its end), so the shortest fill the tail. `pad_to` pads
+    the list to that many tiles with blocks past every extend (a CUDA graph's fixed tile count)."""
+    req_list, blk_list, keys = [], [], []
+    for i in range(first_row, len(extend_lens)):
+        ext, prefix = int(extend_lens[i]), int(prefix_lens[i])
+        for blk in range(-(-ext // block_m)):
+            req_list.append(i)
+            blk_list.append(blk)
+            keys.append(prefix + min((blk + 1) * block_m, ext))
+    n = len(req_list)
+    size = n if pad_to is None else pad_to
+    if n > size:
+        raise ValueError(f"{n} extend tiles do not fit a list of {size}")
+    tiles = np.zeros((size, 2), dtype=np.int32)
+    tiles[n:, 1] = _PAD_BLOCK
+    if n:
+        order = np.argsort(-np.asarray(keys, dtype=np.int64), kind="stable")
+        tiles[:n, 0] = np.asarray(req_list, dtype=np.int32)[order]
+        tiles[:n, 1] = np.asarray(blk_list, dtype=np.int32)[order]
+    return tiles.reshape(-1)
+
+
+def extend_tiles_bound(num_tokens: int, num_reqs: int, block_m: int) -> int:
+    """The most tiles a step of `num_tokens` new tokens over `num_reqs` requests can have: each request's last
+    block may be partial."""
+    return -(-(num_tokens + num_reqs * (block_m - 1)) // block_m)
+
+
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                      extend_start: torch.Tensor, out: torch.Tensor, scale: float, max_extend_len: int,
-                     block_m: int | None = None, block_n: int | None = None, first_row: int = 0) -> torch.Tensor:
+                     block_m: int | None = None, block_n: int | None = None, first_row: int = 0,
+                     tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the new tokens of a batch over each request's cached prefix and themselves.
 
     q, out: [T, Hq, D]; request i owns rows extend_start[i] : extend_start[i] + extend_lens[i] of q, at
@@ -541,7 +599,9 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     `max_extend_len` (host int) bounds extend_lens and sizes the grid. Only requests first_row.. are computed
     (the per-request tensors are indexed from 0, not sliced: a slice at an odd offset would be a differently
     aligned pointer, for which Triton compiles another variant). Rows of q owned by no computed request are left
-    untouched in `out`.
+    untouched in `out`. `tiles` (int32 on q's device, as `extend_tile_list` makes it with the same `block_m` and
+    first_row): one program per listed block and head instead of the grid; `max_extend_len` and `first_row` are
+    then not read by the kernel.
     """
     _require_triton()
     T, Hq, D = q.shape
@@ -550,21 +610,28 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     assert Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads"
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
     assert req_to_token.stride(-1) == 1
-    if T == 0 or B <= first_row or max_extend_len <= 0:
+    if T == 0 or B <= first_row or max_extend_len <= 0 or (tiles is not None and tiles.numel() == 0):
         return out
     bm, bn, num_warps, num_stages = _extend_blocks(D, q.device, k_buf.element_size())
     bm = block_m or bm
     bn = block_n or bn
     block_d = max(16, triton.next_power_of_2(D))
     ieee = k_buf.dtype == torch.float32  # q is cast to the cache dtype; fp32 dots must not drop to tf32
-    grid = (B - first_row, Hq, triton.cdiv(max_extend_len, bm))
+    use_tiles = tiles is not None
+    if use_tiles:
+        assert tiles.dtype == torch.int32 and tiles.numel() % 2 == 0
+        grid = (Hq, tiles.numel() // 2)
+    else:
+        grid = (B - first_row, Hq, triton.cdiv(max_extend_len, bm))
+        tiles = extend_start  # a placeholder for the unread pointer
     kw = pdl_launch(q)
     _extend_kernel[grid](
-        q, k_buf, v_buf, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
+        q, k_buf, v_buf, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start, tiles,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
         scale * _LOG2E, first_row,
-        GROUP=Hq // Hkv, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, HEAD_DIM=D, IEEE_DOT=ieee, USE_PDL=bool(kw),
+        GROUP=Hq // Hkv, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, HEAD_DIM=D, IEEE_DOT=ieee,
+        USE_TILES=use_tiles, USE_PDL=bool(kw),
         num_warps=num_warps, num_stages=num_stages, **kw,
     )
     return out
