@@ -152,22 +152,29 @@ def interpreted():
 
 def test_padded_forward_on_the_triton_backend_reads_the_extend_tile_list(interpreted, qwen3_path, make_llm):
     """The Triton backend (through the interpreter) with the kernel option extend_tiles: the padded fixed-buffer
-    forward reads the fixed tile list, which each step's host lengths refill before the run; its logits equal the
-    eager forward's (which makes its own list) and its tokens HF's, mixed steps included."""
+    forward reads the fixed tile list and decode-row lengths, which each step's host lengths refill before the run
+    (a mixed step's decode rows through the decode kernel, the rest from the list); its logits equal the eager
+    forward's (which makes its own list) and its tokens HF's, mixed steps included."""
     llm = make_llm(qwen3_path, dtype="float32", attention_backend="triton", triton_on_cpu=True, extend_tiles=True,
                    chunked_prefill_size=7)
+    attn = llm.engine.runner.attn
+    attn.init_cuda_graph_state(max_bs=8)  # the decode graphs' fixed workspace, which a GPU engine has by now
     with use_options(llm.config.kernels):  # as the engine builds its graphs: under its kernel options
         graphs = attach_graph_shaped_runner(llm, max_tokens=64, max_reqs=8)
-    attn = llm.engine.runner.attn
     assert attn._graph_tiles is not None
-    listed = []
-    extend = attn.forward
+    listed, graph_decodes = [], []
+    extend, decode_rows = attn.forward, attn._mixed_decode_rows
 
     def forward_seeing_tiles(*args):
         listed.append(attn._tiles is not None and attn._tiles.data_ptr() == attn._graph_tiles.data_ptr())
         return extend(*args)
 
-    attn.forward = forward_seeing_tiles
+    def decode_rows_seen(n, *args, seq_lens=None):
+        if seq_lens is not None:  # a graph's device split: every request row, the decode rows' lengths
+            graph_decodes.append((n, int((seq_lens > 0).sum())))
+        return decode_rows(n, *args, seq_lens=seq_lens)
+
+    attn.forward, attn._mixed_decode_rows = forward_seeing_tiles, decode_rows_seen
     seen: list = []
     spy_compare(llm, seen)
     prompts = PROMPTS[:2]
@@ -175,6 +182,8 @@ def test_padded_forward_on_the_triton_backend_reads_the_extend_tile_list(interpr
     assert_all_pages_back(llm)
     assert seen and graphs.replays == 2 * len(seen) and any(listed)  # the graphs' layers read the fixed list
     assert any(mixed for *_, mixed, _, _ in seen)
+    # the mixed steps' decode rows took the decode kernel inside the graph path; the other steps' none
+    assert any(rows > 0 for _, rows in graph_decodes) and all(rows <= n for n, rows in graph_decodes)
     for _, _, _, _, eager, padded in seen:
         torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
 

@@ -21,11 +21,15 @@ extend lengths, so a prefill-graph step (engine/prefill_graph.py, whose fixed me
 
 With the kernel option `extend_tiles` the extend kernel runs from a tile list (kernels/attention.py): `prepare`
 makes an eager step's list from the host lengths; a prefill graph reads a fixed list, which `load_graph_step`
-fills from the step's host lengths before each replay (`init_prefill_graph_state` allocates it).
+fills from the step's host lengths before each replay (`init_prefill_graph_state` allocates it). A prefill graph
+then splits its decode rows off too, on the device: it launches the decode kernel over all its request rows with
+a fixed array of lengths that holds a decode row's seq_len and 0 for every other row (skipped), and its tile list
+leaves the decode rows out.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minisgl.attention.base import AttentionBackend, AttentionMetadata
@@ -77,6 +81,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._block_m = extend_block_m(head_dim, device, kv_cache.dtype.itemsize)
         self._tiles: torch.Tensor | None = None  # this step's extend tile list (kernel option extend_tiles)
         self._graph_tiles: torch.Tensor | None = None  # the prefill graphs' fixed list (init_prefill_graph_state)
+        self._graph_decode: torch.Tensor | None = None  # and their decode rows' lengths (0: not a decode row)
+        self._graph_decode_lens: torch.Tensor | None = None  # this graph's slice of it, when its decode rows split
 
     def _num_splits(self, bs: int) -> int:
         return decode_num_splits(bs, self.num_kv_heads, self.max_context_len, self._num_sms)
@@ -106,46 +112,65 @@ class TritonAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.meta = meta
-        self._tiles = None
+        self._tiles = self._graph_decode_lens = None
         if meta.is_decode or not current_options().extend_tiles:
             return
-        if meta.extend_lens_cpu is None:  # a prefill graph's fixed metadata: its fixed list, sized for its shape
+        if meta.extend_lens_cpu is None:  # a prefill graph's fixed metadata: the fixed inputs, sized for its shape
             if self._graph_tiles is not None:
-                bound = extend_tiles_bound(meta.out_cache_loc.shape[0], meta.batch_size, self._block_m)
-                self._tiles = self._graph_tiles[:2 * bound]
+                tokens, reqs = meta.out_cache_loc.shape[0], meta.batch_size
+                self._tiles = self._graph_tiles[:2 * extend_tiles_bound(tokens, reqs, self._block_m)]
+                if self._graph_decode_split(reqs):
+                    self._graph_decode_lens = self._graph_decode[:reqs]
             return
         tiles = extend_tile_list(meta.prefix_lens_cpu, meta.extend_lens_cpu, self._block_m, self._first_row(meta))
-        host = torch.from_numpy(tiles)
-        device = meta.req_pool_indices.device
-        self._tiles = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        self._tiles = self._upload(torch.from_numpy(tiles), meta.req_pool_indices.device)
+
+    @staticmethod
+    def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
     def _first_row(self, meta: AttentionMetadata) -> int:
         """The first request of a step the extend kernel computes (the others are decode rows for the decode
         kernel; see forward)."""
         return leading_decode_rows(meta) if current_options().mixed_decode_split else 0
 
+    def _graph_decode_split(self, reqs: int) -> bool:
+        """Whether a prefill graph of `reqs` requests sends its leading decode rows through the decode kernel: the
+        split is on and the launch needs no workspace, or the decode graphs' fixed one holds it (an eager
+        workspace may be reallocated under a captured graph)."""
+        as_bs = self._as_batch_size(reqs)
+        return (current_options().mixed_decode_split and self._graph_decode is not None
+                and (self._num_splits(as_bs) <= 1 or as_bs <= self._graph_ws_bs))
+
     def init_prefill_graph_state(self, max_tokens: int, max_reqs: int) -> None:
-        """The fixed tile list every prefill graph reads (each its first extend_tiles_bound(shape) tiles). Kept
-        once allocated when large enough: captured graphs point at it (a second runner of the same buckets, such
-        as an uncaptured twin, shares it)."""
+        """The fixed inputs every prefill graph reads, refilled before each replay by load_graph_step: the extend
+        tile list (each graph its first extend_tiles_bound(shape) tiles) and each request's length for the decode
+        kernel (a decode row's seq_len, 0 for the rest: the decode launch skips them). Kept once allocated when
+        large enough: captured graphs point at them (a second runner of the same buckets, such as an uncaptured
+        twin, shares them)."""
         if not current_options().extend_tiles:
             return
         need = 2 * extend_tiles_bound(max_tokens, max_reqs, self._block_m)
+        device = self.req_to_token.device
         if self._graph_tiles is None or self._graph_tiles.numel() < need:
-            self._graph_tiles = torch.zeros(need, dtype=torch.int32, device=self.req_to_token.device)
+            self._graph_tiles = torch.zeros(need, dtype=torch.int32, device=device)
+        if self._graph_decode is None or self._graph_decode.numel() < max_reqs:
+            self._graph_decode = torch.zeros(max_reqs, dtype=torch.int32, device=device)
 
     def load_graph_step(self, meta: AttentionMetadata, shape: tuple[int, int]) -> None:
-        """Before a prefill graph's replay: the step's tile list (from its host lengths, padded to the graph's
-        bound) into the fixed list. A graph runs every request through the extend kernel (no host split)."""
+        """Before a prefill graph's replay, from the step's host lengths (padded to the graph's shape): its tile
+        list, padded to the graph's bound, and its decode rows' lengths, into the fixed inputs."""
         if self._graph_tiles is None:
             return
         tokens, reqs = shape
+        n_dec = self._first_row(meta) if self._graph_decode_split(reqs) else 0
         bound = extend_tiles_bound(tokens, reqs, self._block_m)
-        tiles = extend_tile_list(meta.prefix_lens_cpu, meta.extend_lens_cpu, self._block_m, pad_to=bound)
-        host = torch.from_numpy(tiles)
-        if self._graph_tiles.is_cuda:
-            host = host.pin_memory()
-        self._graph_tiles[:2 * bound].copy_(host, non_blocking=True)
+        tiles = extend_tile_list(meta.prefix_lens_cpu, meta.extend_lens_cpu, self._block_m, n_dec, pad_to=bound)
+        decode_lens = np.zeros(reqs, dtype=np.int32)
+        decode_lens[:n_dec] = meta.seq_lens_cpu[:n_dec]
+        device = self._graph_tiles.device
+        self._graph_tiles[:2 * bound].copy_(self._upload(torch.from_numpy(tiles), device), non_blocking=True)
+        self._graph_decode[:reqs].copy_(self._upload(torch.from_numpy(decode_lens), device), non_blocking=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         meta = self.meta
@@ -162,6 +187,15 @@ class TritonAttentionBackend(AttentionBackend):
                              self.scale, max_seq_len=self.max_context_len,
                              workspace=self._workspace(bs, q.device), num_splits=self._num_splits(bs),
                              new_kv=(k, v, meta.out_cache_loc) if fuse_store else None)
+        elif self._graph_decode_lens is not None:
+            # a prefill graph: every request row through the decode kernel, with the lengths load_graph_step wrote
+            # (a decode row's seq_len, else 0: skipped, its output row zeroed), before the extend kernel, which
+            # then writes the prefill requests' rows from its tile list (which leaves the decode rows out)
+            reqs = meta.batch_size
+            self._mixed_decode_rows(reqs, q, k, v, k_buf, v_buf, out, seq_lens=self._graph_decode_lens)
+            extend_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.prefix_lens,
+                             meta.extend_lens, meta.extend_start, out, self.scale, meta.max_extend_len,
+                             tiles=self._tiles)
         else:
             n_dec = self._first_row(meta)
             if n_dec:
@@ -172,16 +206,22 @@ class TritonAttentionBackend(AttentionBackend):
                              first_row=n_dec, tiles=self._tiles)
         return out
 
-    def _mixed_decode_rows(self, n: int, q, k, v, k_buf, v_buf, out) -> None:
+    @staticmethod
+    def _as_batch_size(n: int) -> int:
+        return 1 << (n - 1).bit_length()
+
+    def _mixed_decode_rows(self, n: int, q, k, v, k_buf, v_buf, out, seq_lens: torch.Tensor | None = None) -> None:
         """Rows 0..n-1 of a mixed step (tokens 0..n-1, one each) through the decode kernel, launched as a decode
         step of the next power-of-2 batch size launches it: the same split count and the same K/V store choice, so
         it runs a kernel variant the decode graphs compiled (the split count is a compile-time constant; an exact
         count for every n would compile new variants in the middle of serving). Their K/V were stored with the
-        rest of the step; the fused store writes the same values to the same slots again."""
+        rest of the step; the fused store writes the same values to the same slots again. `seq_lens` (default:
+        the step's) as a prefill graph gives them: rows of length 0 are skipped."""
         meta = self.meta
-        as_bs = 1 << (n - 1).bit_length()
+        as_bs = self._as_batch_size(n)
         fuse = self._fuse_store(k, v)
-        decode_attention(q[:n], k_buf, v_buf, self.req_to_token, meta.req_pool_indices[:n], meta.seq_lens[:n],
+        seq_lens = meta.seq_lens[:n] if seq_lens is None else seq_lens
+        decode_attention(q[:n], k_buf, v_buf, self.req_to_token, meta.req_pool_indices[:n], seq_lens,
                          out[:n], self.scale, max_seq_len=self.max_context_len,
                          workspace=self._workspace(as_bs, q.device), num_splits=self._num_splits(as_bs),
                          new_kv=(k[:n], v[:n], meta.out_cache_loc[:n]) if fuse else None)
