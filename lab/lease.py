@@ -374,8 +374,8 @@ CALLS: dict[str, Call] = {
                                       "tiles_minisgl_tiles_mixed_graphs.jsonl"), loads=("rate24", "burst"),
                        servers=("minisgl", "minisgl_tiles", "minisgl_tiles_mixed_graphs")),)),
     "tiles_offline": Call(
-        "optional: the extend kernel from a tile list (extend_tiles) against its grid on Qwen3-0.6B: W1, W3, W4 and "
-        "the 512-request mix, two rounds interleaved, and the prefill graphs against eager steps with it on",
+        "optional: the extend kernel from a tile list (extend_tiles) against its grid on Qwen3-0.6B: W1, W3 and W4, "
+        "two rounds interleaved, and the prefill graphs against eager steps with it on",
         carry=(),
         steps=(Lab("tiles_ab06", 300, ("tiles_ab06.json",), ("tiles_ab06", "prefill_check_tiles")),)),
     "warmup": Call(
