@@ -374,10 +374,12 @@ CALLS: dict[str, Call] = {
                                       "tiles_minisgl_tiles_mixed_graphs.jsonl"), loads=("rate24", "burst"),
                        servers=("minisgl", "minisgl_tiles", "minisgl_tiles_mixed_graphs")),)),
     "tiles_offline": Call(
-        "optional: the extend kernel from a tile list (extend_tiles) against its grid on Qwen3-0.6B: W1, W3 and W4, "
-        "two rounds interleaved, and the prefill graphs against eager steps with it on",
+        "optional: the extend kernel from a tile list (extend_tiles) against its grid: the kernel alone in "
+        "prefill-graph shapes, then Qwen3-0.6B's W1, W3 and W4, two rounds interleaved, and the prefill graphs "
+        "against eager steps with it on",
         carry=(),
-        steps=(Lab("tiles_ab06", 300, ("tiles_ab06.json",), ("tiles_ab06", "prefill_check_tiles")),)),
+        steps=(Lab("tiles_ab06", 330, ("tiles_ab06.json",),
+                   ("extend_tiles_check", "tiles_ab06", "prefill_check_tiles")),)),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "

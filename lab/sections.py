@@ -721,6 +721,8 @@ SECTIONS: dict[str, Section] = {
     "kernels_backends": section(lambda: kernels("--backends-only", "triton"),
                                 "the Triton backend against the torch backend (mixed steps, graph replays)"),
     "decode_merge": section(lambda: kernels("--decode-merge-only"), "decode split merge: fused vs two launches"),
+    "extend_tiles_check": section(lambda: kernels("--extend-tiles-only"),
+                                  "the extend kernel in prefill-graph shapes: the graph's grid against its tile list"),
     "decode_store": section(lambda: kernels("--decode-store-only"), "decode K/V store: fused vs store_kv first"),
     "gdn_check": section(lambda: child_check("lab.checks.gdn", "--quick"), "Gated DeltaNet kernels, timed"),
     "sampling_check": section(module_check("lab.checks.sampling"), "the fused sampler against its reference"),

@@ -41,6 +41,9 @@ from minisgl.kernels.attention import (
     decode_shared_workspace_numel,
     decode_workspace_numel,
     extend_attention,
+    extend_block_m,
+    extend_tile_list,
+    extend_tiles_bound,
 )
 from minisgl.kernels.options import current_options
 from minisgl.kvcache.pool import KVCache
@@ -49,6 +52,15 @@ DEV = torch.device("cuda")
 HEADS = {name: attention_shape(name) for name in ("qwen3-0.6b", "qwen3-8b")}  # (q heads, kv heads, dim)
 MAX_CONTEXT = 32768
 NUM_SMS = torch.cuda.get_device_properties(DEV).multi_processor_count if torch.cuda.is_available() else 132
+# Steps as a prefill graph holds them: (name, (token bucket, request bucket), prefixes, extends). A 24/s step (one
+# 1k prompt beside 30 decode rows of ~1k context), a burst's mixed step in the largest bucket (an 8k chunk of ten
+# prompts beside 250 decode rows), a W1-like prefill of four prompts, and one short prompt alone in a big bucket.
+EXTEND_TILE_CASES = [
+    ("rate24_mixed", (2048, 64), [1000 + 7 * i for i in range(30)] + [0], [1] * 30 + [1024]),
+    ("burst_mixed", (8704, 512), [900 + i for i in range(250)] + [0] * 10, [1] * 250 + [819] * 10),
+    ("w1_prefill", (4096, 4), [0] * 4, [1000, 900, 1024, 700]),
+    ("short_in_big", (4096, 64), [0], [40]),
+]
 
 
 def make_cache(lens: list[int], page_size: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
@@ -445,6 +457,51 @@ def check_extend(model: str, page_size: int, name: str, prefix: list[int], ext: 
                         ok=(not nan and rerr < 2e-2), us=ms * 1e3, tflops=flops / (ms * 1e-3) / 1e12))
 
 
+def check_extend_tiles(name: str, shape: tuple[int, int], prefix: list[int], ext: list[int],
+                       gen: torch.Generator, results: list) -> None:
+    """The extend kernel on one step laid out as a prefill graph of `shape` (tokens, requests) lays it out:
+    the graph's grid (every request of the bucket x the token bucket in blocks; padded requests extend by 0)
+    against its tile list padded to the bound (kernel option extend_tiles), each in a CUDA graph, and the step's own
+    eager grid. Outputs equal to the bit on the real rows (the same programs compute them). Qwen3-0.6B heads."""
+    hq, hkv, d = HEADS["qwen3-0.6b"]
+    tokens, reqs = shape
+    lens = [p + e for p, e in zip(prefix, ext)]
+    k_buf, v_buf, num_pages = make_cache(lens, 1, hkv, d, torch.bfloat16, gen)
+    table = make_table(lens, 1, num_pages, MAX_CONTEXT, gen)
+    real, total = len(ext), sum(ext)
+    pad = reqs - real
+    padded_prefix, padded_ext = prefix + [0] * pad, ext + [0] * pad
+    prefix_t = torch.tensor(padded_prefix, dtype=torch.int32, device=DEV)
+    ext_t = torch.tensor(padded_ext, dtype=torch.int32, device=DEV)
+    start_t = torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t
+    start_t[real:] = tokens  # as pad_extend_step: past every real token
+    rows = torch.zeros(reqs, dtype=torch.int64, device=DEV)
+    rows[:real] = torch.arange(real, device=DEV)
+    q = torch.randn(tokens, hq, d, generator=gen, device=DEV, dtype=torch.bfloat16)
+    bm = extend_block_m(d, DEV)
+    tiles = torch.from_numpy(extend_tile_list(padded_prefix, padded_ext, bm,
+                                              pad_to=extend_tiles_bound(tokens, reqs, bm))).to(DEV)
+    scale = d ** -0.5
+    outs, row = {}, dict(kernel="extend_tiles", case=name, shape=list(shape), requests=real, tokens=total,
+                         tiles=len(tiles) // 2, grid_programs=reqs * hq * triton.cdiv(tokens, bm))
+    arms = {"graph_grid": dict(max_extend_len=tokens), "graph_tiles": dict(max_extend_len=tokens, tiles=tiles)}
+    for label, kw in arms.items():
+        out = torch.zeros_like(q)
+        graph, _ = capture(lambda out=out, kw=kw: extend_attention(q, k_buf, v_buf, table, rows, prefix_t, ext_t,
+                                                                   start_t, out, scale, **kw))
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[label] = out[:total].clone()
+        row[f"{label}_us"] = 1e3 * do_bench_cudagraph(graph.replay, rep=50)
+    out = torch.zeros_like(q)
+    row["eager_grid_us"] = 1e3 * do_bench(lambda: extend_attention(q, k_buf, v_buf, table, rows[:real],
+                                                                   prefix_t[:real], ext_t[:real], start_t[:real],
+                                                                   out, scale, max(ext)), rep=50)
+    row["same_bits"] = torch.equal(outs["graph_grid"], outs["graph_tiles"])
+    row["ok"] = row["same_bits"] and not outs["graph_tiles"].isnan().any().item()
+    results.append(row)
+
+
 def check_sdpa_baseline(model: str, n: int, gen: torch.Generator, results: list) -> None:
     """torch's own causal SDPA (flash) on contiguous q/k/v of one prefill, for scale."""
     hq, hkv, d = HEADS[model]
@@ -580,6 +637,8 @@ def main() -> int:
                     help="only decode: fused vs two-launch split merge (check + time) and the graph replay check")
     ap.add_argument("--decode-store-only", action="store_true",
                     help="only decode: K/V stored by the decode kernel vs store_kv first (check + time)")
+    ap.add_argument("--extend-tiles-only", action="store_true",
+                    help="only the extend kernel's graph grid against its tile list, on prefill-graph shapes")
     ap.add_argument("--elementwise-only", action="store_true",
                     help="only the elementwise kernels (Qwen3's and Qwen3.5's), not attention")
     args = ap.parse_args()
@@ -611,6 +670,10 @@ def main() -> int:
     if args.elementwise_only:
         guarded(check_elementwise)
         guarded(check_qwen35_elementwise)
+        return finish(args, results, t0)
+    if args.extend_tiles_only:
+        for name, shape, prefix, ext in EXTEND_TILE_CASES:
+            guarded(check_extend_tiles, name, shape, prefix, ext)
         return finish(args, results, t0)
     if args.backends_only:
         names = args.backends_only.split(",")
