@@ -327,18 +327,27 @@ def test_extend_attention_mixed_batch(hq, hkv, d, page_size, dtype):
     assert rel_err(out, ref) < tol
 
 
-def test_extend_attention_from_a_first_row():
-    """first_row=n computes requests n.. only (a mixed step's decode rows go to the decode kernel): their rows
-    equal the full call's, and the rows of requests 0..n-1 are left untouched."""
-    gen = torch.Generator().manual_seed(11)
+MIXED_PREFIX, MIXED_EXT = [40, 7, 0, 20], [1, 1, 50, 9]  # two decode rows, then two chunks
+
+
+def _mixed_step(seed: int):
+    """A mixed step of four requests (MIXED_PREFIX / MIXED_EXT) over a paged fp32 pool: (q, k_buf, v_buf, table,
+    rows, prefix_lens, extend_lens, extend_start, head_dim)."""
+    gen = torch.Generator().manual_seed(seed)
     hq, hkv, d, page_size, max_len = 4, 2, 32, 4, 96
     num_pages = 4 * max_len // page_size + 1
     k_buf, v_buf = make_pool(num_pages * page_size, hkv, d, torch.float32, gen)
     r2t = make_slot_table(4, max_len, page_size, num_pages, gen)
-    rows = torch.tensor([2, 0, 3, 1])
-    prefix_lens, extend_lens = i32([40, 7, 0, 20]), i32([1, 1, 50, 9])
+    prefix_lens, extend_lens = i32(MIXED_PREFIX), i32(MIXED_EXT)
     extend_start = torch.cumsum(extend_lens, 0, dtype=torch.int32) - extend_lens
     q = torch.randn(int(extend_lens.sum()), hq, d, generator=gen)
+    return q, k_buf, v_buf, r2t, torch.tensor([2, 0, 3, 1]), prefix_lens, extend_lens, extend_start, d
+
+
+def test_extend_attention_from_a_first_row():
+    """first_row=n computes requests n.. only (a mixed step's decode rows go to the decode kernel): their rows
+    equal the full call's, and the rows of requests 0..n-1 are left untouched."""
+    q, k_buf, v_buf, r2t, rows, prefix_lens, extend_lens, extend_start, d = _mixed_step(11)
     full = extend_attention(q, k_buf, v_buf, r2t, rows, prefix_lens, extend_lens, extend_start,
                             torch.full_like(q, float("nan")), d ** -0.5, 50)
     for first in (1, 2, 3):
@@ -371,21 +380,13 @@ def test_extend_tile_list_orders_pads_and_bounds():
 
 def test_extend_attention_from_a_tile_list_matches_the_grid():
     """The tile list's programs compute what the grid's do, to the bit: with and without a first row, padded."""
-    gen = torch.Generator().manual_seed(12)
-    hq, hkv, d, page_size, max_len = 4, 2, 32, 4, 96
-    num_pages = 4 * max_len // page_size + 1
-    k_buf, v_buf = make_pool(num_pages * page_size, hkv, d, torch.float32, gen)
-    r2t = make_slot_table(4, max_len, page_size, num_pages, gen)
-    rows = torch.tensor([2, 0, 3, 1])
-    prefix, ext = [40, 7, 0, 20], [1, 1, 50, 9]
-    prefix_lens, extend_lens = i32(prefix), i32(ext)
-    extend_start = torch.cumsum(extend_lens, 0, dtype=torch.int32) - extend_lens
-    q = torch.randn(int(extend_lens.sum()), hq, d, generator=gen)
+    q, k_buf, v_buf, r2t, rows, prefix_lens, extend_lens, extend_start, d = _mixed_step(12)
     for first in (0, 2):
         grid = extend_attention(q, k_buf, v_buf, r2t, rows, prefix_lens, extend_lens, extend_start,
                                 torch.full_like(q, float("nan")), d ** -0.5, 50, block_m=32, first_row=first)
         for pad in (None, 12):
-            tiles = torch.from_numpy(attention_kernels.extend_tile_list(prefix, ext, 32, first, pad_to=pad))
+            tiles = torch.from_numpy(attention_kernels.extend_tile_list(MIXED_PREFIX, MIXED_EXT, 32, first,
+                                                                         pad_to=pad))
             listed = extend_attention(q, k_buf, v_buf, r2t, rows, prefix_lens, extend_lens, extend_start,
                                       torch.full_like(q, float("nan")), d ** -0.5, 50, block_m=32,
                                       first_row=first, tiles=tiles)
