@@ -423,6 +423,9 @@ def test_triton_backend_matches_torch_backend(fused_store, mixed_split, extend_t
     kernel = triton_backend.decode_attention
     monkeypatch.setattr(triton_backend, "decode_attention",
                         lambda q, *a, **kw: (decode_rows.append((meta.is_decode, q.shape[0])), kernel(q, *a, **kw))[1])
+    plans = []  # every count of a step's leading decode rows: once a step (prepare), not once a layer
+    leading = triton_backend.leading_decode_rows
+    monkeypatch.setattr(triton_backend, "leading_decode_rows", lambda m: (plans.append(m), leading(m))[1])
     gen = torch.Generator().manual_seed(3)
     hq, hkv, d, page_size, layers = 8, 2, 64, 4, 2
     num_pages, max_len = 40, 48
@@ -469,6 +472,7 @@ def test_triton_backend_matches_torch_backend(fused_store, mixed_split, extend_t
     expected += [(False, layer) for layer in range(layers)]
     assert stores == expected
     assert decode_rows == [(True, 2)] * layers + ([(False, 1)] * layers if mixed_split else [])
+    assert len(plans) == (2 if mixed_split else 0)  # the two extend steps, each planned once for both layers
 
 
 def _launch_key(kernel, args: tuple, kwargs: dict) -> tuple:

@@ -79,7 +79,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._eager_workspace: torch.Tensor | None = None  # grows for eager batches larger than max_bs
         self._eager_ws_bs = 0
         self._block_m = extend_block_m(head_dim, device, kv_cache.dtype.itemsize)
-        self._tiles: torch.Tensor | None = None  # this step's extend tile list (kernel option extend_tiles)
+        self._planned: AttentionMetadata | None = None  # the metadata `prepare` planned the step for
+        self._n_dec = 0  # its leading decode rows (see forward)
+        self._tiles: torch.Tensor | None = None  # its extend tile list (kernel option extend_tiles)
         self._graph_tiles: torch.Tensor | None = None  # the prefill graphs' fixed list (init_prefill_graph_state)
         self._graph_decode: torch.Tensor | None = None  # and their decode rows' lengths (0: not a decode row)
         self._graph_decode_lens: torch.Tensor | None = None  # this graph's slice of it, when its decode rows split
@@ -111,7 +113,10 @@ class TritonAttentionBackend(AttentionBackend):
     # --- extend tile lists (kernel option extend_tiles) ---
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        self.meta = meta
+        """The step's plan, once for all its layers: how many leading decode rows take the decode kernel, and with
+        the kernel option extend_tiles the extend kernel's tile list (or a prefill graph's fixed inputs)."""
+        self.meta = self._planned = meta
+        self._n_dec = 0 if meta.is_decode else self._first_row(meta)
         self._tiles = self._graph_decode_lens = None
         if meta.is_decode or not current_options().extend_tiles:
             return
@@ -122,7 +127,7 @@ class TritonAttentionBackend(AttentionBackend):
                 if self._graph_decode_split(reqs):
                     self._graph_decode_lens = self._graph_decode[:reqs]
             return
-        tiles = extend_tile_list(meta.prefix_lens_cpu, meta.extend_lens_cpu, self._block_m, self._first_row(meta))
+        tiles = extend_tile_list(meta.prefix_lens_cpu, meta.extend_lens_cpu, self._block_m, self._n_dec)
         self._tiles = self._upload(torch.from_numpy(tiles), meta.req_pool_indices.device)
 
     @staticmethod
@@ -187,7 +192,7 @@ class TritonAttentionBackend(AttentionBackend):
                              self.scale, max_seq_len=self.max_context_len,
                              workspace=self._workspace(bs, q.device), num_splits=self._num_splits(bs),
                              new_kv=(k, v, meta.out_cache_loc) if fuse_store else None)
-        elif self._graph_decode_lens is not None:
+        elif self._planned is meta and self._graph_decode_lens is not None:
             # a prefill graph: every request row through the decode kernel, with the lengths load_graph_step wrote
             # (a decode row's seq_len, else 0: skipped, its output row zeroed), before the extend kernel, which
             # then writes the prefill requests' rows from its tile list (which leaves the decode rows out)
@@ -197,13 +202,15 @@ class TritonAttentionBackend(AttentionBackend):
                              meta.extend_lens, meta.extend_start, out, self.scale, meta.max_extend_len,
                              tiles=self._tiles)
         else:
-            n_dec = self._first_row(meta)
+            # prepare's plan for this step; metadata set without prepare (e.g. restored directly) has none
+            planned = self._planned is meta
+            n_dec = self._n_dec if planned else self._first_row(meta)
             if n_dec:
                 self._mixed_decode_rows(n_dec, q, k, v, k_buf, v_buf, out)
             # the requests from n_dec on; extend_start holds absolute token offsets, so only their rows are written
             extend_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.prefix_lens,
                              meta.extend_lens, meta.extend_start, out, self.scale, meta.max_extend_len,
-                             first_row=n_dec, tiles=self._tiles)
+                             first_row=n_dec, tiles=self._tiles if planned else None)
         return out
 
     @staticmethod
