@@ -360,9 +360,10 @@ CALLS: dict[str, Call] = {
     "launch": Call(
         "optional: issue 24's burst on the engine alone, host side: Qwen3-0.6B on the 512-request mix with every step "
         "launched on an idle device (host launch time against device time, by how the step ran) and the prefill "
-        "launches under cProfile; run23's mix took ~20 ms to launch an eager mixed step",
+        "launches under cProfile, then the same with the mixed steps in prefill graphs (extend tiles); run23's mix "
+        "took ~20 ms to launch an eager mixed step",
         carry=(),
-        steps=(Lab("launch06", 90, ("launch06.json",), ("launch06",)),)),
+        steps=(Lab("launch06", 180, ("launch06.json",), ("launch06", "launch06_graphs")),)),
     "tiles": Call(
         "optional, on a machine calls 1-3 staged (or carry the last part along): the extend kernel from a tile list "
         "(kernel option extend_tiles) in serving: minisgl's server at its defaults, with --enable-extend-tiles, and "

@@ -337,9 +337,18 @@ def mix_phases(model: str, mix: str = "mix512") -> dict:
     return with_engine(model, body)
 
 
-def launch_profile(model: str, mix: str = "mix512", top: int = 40) -> dict:
+# The burst's mixed steps in prefill graphs (the `tiles` serving call's third server, offline): an 8k chunk beside up to
+# 512 decode rows fits the largest bucket, and the extend kernel runs from the tile list with the decode rows split
+# off on the device
+MIXED_GRAPHS = dict(settings={"prefill_graph_max_tokens": 8192 + 512, "prefill_graph_max_reqs": 512},
+                    kernel={"extend_tiles": True})
+
+
+def launch_profile(model: str, mix: str = "mix512", top: int = 40, settings: dict | None = None,
+                   kernel: dict | None = None) -> dict:
     """Where an eager mixed step's host time goes (issue 24's burst: run23 saw ~20 ms to launch a step of one 8k
-    prompt chunk and hundreds of decode rows, ~383 kernels). The mix runs once to warm up, then twice more with
+    prompt chunk and hundreds of decode rows, ~383 kernels). The mix runs once to warm up, once as it runs
+    (`output_tok_per_s`, `ttft_ms_median`: all requests at once, overlap on), then twice more with
     every step launched on an idle device: the runner's forward is timed from an idle device to its return
     (`launch_ms`: nothing queued ahead, so no wait on a full launch queue can hide in it) and then to the device's
     end (`tail_ms`); the first of the two passes is timed, the second runs the eager prefill launches under
@@ -352,6 +361,7 @@ def launch_profile(model: str, mix: str = "mix512", top: int = 40) -> dict:
     def body(llm) -> dict:
         w = mix_workload(mix, llm.engine.model_config.vocab_size)
         run_throughput(llm, w)  # warm: every batch shape of the mix once
+        throughput = run_throughput(llm, w)  # the mix as it runs (overlap on, nothing synchronised)
         runner = llm.engine.runner
         forward, steps, profiler = runner.forward, [], cProfile.Profile()
         state = {"profiling": False}
@@ -387,16 +397,18 @@ def launch_profile(model: str, mix: str = "mix512", top: int = 40) -> dict:
                     "tokens_median": statistics.median(s[2] for s in rows)}
 
         kinds = sorted({s[0] for s in steps})
-        res = {"mix": mix, "by_kind": {k: summary(k) for k in kinds},
+        res = {"mix": mix, "output_tok_per_s": throughput["output_tok_per_s"],
+               "ttft_ms_median": throughput["ttft_ms_median"], "engine": throughput["engine"],
+               "by_kind": {k: summary(k) for k in kinds},
                "steps": [[k, b, n, extra, round(1e3 * lt, 3), round(1e3 * tt, 3)] for k, b, n, extra, lt, tt in steps],
                "steps_columns": ["kind", "batch_size", "tokens", "tokens_beyond_one_per_request", "launch_ms",
                                  "tail_ms"],
                "profile": {"by_own_time": profile_table(profiler, "tottime", top),
                            "by_cumulative_time": profile_table(profiler, "cumtime", top)}}
-        log(model, "launch_profile", mix, res["by_kind"])
+        log(model, "launch_profile", mix, settings, kernel, res["by_kind"])
         return res
 
-    return with_engine(model, body)
+    return with_engine(model, body, settings=settings, kernel=kernel)
 
 
 def gdn_solve_ab(model: str = "qwen3.5-0.8b", mix: str = "mix512") -> dict:
@@ -682,6 +694,9 @@ SECTIONS: dict[str, Section] = {
     "launch06": section(lambda: launch_profile("qwen3-0.6b"),
                         "Qwen3-0.6B on the 512-request mix: each step launched on an idle device (host launch time "
                         "against device time, by how the step ran), the eager prefill launches under cProfile"),
+    "launch06_graphs": section(lambda: launch_profile("qwen3-0.6b", **MIXED_GRAPHS),
+                               "the same with the mixed steps in prefill graphs (up to 8,704 tokens and 512 requests, "
+                               "the extend kernel from its tile list)"),
     "gdn_solve35": section(gdn_solve_ab, "Qwen3.5 on the 512-request mix with the chunk prepare's two triangular "
                            "solves (rows, blocks): tok/s and greedy tokens compared"),
     "mixes35_rows256": section(lambda: mixes("qwen3.5-0.8b", max_running_requests=256),

@@ -146,6 +146,7 @@ def test_launch_profile_times_each_launch_on_an_idle_device_and_profiles_the_pre
     monkeypatch.setitem(workloads.MIXES, "mix512", workloads.SweepCell(6, 4, 40, 2, 6, "greedy"))
     assert "launch06" in sections.SECTIONS
     res = sections.launch_profile(tiny_model, top=200)
+    assert res["output_tok_per_s"] > 0 and res["engine"]["steps"] > 0
     kinds = {row[0] for row in res["steps"]}
     assert kinds <= {"eager", "graph", "graph_pieces", "prefill_graph"} and kinds
     assert sum(v["steps"] for v in res["by_kind"].values()) == len(res["steps"])
