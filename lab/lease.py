@@ -413,6 +413,12 @@ CALLS: dict[str, Call] = {
         steps=(Lab("fold06", 200, ("fold06.json",), ("fold06",)),)),
     "fold8": Call("optional: the same on Qwen3-8B, W2 in one round", carry=(),
                   steps=(Lab("fold8", 300, ("fold8.json",), ("fold8",)),)),
+    "early_meta": Call(
+        "optional: issue 29, the decode kernels reading each request's length, row and slot before their PDL wait "
+        "(kernel option decode_early_metadata): tokens off and on (greedy and seeded sampling, batch 1 and 8, "
+        "graphs and eager), then W2 off and on, two rounds; Qwen3-0.6B",
+        carry=(),
+        steps=(Lab("early_meta06", 200, ("early_meta06.json",), ("early_meta06",)),)),
     "mixes": Call(
         "optional, on a machine calls 1-3 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
         "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "

@@ -552,15 +552,18 @@ def pdl_tokens(model: str = "qwen3-0.6b") -> dict:
     return out
 
 
-def norm_fold(model: str, rounds: int = 2) -> dict:
-    """The kernel option gemv_norm_fold (kernels/gemv.py, GemvNormLayer): tokens with it off and on, under CUDA
-    graphs and eagerly, each against the fold off in the same mode (the fold changes no arithmetic, so they must
-    be the same; eager and graph steps may differ from each other, run22), then W2 with it off and on,
+FOLD_ABOUT = "RMSNorms folded into the GEMVs"
+EARLY_META_ABOUT = "the decode kernels read each request's length, row and slot before their PDL wait"
+
+
+def kernel_option_ab(model: str, option: str, about: str, rounds: int = 2) -> dict:
+    """A boolean kernel option that changes no arithmetic (the GEMV's norm fold, the decode kernels' early
+    metadata): tokens with it off and on, under CUDA graphs and eagerly, each against it off in the same mode (they
+    must be the same; eager and graph steps may differ from each other, run22), then W2 with it off and on,
     interleaved `rounds` times."""
-    fold = {"gemv_norm_fold": True}
-    tokens = same_tokens_by_mode(model, {"off": {}, "on": fold}, "off")
-    runs = Bench(model, (Arm("off", ("w2",)), Arm("on", ("w2",), kernel=fold,
-                                                   about="RMSNorms folded into the GEMVs")), rounds)()
+    on = {option: True}
+    tokens = same_tokens_by_mode(model, {"off": {}, "on": on}, "off")
+    runs = Bench(model, (Arm("off", ("w2",)), Arm("on", ("w2",), kernel=on, about=about)), rounds)()
     return {"tokens": tokens, "runs": runs, "ok": all(t["ok"] for t in tokens.values())}
 
 
@@ -727,9 +730,15 @@ SECTIONS: dict[str, Section] = {
     "early_ab8": section(early_tiles("qwen3-8b", (1, 3), rounds=1)),
     "wide_ab06": section(lambda: wide_gemv_ab("qwen3-0.6b"),
                          "Qwen3-0.6B: the GEMV tuned with wide K tiles, then W2 with three GEMV tables"),
-    "fold06": section(lambda: norm_fold("qwen3-0.6b"),
+    "fold06": section(lambda: kernel_option_ab("qwen3-0.6b", "gemv_norm_fold", FOLD_ABOUT),
                       "Qwen3-0.6B: tokens and W2 with the RMSNorms folded into the GEMVs, off and on"),
-    "fold8": section(lambda: norm_fold("qwen3-8b", rounds=1), "the same on Qwen3-8B, one round"),
+    "fold8": section(lambda: kernel_option_ab("qwen3-8b", "gemv_norm_fold", FOLD_ABOUT, rounds=1),
+                     "the same on Qwen3-8B, one round"),
+    "early_meta06": section(lambda: kernel_option_ab("qwen3-0.6b", "decode_early_metadata", EARLY_META_ABOUT),
+                            "Qwen3-0.6B: tokens and W2 with the decode kernels' metadata read before their PDL "
+                            "wait, off and on"),
+    "early_meta8": section(lambda: kernel_option_ab("qwen3-8b", "decode_early_metadata", EARLY_META_ABOUT,
+                                                    rounds=1), "the same on Qwen3-8B, one round"),
     "wide_ab8": section(lambda: wide_gemv_ab("qwen3-8b"), "the same on Qwen3-8B"),
     # GPU self-checks
     "kernels": section(kernels, "Triton kernels against torch references (lab.checks.kernels)"),

@@ -16,7 +16,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (the GPU kernels are optional)")
 
-from helpers import use_triton_interpreter  # noqa: E402
+from helpers import kernel_options, use_triton_interpreter  # noqa: E402
 
 # numpy patch; re-decorate the kernel modules another test imported before
 use_triton_interpreter("minisgl.kernels.attention", "minisgl.kernels.elementwise", "minisgl.attention.triton_backend")
@@ -213,13 +213,15 @@ def test_decode_shared_workspace_across_batch_sizes():
         (2, 1, 80, 2, 2, torch.float16, torch.float32),  # head_dim not a power of 2: the store is masked
     ],
 )
+@pytest.mark.parametrize("early_meta", [False, True], ids=["meta_after_wait", "early_meta"])
 @pytest.mark.parametrize("fused_merge", [True, False], ids=["fused_merge", "two_launch"])
 def test_decode_fused_store_matches_store_kv(force_triton, hq, hkv, d, page_size, num_splits, buf_dtype, new_dtype,
-                                             fused_merge):
+                                             fused_merge, early_meta):
     """decode_attention storing the new K/V itself (new_kv=) against store_kv then decode_attention: the same
     output bit for bit and the same buffers, with rows of 1 key and CUDA-graph padded rows (slot 0, seq_len 1,
     pointed at a live request's row) in the batch. Both sides run the Triton kernels (the store_kv kernel under
-    the interpreter), so the casts to the buffer dtype round the same way."""
+    the interpreter), so the casts to the buffer dtype round the same way. With the kernel option
+    decode_early_metadata on the fused side (each request's length, row and slot read first), still the same."""
     gen = torch.Generator().manual_seed(hq * 100 + d + num_splits)
     max_len, rows_total = 300, 6
     num_pages = rows_total * ((max_len + page_size - 1) // page_size) + 3
@@ -243,8 +245,9 @@ def test_decode_fused_store_matches_store_kv(force_triton, hq, hkv, d, page_size
         k_buf, v_buf = k0.clone(), v0.clone()
         out = torch.full((bs, hq, d), float("nan"), dtype=new_dtype)
         if fused_store:
-            decode_attention(q, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
-                             num_splits=num_splits, fused_merge=fused_merge, new_kv=(k, v, loc))
+            with kernel_options(decode_early_metadata=early_meta):
+                decode_attention(q, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
+                                 num_splits=num_splits, fused_merge=fused_merge, new_kv=(k, v, loc))
         else:
             ew.store_kv(k_buf, v_buf, loc, k, v)
             decode_attention(q, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,

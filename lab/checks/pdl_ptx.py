@@ -9,8 +9,9 @@ or block label, and no global memory instruction (ld/st/atom/red/cp.async on .gl
 may come before it; two control kernels that break the rule must be flagged. That is the rule of kernels/pdl.py
 checked on what the compiler emits, not on the source. The GEMV with the early
 weight load (EARLY_W, 1-3 tiles) may load before the wait (its first weight tiles) but not store or use atomics;
-its strict variant (EARLY_W 0) is held to the full rule. Every `*_kernel` of the four modules must take USE_PDL and be
-among the compiled ones (a new kernel left out of this check fails it).
+its strict variant (EARLY_W 0) is held to the full rule. So may the decode kernels with the early metadata
+(EARLY_META: each request's length, row and slot), compiled both ways. Every `*_kernel` of the four modules must
+take USE_PDL and be among the compiled ones (a new kernel left out of this check fails it).
 
     python -m lab.checks.pdl_ptx [--json out.json]
 
@@ -95,8 +96,9 @@ def _is_global_access(opcode: str) -> bool:
     return not any(space in opcode for space in (".param", ".shared", ".local", ".const"))
 
 
-def check_ptx(ptx: str, allow_loads_before_wait: bool = False) -> list[str]:
-    """Problems with the order of `griddepcontrol.wait` and global accesses in the kernel's PTX ([] if none)."""
+def check_ptx(ptx: str, allow_loads_before_wait: bool = False, max_early_loads: int | None = None) -> list[str]:
+    """Problems with the order of `griddepcontrol.wait` and global accesses in the kernel's PTX ([] if none).
+    `max_early_loads`: with loads allowed before the wait, at most this many (the early metadata's own)."""
     lines = ptx.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == "{") + 1
     before = []
@@ -123,8 +125,12 @@ def check_ptx(ptx: str, allow_loads_before_wait: bool = False) -> list[str]:
             if allow_loads_before_wait and opcode.startswith(("ld.global", "ldu.global")):
                 continue
             problems.append(f"global access before griddepcontrol.wait: {s}")
-    if allow_loads_before_wait and not any(op.startswith("ld.global") for op, _ in before):
-        problems.append("EARLY_W: expected the first weight tile's load before griddepcontrol.wait, found none")
+    early_loads = sum(op.startswith(("ld.global", "ldu.global")) for op, _ in before)
+    if allow_loads_before_wait and not early_loads:
+        problems.append("EARLY_W / EARLY_META: expected loads before griddepcontrol.wait, found none")
+    if allow_loads_before_wait and max_early_loads is not None and early_loads > max_early_loads:
+        problems.append(f"EARLY_META: {early_loads} loads before griddepcontrol.wait, more than the metadata's "
+                        f"{max_early_loads}")
     if "griddepcontrol.launch_dependents" not in ptx:
         problems.append("no griddepcontrol.launch_dependents")
     return problems
@@ -198,6 +204,9 @@ def record_launches() -> list[tuple]:
         try:
             att.extend_attention(rnd(5, hq, d), k_buf, v_buf, req_to_token, rows, torch.tensor([3, 0]),
                                  torch.tensor([2, 3]), torch.tensor([0, 2]), rnd(5, hq, d), d ** -0.5, 3)
+            att.extend_attention(rnd(5, hq, d), k_buf, v_buf, req_to_token, rows, torch.tensor([3, 0]),
+                                 torch.tensor([2, 3]), torch.tensor([0, 2]), rnd(5, hq, d), d ** -0.5, 3,
+                                 tiles=torch.from_numpy(att.extend_tile_list([3, 0], [2, 3], 128)))
         finally:
             att._extend_blocks = saved
 
@@ -269,17 +278,25 @@ def main() -> int:
     results, seen = [], set()
     for kernel, a, kw in record_launches():
         variants = [{}]
-        if "EARLY_W" in [p.name for p in kernel.params]:
+        params = [p.name for p in kernel.params]
+        if "EARLY_W" in params:
             variants = [{"EARLY_W": 3}, {"EARLY_W": 1}, {"EARLY_W": 0}]
+        if "EARLY_META" in params:
+            variants = [{"EARLY_META": True}, {"EARLY_META": False}]
         for overrides in variants:
-            key = (kernel.__name__, repr([(k, v) for k, v in kw.items() if k not in ("USE_PDL", "EARLY_W")]),
+            key = (kernel.__name__,
+                   repr([(k, v) for k, v in kw.items() if k not in ("USE_PDL", "EARLY_W", "EARLY_META")]),
                    tuple(_arg_type(v) if not isinstance(v, torch.Tensor) else str(v.dtype) for v in a),
                    repr(overrides))
             if key in seen:
                 continue
             seen.add(key)
             ptx = compile_ptx(kernel, a, kw, USE_PDL=True, **overrides)
-            problems = check_ptx(ptx, allow_loads_before_wait=overrides.get("EARLY_W", 0) > 0)
+            early = overrides.get("EARLY_W", 0) > 0 or overrides.get("EARLY_META", False)
+            # the early metadata: each request's length and (stage 1) its row, and its new slot with the fused store
+            metadata = (1 if kernel.__name__ == "_decode_stage2_kernel" else 2 + bool(kw.get("FUSED_STORE"))
+                        if overrides.get("EARLY_META") else None)
+            problems = check_ptx(ptx, allow_loads_before_wait=early, max_early_loads=metadata)
             consts = {k: v for k, v in kw.items() if k.isupper() and k != "USE_PDL"} | overrides
             results.append({"kernel": kernel.__name__, "constexprs": {k: str(v) for k, v in consts.items()},
                             "problems": problems})

@@ -28,7 +28,7 @@ import torch
 
 from minisgl.kernels.elementwise import _jit  # triton.jit where Triton is installed, with its options
 from minisgl.kernels.options import current_options
-from minisgl.kernels.pdl import pdl_enter, pdl_launch
+from minisgl.kernels.pdl import pdl_enter, pdl_launch, pdl_launch_dependents, pdl_wait
 
 try:
     import triton
@@ -68,6 +68,15 @@ def _require_triton() -> None:
 # `decode_attention(..., fused_merge=...)` overrides the option per call.
 
 
+# The early metadata (kernel option `decode_early_metadata`, PDL launches only): a decode program may start while
+# the kernels before it still run, and must wait before touching memory they write (kernels/pdl.py). A request's
+# length, table row and new slot (SeqLens, ReqPoolIdx, OutLoc) are no such memory: the step's inputs, copied and
+# scattered before its first kernel, which is no PDL launch (an embedding lookup, a cuBLAS matmul), so every later
+# kernel starts after they are complete. Reading them before the wait takes two or three dependent loads off the
+# chain that runs after it (at batch 1 the decode kernels' ~11 us a layer are mostly such chains, run15's
+# timeline).
+
+
 @_jit
 def _merge_head(
     PartO, PartLse, Out, b, h, n_valid,
@@ -102,15 +111,24 @@ def _decode_stage1_kernel(
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    BLOCK_S: tl.constexpr, FUSED_STORE: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, FUSED_STORE: tl.constexpr, EARLY_META: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # before any global access, the K/V store and the shared counters included (kernels/pdl.py)
-        pdl_enter()
+        if EARLY_META:  # ... except the step's metadata, read first (see "The early metadata" above); the wait follows
+            pdl_launch_dependents()
+        else:
+            pdl_enter()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
+    if EARLY_META:
+        row = tl.load(ReqPoolIdx + b).to(tl.int64)
+        if FUSED_STORE:
+            slot = tl.load(OutLoc + b).to(tl.int64)
+        if USE_PDL:
+            pdl_wait()
     # Even work per split, rounded to whole key tiles; short requests use fewer splits.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -136,13 +154,15 @@ def _decode_stage1_kernel(
                 # plain or cp.async gathers issued after the barrier in program order (not TMA, whose async
                 # proxy would need a proxy fence). Padded CUDA-graph rows (slot 0, seq_len 1) store to the
                 # reserved slot 0 here, as store_kv would; no live request ever reads it.
-                slot = tl.load(OutLoc + b).to(tl.int64)
+                if not EARLY_META:
+                    slot = tl.load(OutLoc + b).to(tl.int64)
                 kn = tl.load(KNew + b.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d, mask=dmask)
                 tl.store(K + slot * stride_kn + kvh * stride_kh + offs_d, kn.to(K.dtype.element_ty), mask=dmask)
                 vn = tl.load(VNew + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=dmask)
                 tl.store(V + slot * stride_vn + kvh * stride_vh + offs_d, vn.to(V.dtype.element_ty), mask=dmask)
                 tl.debug_barrier()
-        row = tl.load(ReqPoolIdx + b).to(tl.int64)
+        if not EARLY_META:
+            row = tl.load(ReqPoolIdx + b).to(tl.int64)
         q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=hmask[:, None] & dmask[None, :], other=0.0)
         q = q.to(K.dtype.element_ty)
@@ -227,13 +247,18 @@ def _decode_stage2_kernel(
     PartO, PartLse, SeqLens, Out,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, EARLY_META: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
-        pdl_enter()
+        if EARLY_META:  # the request's length is the step's metadata ("The early metadata" above): read before the wait
+            pdl_launch_dependents()
+        else:
+            pdl_enter()
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
+    if EARLY_META and USE_PDL:
+        pdl_wait()
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     # Same split arithmetic as stage 1: only splits that saw keys wrote partials (the rest hold garbage).
     n_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
@@ -370,6 +395,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         counters = out.new_empty((1,), dtype=torch.int32)
 
     kw = pdl_launch(q)
+    early = current_options().decode_early_metadata  # without PDL: only the order of its loads
     _decode_stage1_kernel[(B, Hkv, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, counters, out,
         k_new, v_new, out_loc,
@@ -380,8 +406,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         scale * _LOG2E,
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits,
-        IEEE_DOT=ieee, FUSED_MERGE=fused, BLOCK_S=block_s, FUSED_STORE=new_kv is not None, USE_PDL=bool(kw),
-        num_warps=4, num_stages=2, **kw,
+        IEEE_DOT=ieee, FUSED_MERGE=fused, BLOCK_S=block_s, FUSED_STORE=new_kv is not None, EARLY_META=early,
+        USE_PDL=bool(kw), num_warps=4, num_stages=2, **kw,
     )
     if num_splits > 1 and not fused:
         _decode_stage2_kernel[(B, Hq)](
@@ -389,7 +415,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
             BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits,
-            USE_PDL=bool(kw), num_warps=4, **kw,
+            EARLY_META=early, USE_PDL=bool(kw), num_warps=4, **kw,
         )
     return out
 

@@ -58,7 +58,7 @@ try:  # Triton >= 3.2 exposes grid dependency control; older versions simply nev
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["pdl_enter", "pdl_launch", "triton_supports_pdl"]
+__all__ = ["pdl_enter", "pdl_launch", "pdl_launch_dependents", "pdl_wait", "triton_supports_pdl"]
 
 
 def _detect_triton_pdl() -> bool:
@@ -101,6 +101,18 @@ def pdl_launch(t: torch.Tensor) -> dict:
 
 def _jit(fn):
     return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def pdl_launch_dependents():
+    """The first half of `pdl_enter`, for a kernel that reads inputs no kernel in flight writes before its wait."""
+    gdc_launch_dependents()
+
+
+@_jit
+def pdl_wait():
+    """The second half: from here on, the predecessor has completed and its writes are visible."""
+    gdc_wait()
 
 
 @_jit
