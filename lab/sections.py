@@ -734,10 +734,10 @@ SECTIONS: dict[str, Section] = {
                       "Qwen3-0.6B: tokens and W2 with the RMSNorms folded into the GEMVs, off and on"),
     "fold8": section(lambda: kernel_option_ab("qwen3-8b", "gemv_norm_fold", FOLD_ABOUT, rounds=1),
                      "the same on Qwen3-8B, one round"),
-    "early_meta06": section(lambda: kernel_option_ab("qwen3-0.6b", "decode_early_metadata", EARLY_META_ABOUT),
+    "early_meta06": section(lambda: kernel_option_ab("qwen3-0.6b", "early_metadata", EARLY_META_ABOUT),
                             "Qwen3-0.6B: tokens and W2 with the decode kernels' metadata read before their PDL "
                             "wait, off and on"),
-    "early_meta8": section(lambda: kernel_option_ab("qwen3-8b", "decode_early_metadata", EARLY_META_ABOUT,
+    "early_meta8": section(lambda: kernel_option_ab("qwen3-8b", "early_metadata", EARLY_META_ABOUT,
                                                     rounds=1), "the same on Qwen3-8B, one round"),
     "wide_ab8": section(lambda: wide_gemv_ab("qwen3-8b"), "the same on Qwen3-8B"),
     # GPU self-checks

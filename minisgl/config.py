@@ -112,10 +112,11 @@ class KernelOptions:
                                     "a mixed step's decode rows go through the extend kernel with the prefill "
                                     "chunks instead of the decode kernel (attention/triton_backend.py)",
                                     disable=True)
-    decode_early_metadata: bool = _opt(False, "--enable-decode-early-metadata",
-                                       "under PDL the decode kernels read each request's length, table row and new "
-                                       "slot before their wait (the step's inputs, complete before its first "
-                                       "kernel; kernels/attention.py)", enable=True)
+    early_metadata: bool = _opt(False, "--enable-early-metadata",
+                                "under PDL the decode kernels read each request's length, table row and new slot, "
+                                "and RoPE each token's position and its cos/sin, before their wait "
+                                "(the step's inputs and constants, complete before its first kernel; "
+                                "kernels/attention.py)", enable=True)
     extend_tiles: bool = _opt(False, "--enable-extend-tiles",
                               "the extend attention kernel runs one program per real block of new tokens, from a "
                               "list the host makes each step, instead of a grid over every request and the "

@@ -221,7 +221,7 @@ def test_decode_fused_store_matches_store_kv(force_triton, hq, hkv, d, page_size
     output bit for bit and the same buffers, with rows of 1 key and CUDA-graph padded rows (slot 0, seq_len 1,
     pointed at a live request's row) in the batch. Both sides run the Triton kernels (the store_kv kernel under
     the interpreter), so the casts to the buffer dtype round the same way. With the kernel option
-    decode_early_metadata on the fused side (each request's length, row and slot read first), still the same."""
+    early_metadata on the fused side (each request's length, row and slot read first), still the same."""
     gen = torch.Generator().manual_seed(hq * 100 + d + num_splits)
     max_len, rows_total = 300, 6
     num_pages = rows_total * ((max_len + page_size - 1) // page_size) + 3
@@ -245,7 +245,7 @@ def test_decode_fused_store_matches_store_kv(force_triton, hq, hkv, d, page_size
         k_buf, v_buf = k0.clone(), v0.clone()
         out = torch.full((bs, hq, d), float("nan"), dtype=new_dtype)
         if fused_store:
-            with kernel_options(decode_early_metadata=early_meta):
+            with kernel_options(early_metadata=early_meta):
                 decode_attention(q, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
                                  num_splits=num_splits, fused_merge=fused_merge, new_kv=(k, v, loc))
         else:
@@ -694,6 +694,13 @@ def test_norm_and_rope_in_place_on_qkv_views(force_triton, dtype):
     sep_tol = 1e-6 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(q.float(), q_sep.float(), rtol=sep_tol, atol=sep_tol)
     torch.testing.assert_close(k.float(), k_sep.float(), rtol=sep_tol, atol=sep_tol)
+    # the kernel option early_metadata (the position and its cos/sin read first) changes nothing, to the bit
+    q_early, k_early = q_sep.clone(), k_sep.clone()  # any inputs: the same ones both ways
+    q_plain, k_plain = q_sep.clone(), k_sep.clone()
+    ew.norm_and_rope(q_plain, k_plain, positions, cos_sin, wq, wk, 1e-6)
+    with kernel_options(early_metadata=True):
+        ew.norm_and_rope(q_early, k_early, positions, cos_sin, wq, wk, 1e-6)
+    assert torch.equal(q_early, q_plain) and torch.equal(k_early, k_plain)
 
 
 def test_elementwise_cpu_path_without_force():

@@ -9,9 +9,10 @@ or block label, and no global memory instruction (ld/st/atom/red/cp.async on .gl
 may come before it; two control kernels that break the rule must be flagged. That is the rule of kernels/pdl.py
 checked on what the compiler emits, not on the source. The GEMV with the early
 weight load (EARLY_W, 1-3 tiles) may load before the wait (its first weight tiles) but not store or use atomics;
-its strict variant (EARLY_W 0) is held to the full rule. So may the decode kernels with the early metadata
-(EARLY_META: each request's length, row and slot), compiled both ways. Every `*_kernel` of the four modules must
-take USE_PDL and be among the compiled ones (a new kernel left out of this check fails it).
+its strict variant (EARLY_W 0) is held to the full rule. So may the decode kernels and RoPE with the early
+metadata (EARLY_META: each request's length, row and slot; each token's position and its cos/sin), compiled both
+ways, up to exactly those loads. Every `*_kernel` of the four modules must take USE_PDL and be among the
+compiled ones (a new kernel left out of this check fails it).
 
     python -m lab.checks.pdl_ptx [--json out.json]
 
@@ -293,9 +294,10 @@ def main() -> int:
             seen.add(key)
             ptx = compile_ptx(kernel, a, kw, USE_PDL=True, **overrides)
             early = overrides.get("EARLY_W", 0) > 0 or overrides.get("EARLY_META", False)
-            # the early metadata: each request's length and (stage 1) its row, and its new slot with the fused store
-            metadata = (1 if kernel.__name__ == "_decode_stage2_kernel" else 2 + bool(kw.get("FUSED_STORE"))
-                        if overrides.get("EARLY_META") else None)
+            # the early metadata: a decode row's length, (stage 1) its table row and, with the fused store, its
+            # new slot; RoPE's position and its cos and sin
+            metadata = ({"_decode_stage1_kernel": 2 + bool(kw.get("FUSED_STORE")), "_decode_stage2_kernel": 1,
+                         "_rope_kernel": 3}[kernel.__name__] if overrides.get("EARLY_META") else None)
             problems = check_ptx(ptx, allow_loads_before_wait=early, max_early_loads=metadata)
             consts = {k: v for k, v in kw.items() if k.isupper() and k != "USE_PDL"} | overrides
             results.append({"kernel": kernel.__name__, "constexprs": {k: str(v) for k, v in consts.items()},

@@ -68,7 +68,7 @@ def _require_triton() -> None:
 # `decode_attention(..., fused_merge=...)` overrides the option per call.
 
 
-# The early metadata (kernel option `decode_early_metadata`, PDL launches only): a decode program may start while
+# The early metadata (kernel option `early_metadata`, PDL launches only): a decode program may start while
 # the kernels before it still run, and must wait before touching memory they write (kernels/pdl.py). A request's
 # length, table row and new slot (SeqLens, ReqPoolIdx, OutLoc) are no such memory: the step's inputs, copied and
 # scattered before its first kernel, which is no PDL launch (an embedding lookup, a cuBLAS matmul), so every later
@@ -395,7 +395,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         counters = out.new_empty((1,), dtype=torch.int32)
 
     kw = pdl_launch(q)
-    early = current_options().decode_early_metadata  # without PDL: only the order of its loads
+    early = current_options().early_metadata  # without PDL: only the order of its loads
     _decode_stage1_kernel[(B, Hkv, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, counters, out,
         k_new, v_new, out_loc,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.kernels.options import current_options
-from minisgl.kernels.pdl import pdl_enter, pdl_launch
+from minisgl.kernels.pdl import pdl_enter, pdl_launch, pdl_launch_dependents, pdl_wait
 
 try:
     import triton
@@ -292,10 +292,13 @@ def _rope_kernel(
     Q, K, QOut, Pos, CosSin, WQ, WK, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_cs,
     eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-    NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr, USE_PDL: tl.constexpr,
+    NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr, EARLY_META: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
-        pdl_enter()
+        if EARLY_META:  # the position and its cos/sin are the step's input and a constant: read before the wait
+            pdl_launch_dependents()
+        else:
+            pdl_enter()
     # One program per token: its q heads (to QOut, which may be Q) and k heads (in place), (normalised and)
     # rotated.
     t = tl.program_id(0).to(tl.int64)
@@ -304,6 +307,8 @@ def _rope_kernel(
     dmask = offs_d < HALF
     cos = tl.load(CosSin + pos * stride_cs + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(CosSin + pos * stride_cs + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    if EARLY_META and USE_PDL:
+        pdl_wait()
     _rope_heads(Q + t * stride_qt, stride_qh, QOut + t * stride_ot, stride_oh, WQ, cos, sin, offs_d, dmask, eps,
                 HQ, BLOCK_HQ, HALF, REST, BLOCK_REST, NORM, ZERO_CENTRED)
     kp = K + t * stride_kt
@@ -471,7 +476,7 @@ def _launch_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         eps, HQ=hq, HKV=hkv, HALF=half, REST=rest, BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_REST=triton.next_power_of_2(max(rest, 1)), NORM=norm, ZERO_CENTRED=zero_centred,
-        USE_PDL=bool(kw), num_warps=4, **kw,
+        EARLY_META=current_options().early_metadata, USE_PDL=bool(kw), num_warps=4, **kw,
     )
 
 
