@@ -414,9 +414,9 @@ CALLS: dict[str, Call] = {
     "fold8": Call("optional: the same on Qwen3-8B, W2 in one round", carry=(),
                   steps=(Lab("fold8", 300, ("fold8.json",), ("fold8",)),)),
     "early_meta": Call(
-        "optional: issue 29, the decode kernels reading each request's length, row and slot before their PDL wait "
-        "(kernel option early_metadata): tokens off and on (greedy and seeded sampling, batch 1 and 8, "
-        "graphs and eager), then W2 off and on, two rounds; Qwen3-0.6B",
+        "optional: issue 29, the decode kernels reading each request's length, row and slot, and RoPE each token's "
+        "position and cos/sin, before their PDL wait (kernel option early_metadata): tokens off and on (greedy and "
+        "seeded sampling, batch 1 and 8, graphs and eager), then W2 off and on, two rounds; Qwen3-0.6B",
         carry=(),
         steps=(Lab("early_meta06", 200, ("early_meta06.json",), ("early_meta06",)),)),
     "mixes": Call(

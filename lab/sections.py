@@ -553,11 +553,12 @@ def pdl_tokens(model: str = "qwen3-0.6b") -> dict:
 
 
 FOLD_ABOUT = "RMSNorms folded into the GEMVs"
-EARLY_META_ABOUT = "the decode kernels read each request's length, row and slot before their PDL wait"
+EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot, and RoPE each token's position "
+                    "and its cos/sin, before their PDL wait")
 
 
 def kernel_option_ab(model: str, option: str, about: str, rounds: int = 2) -> dict:
-    """A boolean kernel option that changes no arithmetic (the GEMV's norm fold, the decode kernels' early
+    """A boolean kernel option that changes no arithmetic (the GEMV's norm fold, the early
     metadata): tokens with it off and on, under CUDA graphs and eagerly, each against it off in the same mode (they
     must be the same; eager and graph steps may differ from each other, run22), then W2 with it off and on,
     interleaved `rounds` times."""
@@ -735,8 +736,8 @@ SECTIONS: dict[str, Section] = {
     "fold8": section(lambda: kernel_option_ab("qwen3-8b", "gemv_norm_fold", FOLD_ABOUT, rounds=1),
                      "the same on Qwen3-8B, one round"),
     "early_meta06": section(lambda: kernel_option_ab("qwen3-0.6b", "early_metadata", EARLY_META_ABOUT),
-                            "Qwen3-0.6B: tokens and W2 with the decode kernels' metadata read before their PDL "
-                            "wait, off and on"),
+                            "Qwen3-0.6B: tokens and W2 with the decode kernels' and RoPE's metadata read before "
+                            "their PDL wait, off and on"),
     "early_meta8": section(lambda: kernel_option_ab("qwen3-8b", "early_metadata", EARLY_META_ABOUT,
                                                     rounds=1), "the same on Qwen3-8B, one round"),
     "wide_ab8": section(lambda: wide_gemv_ab("qwen3-8b"), "the same on Qwen3-8B"),
