@@ -10,7 +10,8 @@ may come before it; two control kernels that break the rule must be flagged. Tha
 checked on what the compiler emits, not on the source. The GEMV with the early
 weight load (EARLY_W, 1-3 tiles) may load before the wait (its first weight tiles) but not store or use atomics;
 its strict variant (EARLY_W 0) is held to the full rule. So may the decode kernels and RoPE with the early
-metadata (EARLY_META: each request's length, row and slot; each token's position and its cos/sin), compiled both
+metadata (EARLY_META: each request's length, row, slot and first key slots; each token's position and its
+cos/sin), compiled both
 ways, up to exactly those loads. Every `*_kernel` of the four modules must take USE_PDL and be among the
 compiled ones (a new kernel left out of this check fails it).
 
@@ -294,9 +295,11 @@ def main() -> int:
             seen.add(key)
             ptx = compile_ptx(kernel, a, kw, USE_PDL=True, **overrides)
             early = overrides.get("EARLY_W", 0) > 0 or overrides.get("EARLY_META", False)
-            # the early metadata: a decode row's length, (stage 1) its table row and, with the fused store, its
-            # new slot; RoPE's position and its cos and sin
-            metadata = ({"_decode_stage1_kernel": 2 + bool(kw.get("FUSED_STORE")), "_decode_stage2_kernel": 1,
+            # the early metadata: a decode row's length, (stage 1) its table row, its new slot with the fused store
+            # and its first key tile's slots (at most one load per slot: every thread may hold them all); RoPE's
+            # position and its cos and sin
+            stage1 = 2 + bool(kw.get("FUSED_STORE")) + kw.get("BLOCK_N", 0)
+            metadata = ({"_decode_stage1_kernel": stage1, "_decode_stage2_kernel": 1,
                          "_rope_kernel": 3}[kernel.__name__] if overrides.get("EARLY_META") else None)
             problems = check_ptx(ptx, allow_loads_before_wait=early, max_early_loads=metadata)
             consts = {k: v for k, v in kw.items() if k.isupper() and k != "USE_PDL"} | overrides

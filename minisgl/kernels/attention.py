@@ -70,11 +70,12 @@ def _require_triton() -> None:
 
 # The early metadata (kernel option `early_metadata`, PDL launches only): a decode program may start while
 # the kernels before it still run, and must wait before touching memory they write (kernels/pdl.py). A request's
-# length, table row and new slot (SeqLens, ReqPoolIdx, OutLoc) are no such memory: the step's inputs, copied and
-# scattered before its first kernel, which is no PDL launch (an embedding lookup, a cuBLAS matmul), so every later
-# kernel starts after they are complete. Reading them before the wait takes two or three dependent loads off the
-# chain that runs after it (at batch 1 the decode kernels' ~11 us a layer are mostly such chains, run15's
-# timeline).
+# length, table row and new slot (SeqLens, ReqPoolIdx, OutLoc) and its row of the token table (ReqToToken) are no
+# such memory: the step's inputs, copied and scattered before its first kernel, which is no PDL launch (an
+# embedding lookup, a cuBLAS matmul), so every later kernel starts after they are complete. Stage 1 reads them, its
+# first key tile's slots included, before the wait; stage 2 the length. That takes up to four dependent loads off
+# the chain that runs after the wait (at batch 1 the decode kernels' ~11 us a layer are mostly such chains,
+# run15's timeline). The keys and values themselves are read after it: the new token's are this step's.
 
 
 @_jit
@@ -103,6 +104,30 @@ def _merge_head(
 
 
 @_jit
+def _decode_tile(q, m_i, l_i, acc, K, V, slots, nmask, kvh, stride_kn, stride_kh, stride_vn, stride_vh, offs_d,
+                 dmask, qk_scale, IEEE_DOT: tl.constexpr):
+    """One key tile of a decode program's online softmax: its keys and values read through `slots`."""
+    kv_mask = nmask[:, None] & dmask[None, :]
+    k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IEEE_DOT:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = tl.where(nmask[None, :], qk * qk_scale, float("-inf"))
+    # The first tile of a non-empty split always holds a real key, so m_new is finite from here on.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if IEEE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@_jit
 def _decode_stage1_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, Counters, Out, KNew, VNew, OutLoc,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
@@ -123,16 +148,18 @@ def _decode_stage1_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    if EARLY_META:
-        row = tl.load(ReqPoolIdx + b).to(tl.int64)
-        if FUSED_STORE:
-            slot = tl.load(OutLoc + b).to(tl.int64)
-        if USE_PDL:
-            pdl_wait()
     # Even work per split, rounded to whole key tiles; short requests use fewer splits.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    if EARLY_META:  # the table is the step's input too: the first key tile's slots (none if the split is empty)
+        row = tl.load(ReqPoolIdx + b).to(tl.int64)
+        if FUSED_STORE:
+            slot = tl.load(OutLoc + b).to(tl.int64)
+        offs_n0 = start + tl.arange(0, BLOCK_N)
+        slots0 = tl.load(ReqToToken + row * stride_r2t + offs_n0, mask=offs_n0 < end, other=0).to(tl.int64)
+        if USE_PDL:
+            pdl_wait()
 
     offs_g = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_g
@@ -170,30 +197,18 @@ def _decode_stage1_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        if EARLY_META:  # the first key tile's slots were read before the wait
+            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, K, V, slots0, offs_n0 < end, kvh, stride_kn, stride_kh,
+                                         stride_vn, stride_vh, offs_d, dmask, qk_scale, IEEE_DOT)
+            first = start + BLOCK_N
+        else:
+            first = start
+        for n0 in range(first, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             nmask = offs_n < end
             slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
-            kv_mask = nmask[:, None] & dmask[None, :]
-            k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask,
-                        other=0.0)
-            if IEEE_DOT:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = tl.where(nmask[None, :], qk * qk_scale, float("-inf"))
-            # The first tile of a non-empty split always holds a real key, so m_new is finite from here on.
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask,
-                        other=0.0)
-            if IEEE_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, K, V, slots, nmask, kvh, stride_kn, stride_kh,
+                                         stride_vn, stride_vh, offs_d, dmask, qk_scale, IEEE_DOT)
 
         o = acc / l_i[:, None]
         omask = hmask[:, None] & dmask[None, :]
