@@ -562,9 +562,9 @@ def kernel_option_ab(model: str, option: str, about: str, rounds: int = 2) -> di
     metadata): tokens with it off and on, under CUDA graphs and eagerly, each against it off in the same mode (they
     must be the same; eager and graph steps may differ from each other, run22), then W2 with it off and on,
     interleaved `rounds` times."""
-    on = {option: True}
-    tokens = same_tokens_by_mode(model, {"off": {}, "on": on}, "off")
-    runs = Bench(model, (Arm("off", ("w2",)), Arm("on", ("w2",), kernel=on, about=about)), rounds)()
+    on, off = {option: True}, {option: False}  # both explicit: the default may be either
+    tokens = same_tokens_by_mode(model, {"off": off, "on": on}, "off")
+    runs = Bench(model, (Arm("off", ("w2",), kernel=off), Arm("on", ("w2",), kernel=on, about=about)), rounds)()
     return {"tokens": tokens, "runs": runs, "ok": all(t["ok"] for t in tokens.values())}
 
 

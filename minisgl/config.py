@@ -112,11 +112,11 @@ class KernelOptions:
                                     "a mixed step's decode rows go through the extend kernel with the prefill "
                                     "chunks instead of the decode kernel (attention/triton_backend.py)",
                                     disable=True)
-    early_metadata: bool = _opt(False, "--enable-early-metadata",
-                                "under PDL the decode kernels read each request's length, table row and new slot, "
-                                "and RoPE each token's position and its cos/sin, before their wait "
-                                "(the step's inputs and constants, complete before its first kernel; "
-                                "kernels/attention.py)", enable=True)
+    early_metadata: bool = _opt(True, "--disable-early-metadata",
+                                "the decode kernels and RoPE read the step's metadata after their PDL wait, not "
+                                "before it (each request's length, table row, new slot and first key slots; each "
+                                "token's position and cos/sin; kernels/attention.py). On: W2 TPOT 1.066 -> 1.017 "
+                                "ms on an H100, the same tokens (reports/h100/run24)", disable=True)
     extend_tiles: bool = _opt(False, "--enable-extend-tiles",
                               "the extend attention kernel runs one program per real block of new tokens, from a "
                               "list the host makes each step, instead of a grid over every request and the "

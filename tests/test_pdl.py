@@ -163,7 +163,7 @@ def _with_pdl(monkeypatch, mods, fn):
     without = fn()
     for m in mods:
         monkeypatch.setattr(m, "pdl_launch", lambda t: _PdlKw())
-        for name in ("pdl_enter", "gdc_wait", "gdc_launch_dependents"):
+        for name in ("pdl_enter", "pdl_launch_dependents", "pdl_wait", "gdc_wait", "gdc_launch_dependents"):
             if hasattr(m, name):
                 monkeypatch.setattr(m, name, _noop)
     return without, fn()
