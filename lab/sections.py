@@ -646,14 +646,6 @@ def flashinfer_section() -> dict:
             "bench": Bench("qwen3-0.6b", (Arm("flashinfer", ("w2", "w1"), fi),))()}
 
 
-def _tile_cases() -> dict:
-    from lab.checks.prefill_graphs import CASES
-    return {name: (lengths, {**switches, "extend_tiles": True}) for name, (lengths, switches) in CASES.items()}
-
-
-TILE_CASES = _tile_cases()
-
-
 def module_check(module: str, **kw) -> Callable[[], dict]:
     """A check whose module has main(out_dir, ...) -> dict, run in this process."""
     def run() -> dict:
@@ -752,7 +744,8 @@ SECTIONS: dict[str, Section] = {
     "gdn_check": section(lambda: child_check("lab.checks.gdn", "--quick"), "Gated DeltaNet kernels, timed"),
     "sampling_check": section(module_check("lab.checks.sampling"), "the fused sampler against its reference"),
     "prefill_check": section(module_check("lab.checks.prefill_graphs"), "prefill graphs against eager steps"),
-    "prefill_check_tiles": section(module_check("lab.checks.prefill_graphs", cases=TILE_CASES, w2=False),
+    "prefill_check_tiles": section(module_check("lab.checks.prefill_graphs", w2=False,
+                                                        every_engine={"extend_tiles": True}),
                                    "the same with the extend kernel from a tile list (extend_tiles)"),
     "tiles_ab06": section(Bench("qwen3-0.6b", (
         Arm("grid", ("w1", "w3", "w4"), about="the extend kernel's grid: every request x the longest extend"),

@@ -245,6 +245,10 @@ def test_gpu_check_script_smoke_on_cpu(tmp_path):
     assert all(n > 0 for n in res["w2"]["on"]["prefill_graph_steps"])
     assert res["w2"]["off"]["prefill_graph_steps"] == [0, 0, 0]
     assert json.loads((tmp_path / "prefill_check.json").read_text())["ok"] is True
+    # switches for every engine (a kernel option under test) reach each case's engine, beside its own
+    res = script.main(str(tmp_path), model=TINY_QWEN3_ASSET, cases={"1x7": ([7], {})}, w2=False,
+                      every_engine={"extend_tiles": True})
+    assert res["ok"] and [json.loads(key) for key in res["engines"]] == [{"extend_tiles": True}]
 
 
 def test_build_caps_requests_at_max_running(qwen3_path, make_llm):

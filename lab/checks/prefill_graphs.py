@@ -165,15 +165,17 @@ def time_w2(llm: LLM, repeats: int = 3, scale: float = 1.0) -> dict:
 
 
 def main(out_dir: str = ".", model: str = MODEL, cases: dict | None = None, w2: bool = True,
-         w2_scale: float = 1.0) -> dict:
+         w2_scale: float = 1.0, every_engine: dict | None = None) -> dict:
     """Run every check (cases: name -> (prompt lengths, engine switches)) and W2; `w2_scale` < 1 only for a
-    CPU smoke run on a small model."""
+    CPU smoke run on a small model. `every_engine`: switches added to every engine's (e.g. a kernel option under
+    test)."""
     os.makedirs(out_dir, exist_ok=True)
     results: dict = {"environment": environment(), "model": model, "errors": {}}
     cases = CASES if cases is None else cases
     engines: dict = {}
 
     def engine(switches: dict) -> LLM:
+        switches = {**(every_engine or {}), **switches}
         key = json.dumps(switches, sort_keys=True)
         if key not in engines:
             t0 = time.perf_counter()
