@@ -23,10 +23,11 @@ naming the missing parts, its minisgl steps still run, and `--steps` re-runs wha
 only stages the parts carried: e.g. `call1 --steps none`, `call2 --steps none` and then `call3` on a fresh
 machine).
 
-Each step's output goes to /tmp/lease-logs/<step>.log, packed into $OUT/logs_<call>.tgz at the end; a step that
-would run past the call's budget is skipped (said in the output), and one that overruns is stopped (SIGTERM,
-then SIGKILL), so the JSON of every step that finished comes back, and a serving step stops its server. The
-device returns at most 8 files a call: each call writes at most six JSON files and the logs.
+Each step's output goes to /tmp/lease-logs/<step>.log; what the call wrote there is packed into
+$OUT/logs_<call>.tar.xz at the end (xz: the request logs are most of a serving call's bytes). A step that would
+run past the call's budget is skipped (said in the output), and one that overruns is stopped (SIGTERM, then
+SIGKILL), so the JSON of every step that finished comes back, and a serving step stops its server. The device
+returns at most 8 files a call: each call writes at most six JSON files and the logs.
 """
 
 from __future__ import annotations
@@ -521,9 +522,15 @@ def label_commit(commit: str | None) -> None:
         raise SystemExit("no .git here: pass --commit SHA (python -m lab.lease plan prints it)")
 
 
+def written_since(member: tarfile.TarInfo, started: float) -> tarfile.TarInfo | None:
+    """Pack only what this call wrote: /tmp/lease-logs outlives a call on a warm machine, and run24's early_meta
+    logs carried the tiles call's 30 MB of request logs again."""
+    return member if member.isdir() or member.mtime >= int(started) else None
+
+
 def run_call(name: str, out: str, commit: str | None, only: set[str] | None = None) -> None:
     call = CALLS[name]
-    t_start = time.perf_counter()
+    t_start, started = time.perf_counter(), time.time()
     LOGS.mkdir(parents=True, exist_ok=True)
     os.makedirs(out, exist_ok=True)
     label_commit(commit)
@@ -540,8 +547,8 @@ def run_call(name: str, out: str, commit: str | None, only: set[str] | None = No
             remaining = call.budget_s - (time.perf_counter() - t_start)
             print(f"[{time.strftime('%H:%M:%S')}] " + run_step(step, out, remaining), flush=True)
     finally:
-        with tarfile.open(os.path.join(out, f"logs_{name}.tgz"), "w:gz") as tar:
-            tar.add(LOGS, arcname="lease-logs")
+        with tarfile.open(os.path.join(out, f"logs_{name}.tar.xz"), "w:xz") as tar:
+            tar.add(LOGS, arcname="lease-logs", filter=lambda member: written_since(member, started))
         print(f"{name}: {time.perf_counter() - t_start:.0f} s", flush=True)
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,10 @@ def test_lease_call_runs_steps_skips_and_stops_them_and_packs_the_logs(tmp_path,
         Script("overruns", 1, "import time; time.sleep(30)"),
         Script("after", 1, "print('after')")))
     monkeypatch.setitem(lease.CALLS, "test", call)
+    earlier = tmp_path / "logs" / "earlier_call.log"  # left by an earlier call on the same warm machine
+    earlier.parent.mkdir()
+    earlier.write_text("old")
+    os.utime(earlier, (time.time() - 600, time.time() - 600))
     out = tmp_path / "out"
     lease.run_call("test", str(out), commit="0" * 40)
     printed = capsys.readouterr().out
@@ -235,8 +240,9 @@ def test_lease_call_runs_steps_skips_and_stops_them_and_packs_the_logs(tmp_path,
     assert "SKIPPED too_long: needs ~60 s" in printed
     assert "overruns: rc stopped at the call's budget" in printed
     assert "SKIPPED after" in printed  # nothing left of the budget
-    with tarfile.open(out / "logs_test.tgz") as tar:
+    with tarfile.open(out / "logs_test.tar.xz") as tar:
         assert "lease-logs/first.log" in tar.getnames()
+        assert "lease-logs/earlier_call.log" not in tar.getnames()  # packed by its own call already
     assert os.environ["MINISGL_GIT_COMMIT"] == "0" * 40
 
 
