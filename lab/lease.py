@@ -382,6 +382,11 @@ CALLS: dict[str, Call] = {
         carry=(),
         steps=(Lab("tiles_ab06", 330, ("tiles_ab06.json",),
                    ("extend_tiles_check", "tiles_ab06", "prefill_check_tiles")),)),
+    "tiles_check": Call(
+        "optional: the extend kernel from a tile list against its grid, the kernel alone in prefill-graph shapes "
+        "(tiles_offline's first section; run24's attempt failed on a lab bug)",
+        carry=(),
+        steps=(Lab("extend_tiles_check", 90, ("extend_tiles_check.json",), ("extend_tiles_check",)),)),
     "warmup": Call(
         "optional: issue 29, the kernel warm-up: engine start with it on and off (empty and reused Triton caches), "
         "compiles inside W1/W2, the first W1 generate against the second and against a second engine's first, with "
@@ -420,6 +425,13 @@ CALLS: dict[str, Call] = {
         "seeded sampling, batch 1 and 8, graphs and eager), then W2 off and on, two rounds; Qwen3-0.6B",
         carry=(),
         steps=(Lab("early_meta06", 200, ("early_meta06.json",), ("early_meta06",)),)),
+    "fused_rope": Call(
+        "optional: issue 29, a decode step's RoPE and Qwen3's q/k norms inside the decode attention kernel (kernel "
+        "option decode_fused_rope; one launch a layer fewer): tokens off and on (greedy and seeded sampling, batch 1 "
+        "and 8, graphs and eager), then W2 off and on, two rounds on Qwen3-0.6B and one on Qwen3-8B",
+        carry=(),
+        steps=(Lab("fused_rope06", 200, ("fused_rope06.json",), ("fused_rope06",)),
+               Lab("fused_rope8", 300, ("fused_rope8.json",), ("fused_rope8",)))),
     "mixes": Call(
         "optional, on a machine calls 1-3 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
         "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "

@@ -557,9 +557,12 @@ EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot
                     "and its cos/sin, before their PDL wait")
 
 
+FUSED_ROPE_ABOUT = "the decode step's RoPE and q/k norms inside the decode attention kernel"
+
+
 def kernel_option_ab(model: str, option: str, about: str, rounds: int = 2) -> dict:
-    """A boolean kernel option that changes no arithmetic (the GEMV's norm fold, the early
-    metadata): tokens with it off and on, under CUDA graphs and eagerly, each against it off in the same mode (they
+    """A boolean kernel option that changes no arithmetic (the GEMV's norm fold, the early metadata, the fused
+    RoPE): tokens with it off and on, under CUDA graphs and eagerly, each against it off in the same mode (they
     must be the same; eager and graph steps may differ from each other, run22), then W2 with it off and on,
     interleaved `rounds` times."""
     on, off = {option: True}, {option: False}  # both explicit: the default may be either
@@ -732,6 +735,11 @@ SECTIONS: dict[str, Section] = {
                             "their PDL wait, off and on"),
     "early_meta8": section(lambda: kernel_option_ab("qwen3-8b", "early_metadata", EARLY_META_ABOUT,
                                                     rounds=1), "the same on Qwen3-8B, one round"),
+    "fused_rope06": section(lambda: kernel_option_ab("qwen3-0.6b", "decode_fused_rope", FUSED_ROPE_ABOUT),
+                            "Qwen3-0.6B: tokens and W2 with the decode step's RoPE inside the decode attention "
+                            "kernel, off and on"),
+    "fused_rope8": section(lambda: kernel_option_ab("qwen3-8b", "decode_fused_rope", FUSED_ROPE_ABOUT, rounds=1),
+                           "the same on Qwen3-8B, one round"),
     "wide_ab8": section(lambda: wide_gemv_ab("qwen3-8b"), "the same on Qwen3-8B"),
     # GPU self-checks
     "kernels": section(kernels, "Triton kernels against torch references (lab.checks.kernels)"),

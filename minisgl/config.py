@@ -117,6 +117,11 @@ class KernelOptions:
                                 "before it (each request's length, table row, new slot and first key slots; each "
                                 "token's position and cos/sin; kernels/attention.py). On: W2 TPOT 1.066 -> 1.017 "
                                 "ms on an H100, the same tokens (reports/h100/run24)", disable=True)
+    decode_fused_rope: bool = _opt(False, "--enable-decode-fused-rope",
+                                   "a decode step's RoPE, and Qwen3's per-head q/k norms, run inside the decode "
+                                   "attention kernel instead of a launch of their own before it (one launch a layer "
+                                   "fewer; attention/fused_rope.py; the Triton backend, whole-head rotary)",
+                                   enable=True)
     extend_tiles: bool = _opt(False, "--enable-extend-tiles",
                               "the extend attention kernel runs one program per real block of new tokens, from a "
                               "list the host makes each step, instead of a grid over every request and the "

@@ -276,6 +276,81 @@ def test_decode_fused_store_matches_store_kv(force_triton, hq, hkv, d, page_size
         assert rel_err(outs[0][:live], ref[:live]) < (1e-3 if buf_dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize(
+    "hq,hkv,d,num_splits,dtype",
+    [
+        (4, 4, 64, 1, torch.float32),  # GQA 1, one split
+        (8, 2, 64, 3, torch.float32),  # GQA 4, splits that do not divide the lengths
+        (4, 2, 32, 2, torch.float16),  # half precision: the norm's and the rotation's roundings
+    ],
+)
+@pytest.mark.parametrize("norm", [True, False], ids=["qwen3_norms", "plain_rope"])
+@pytest.mark.parametrize("early_meta", [False, True], ids=["meta_after_wait", "early_meta"])
+def test_decode_fused_rope_matches_rope_then_decode(force_triton, hq, hkv, d, num_splits, dtype, norm, early_meta):
+    """decode_attention applying the RoPE (and Qwen3's per-head norms) itself (rope=) against norm_and_rope /
+    apply_rope then decode_attention with the fused store: the same output bit for bit and the same K/V buffers
+    (the stored key is the rotated one), with positions that are not seq_len - 1 (the table is read at the given
+    position) and a CUDA-graph padded row (slot 0, seq_len 1). q and k stay as the projection left them."""
+    gen = torch.Generator().manual_seed(hq * 10 + d + num_splits + norm)
+    max_len, page_size = 200, 4
+    num_pages = 5 * (max_len // page_size) + 2
+    k0, v0 = make_pool(num_pages * page_size, hkv, d, dtype, gen)
+    r2t = make_slot_table(5, max_len, page_size, num_pages - 1, gen) + page_size
+    rows = torch.tensor([2, 0, 4, 1], dtype=torch.int64)
+    seq_lens = i32([1, 70, max_len, 1])  # the last row: graph padding
+    loc = torch.cat([r2t[rows[:3], seq_lens[:3] - 1].long(), torch.zeros(1, dtype=torch.int64)])
+    positions = torch.tensor([0, 69, 150, 0], dtype=torch.int64)  # 150: a position other than seq_len - 1
+    bs = len(rows)
+    qkv = torch.randn(bs, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    q = qkv[:, : hq * d].view(bs, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(bs, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(bs, hkv, d)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(max_len).float()[:, None] * inv[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    qw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype) if norm else None
+    kw = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype) if norm else None
+    rope = attention_kernels.DecodeRope(positions, cos_sin, qw, kw, 1e-6)
+    scale = d ** -0.5
+    outs, bufs = [], []
+    for fused in (True, False):
+        k_buf, v_buf = k0.clone(), v0.clone()
+        out = torch.full((bs, hq, d), float("nan"), dtype=dtype)
+        with kernel_options(early_metadata=early_meta):
+            if fused:
+                qkv_before = qkv.clone()
+                decode_attention(q, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
+                                 num_splits=num_splits, new_kv=(k, v, loc), rope=rope)
+                assert torch.equal(qkv, qkv_before)  # q and k are read, not rotated in place
+            else:
+                qc, kc = q.clone(), k.clone()
+                if norm:
+                    ew.norm_and_rope(qc, kc, positions, cos_sin, qw, kw, 1e-6)
+                else:
+                    ew.apply_rope(qc, kc, positions, cos_sin)
+                decode_attention(qc, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
+                                 num_splits=num_splits, new_kv=(kc, v, loc))
+        outs.append(out)
+        bufs.append((k_buf, v_buf))
+    assert torch.equal(outs[0][:3], outs[1][:3])
+    assert torch.equal(bufs[0][0][1:], bufs[1][0][1:]) and torch.equal(bufs[0][1][1:], bufs[1][1][1:])
+    assert not torch.equal(bufs[0][0][loc[1]], k[1].to(dtype))  # the stored key is the rotated one
+
+
+def test_decode_fused_rope_rejects_what_it_cannot_do(force_triton):
+    k_buf, v_buf = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
+    r2t = torch.zeros(1, 4, dtype=torch.int32)
+    q, out = torch.zeros(1, 4, 16), torch.zeros(1, 4, 16)
+    args = (q, k_buf, v_buf, r2t, torch.tensor([0]), i32([1]), out, 1.0)
+    new_kv = (torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), torch.tensor([1]))
+    whole = attention_kernels.DecodeRope(torch.tensor([0]), torch.zeros(4, 16))
+    with pytest.raises(ValueError, match="needs new_kv"):  # the rotated key is stored by the kernel
+        decode_attention(*args, rope=whole)
+    partial = attention_kernels.DecodeRope(torch.tensor([0]), torch.zeros(4, 8))  # Qwen3.5's partial rotary
+    with pytest.raises(ValueError, match="whole-head rotary"):
+        decode_attention(*args, new_kv=new_kv, rope=partial)
+
+
 def test_decode_fused_store_rejects_bad_shapes():
     k_buf, v_buf = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
     r2t = torch.zeros(1, 4, dtype=torch.int32)
@@ -713,6 +788,57 @@ def test_elementwise_cpu_path_without_force():
 
 
 # ------------------------------------------------------------------ engine ----------------------------------
+
+
+def test_engine_with_the_fused_rope_matches_hf_and_the_unfused_engine(qwen3_path, make_llm, monkeypatch):
+    """The kernel option decode_fused_rope: every decoder Attention becomes a FusedRopeAttention, each decode step's
+    attention call gets the rotation (a `rope`) and launches no RoPE kernel of its own, prefill and mixed steps
+    still rotate first; the greedy tokens are Hugging Face's, and the same as the engine's without the option
+    (the Triton kernels under the interpreter, norms and RoPE included, so both rotate with the same code)."""
+    from helpers import assert_parity, hf_greedy
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from minisgl import SamplingParams
+    from minisgl.attention import triton_backend
+    from minisgl.attention.fused_rope import FusedRopeAttention
+
+    calls = []  # (kernel, a rope given) in launch order
+    decode, run = triton_backend.decode_attention, InterpretedFunction.run
+
+    def recorded_decode(*args, **kwargs):
+        calls.append(("decode_attention", kwargs.get("rope") is not None))
+        return decode(*args, **kwargs)
+
+    def recorded_run(self, *args, **kwargs):
+        calls.append((self.fn.__name__, None))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "decode_attention", recorded_decode)
+    monkeypatch.setattr(InterpretedFunction, "run", recorded_run)
+    prompts = [[7, 3], [5, 9, 17, 3, 44, 8, 21, 60, 2, 7, 11, 13, 14, 15, 16, 19, 23]]  # a mixed step or two
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    common = dict(dtype="float32", attention_backend="triton", page_size=4, chunked_prefill_size=8,
+                  triton_on_cpu=True)
+    outs = {}
+    for fused in (True, False):
+        llm = make_llm(qwen3_path, decode_fused_rope=fused, **common)
+        runner = llm.engine.runner
+        attns = [m for m in runner.model.modules() if isinstance(m, FusedRopeAttention)]
+        assert runner.fused_rope_layers == len(attns) == (runner.model_config.num_layers if fused else 0)
+        calls.clear()
+        outs[fused] = llm.generate(prompts, params)
+        # R: a RoPE launch; F: a decode attention call given the rotation; D: one given rotated q and k (a mixed
+        # step's decode rows, or any decode step without the option)
+        steps = "".join({"_rope_kernel": "R", "decode_attention": "F" if rope else "D"}.get(k, "")
+                        for k, rope in calls)
+        if fused:  # decode steps: one fused call a layer and no RoPE launch; mixed steps rotate all first
+            assert "FF" in steps and "RF" not in steps and "RD" in steps
+        else:
+            assert "F" not in steps and "DD" not in steps
+        assert "R" in steps  # the prompts' steps rotate first either way
+    refs = hf_greedy(qwen3_path, prompts, max_new_tokens=5)
+    assert_parity(outs[True], refs, prompts)
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
 
 
 @pytest.mark.parametrize("fused_store", [True, False], ids=["fused_store", "store_kv"])

@@ -200,6 +200,9 @@ def record_launches() -> list[tuple]:
             att.decode_attention(qd, k_buf, v_buf, req_to_token, rows, seq_lens, out, d ** -0.5, num_splits=4,
                                  fused_merge=fused_merge, new_kv=(k, v, loc))
         att.decode_attention(qd, k_buf, v_buf, req_to_token, rows, seq_lens, out, d ** -0.5, num_splits=1)
+        for norms in ((rnd(d), rnd(d)), (None, None)):  # the fused RoPE, Qwen3's norms and a plain rotation
+            att.decode_attention(q, k_buf, v_buf, req_to_token, rows, seq_lens, out, d ** -0.5, num_splits=4,
+                                 new_kv=(k, v, loc), rope=att.DecodeRope(pos, cos_sin, *norms, 1e-6))
         # the extend kernel with the tiles it gets on an H200 (the CPU path picks small interpreter tiles)
         saved = att._extend_blocks
         att._extend_blocks = lambda *a, **kw: (128, 128, 8, 3)
@@ -297,8 +300,8 @@ def main() -> int:
             early = overrides.get("EARLY_W", 0) > 0 or overrides.get("EARLY_META", False)
             # the early metadata: a decode row's length, (stage 1) its table row, its new slot with the fused store
             # and its first key tile's slots (at most one load per slot: every thread may hold them all); RoPE's
-            # position and its cos and sin
-            stage1 = 2 + bool(kw.get("FUSED_STORE")) + kw.get("BLOCK_N", 0)
+            # position and its cos and sin (the fused RoPE's in stage 1 too)
+            stage1 = 2 + bool(kw.get("FUSED_STORE")) + kw.get("BLOCK_N", 0) + 3 * bool(kw.get("ROPE"))
             metadata = ({"_decode_stage1_kernel": stage1, "_decode_stage2_kernel": 1,
                          "_rope_kernel": 3}[kernel.__name__] if overrides.get("EARLY_META") else None)
             problems = check_ptx(ptx, allow_loads_before_wait=early, max_early_loads=metadata)

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
 from minisgl.attention.base import AttentionBackend, AttentionMetadata
 from minisgl.kernels.attention import (
+    DecodeRope,
     decode_attention,
     decode_num_splits,
     decode_shared_workspace_numel,
@@ -177,7 +179,22 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph_tiles[:2 * bound].copy_(self._upload(torch.from_numpy(tiles), device), non_blocking=True)
         self._graph_decode[:reqs].copy_(self._upload(torch.from_numpy(decode_lens), device), non_blocking=True)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, positions: torch.Tensor,
+                     rotary: nn.Module, q_norm: nn.Module | None, k_norm: nn.Module | None) -> torch.Tensor:
+        """`forward` for q and k as the projection left them (attention/fused_rope.py, the kernel option
+        decode_fused_rope): a decode step whose K/V store is fused hands the RoPE (and Qwen3's per-head norms) to
+        the decode kernel; any other step, or a layout it does not take, runs `rotary` first as the model would."""
+        if self.meta.is_decode and self._fuse_store(k, v):
+            rope = DecodeRope(positions, rotary.cos_sin, None if q_norm is None else q_norm.weight,
+                              None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps)
+            if rope.fits(q):
+                return self.forward(q, k, v, layer_id, rope=rope)
+        q, k = rotary(q, k, positions, q_norm, k_norm)
+        return self.forward(q, k, v, layer_id)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                rope: DecodeRope | None = None) -> torch.Tensor:
+        """`rope`: a decode step's q and k are unrotated, and the decode kernel applies it (forward_rope)."""
         meta = self.meta
         fuse_store = meta.is_decode and self._fuse_store(k, v)
         if not fuse_store:
@@ -191,7 +208,7 @@ class TritonAttentionBackend(AttentionBackend):
             decode_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.seq_lens, out,
                              self.scale, max_seq_len=self.max_context_len,
                              workspace=self._workspace(bs, q.device), num_splits=self._num_splits(bs),
-                             new_kv=(k, v, meta.out_cache_loc) if fuse_store else None)
+                             new_kv=(k, v, meta.out_cache_loc) if fuse_store else None, rope=rope)
         elif self._planned is meta and self._graph_decode_lens is not None:
             # a prefill graph: every request row through the decode kernel, with the lengths load_graph_step wrote
             # (a decode row's seq_len, else 0: skipped, its output row zeroed), before the extend kernel, which

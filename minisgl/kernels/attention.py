@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from minisgl.kernels.elementwise import _jit  # triton.jit where Triton is installed, with its options
+from minisgl.kernels.elementwise import _jit, norm_rope_halves  # _jit: triton.jit with its options, if installed
 from minisgl.kernels.options import current_options
 from minisgl.kernels.pdl import pdl_enter, pdl_launch, pdl_launch_dependents, pdl_wait
 
@@ -37,8 +38,9 @@ except ImportError:  # CPU-only installs: nothing here can run, but importing mu
     triton = None
     tl = None
 
-__all__ = ["decode_attention", "decode_merge_counters", "decode_num_splits", "decode_shared_workspace_numel",
-           "decode_workspace_numel", "extend_attention", "extend_block_m", "extend_tile_list", "extend_tiles_bound"]
+__all__ = ["DecodeRope", "decode_attention", "decode_merge_counters", "decode_num_splits",
+           "decode_shared_workspace_numel", "decode_workspace_numel", "extend_attention", "extend_block_m",
+           "extend_tile_list", "extend_tiles_bound"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -50,6 +52,26 @@ def _require_triton() -> None:
     if triton is None:
         raise ImportError("minisgl.kernels.attention needs Triton (pip install triton); "
                           "use the torch attention backend instead")
+
+
+@dataclass(frozen=True)
+class DecodeRope:
+    """What the decode kernel needs to apply the RoPE itself (the fused RoPE): each row's position, the rotary
+    table `[max_pos, R]` fp32 (cos | sin; R the rotary width) and, for Qwen3, the per-head norms' weights."""
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 0.0
+
+    def fits(self, q: torch.Tensor) -> bool:
+        """A layout the kernel takes: a whole-head rotary of a power-of-2 head dim, norms in q's dtype."""
+        d = q.shape[-1]
+        norms = ((self.q_norm is None) == (self.k_norm is None)
+                 and (self.q_norm is None or self.q_norm.dtype == self.k_norm.dtype == q.dtype))
+        return (self.cos_sin.shape[-1] == d and d & (d - 1) == 0 and self.cos_sin.stride(-1) == 1
+                and self.cos_sin.dtype == torch.float32 and norms)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -128,15 +150,44 @@ def _decode_tile(q, m_i, l_i, acc, K, V, slots, nmask, kvh, stride_kn, stride_kh
 
 
 @_jit
+def _rope_cos_sin(Pos, CosSin, b, stride_cs, HALF: tl.constexpr):
+    """Row b's cos and sin [1, HALF] (fp32), from its position."""
+    pos = tl.load(Pos + b).to(tl.int64)
+    offs = tl.arange(0, HALF)
+    cos = tl.load(CosSin + pos * stride_cs + offs).to(tl.float32)[None, :]
+    sin = tl.load(CosSin + pos * stride_cs + HALF + offs).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@_jit
+def _rope_heads_tile(X, stride_h, W, cos, sin, eps, H, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+                     NORM: tl.constexpr):
+    """The H heads at X (rows of a BLOCK_H tile; the rest zero) as the RoPE kernel leaves them (kernels/elementwise.py:
+    Qwen3's per-head norm first with NORM, then the rotation over the whole head), as a [BLOCK_H, 2 * HALF] tile."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, HALF)
+    mask = (offs_h < H)[:, None]
+    p = X + offs_h[:, None] * stride_h + offs[None, :]
+    x1 = tl.load(p, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p + HALF, mask=mask, other=0.0).to(tl.float32)
+    r1, r2 = norm_rope_halves(x1, x2, W, cos, sin, offs, offs < HALF, eps, X.dtype.element_ty, HALF, NORM, False)
+    # [BLOCK_H, HALF] twice -> [BLOCK_H, HALF, 2] -> [BLOCK_H, 2, HALF] -> [BLOCK_H, 2 * HALF]: the halves side by side
+    return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_H, 2 * HALF))
+
+
+@_jit
 def _decode_stage1_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, Counters, Out, KNew, VNew, OutLoc,
+    Pos, CosSin, WQ, WK,  # the fused RoPE's inputs (ROPE only)
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    stride_knb, stride_knh, stride_vnb, stride_vnh,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    rope_eps,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    BLOCK_S: tl.constexpr, FUSED_STORE: tl.constexpr, EARLY_META: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, FUSED_STORE: tl.constexpr, EARLY_META: tl.constexpr, ROPE: tl.constexpr,
+    ROPE_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # before any global access, the K/V store and the shared counters included (kernels/pdl.py)
         if EARLY_META:  # ... except the step's metadata, read first (see "The early metadata" above); the wait follows
@@ -158,8 +209,12 @@ def _decode_stage1_kernel(
             slot = tl.load(OutLoc + b).to(tl.int64)
         offs_n0 = start + tl.arange(0, BLOCK_N)
         slots0 = tl.load(ReqToToken + row * stride_r2t + offs_n0, mask=offs_n0 < end, other=0).to(tl.int64)
+        if ROPE:  # the token's position is the step's input, its cos/sin a constant table
+            cos, sin = _rope_cos_sin(Pos, CosSin, b, stride_cs, HEAD_DIM // 2)
         if USE_PDL:
             pdl_wait()
+    elif ROPE:
+        cos, sin = _rope_cos_sin(Pos, CosSin, b, stride_cs, HEAD_DIM // 2)
 
     offs_g = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_g
@@ -183,15 +238,24 @@ def _decode_stage1_kernel(
                 # reserved slot 0 here, as store_kv would; no live request ever reads it.
                 if not EARLY_META:
                     slot = tl.load(OutLoc + b).to(tl.int64)
-                kn = tl.load(KNew + b.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d, mask=dmask)
+                if ROPE:  # this kv head's new key, normalised and rotated as the RoPE kernel would have
+                    kn = tl.reshape(_rope_heads_tile(KNew + b.to(tl.int64) * stride_knb + kvh * stride_knh, 0,
+                                                     WK, cos, sin, rope_eps, 1, 1, HEAD_DIM // 2, ROPE_NORM),
+                                    (BLOCK_D,))
+                else:
+                    kn = tl.load(KNew + b.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d, mask=dmask)
                 tl.store(K + slot * stride_kn + kvh * stride_kh + offs_d, kn.to(K.dtype.element_ty), mask=dmask)
                 vn = tl.load(VNew + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=dmask)
                 tl.store(V + slot * stride_vn + kvh * stride_vh + offs_d, vn.to(V.dtype.element_ty), mask=dmask)
                 tl.debug_barrier()
         if not EARLY_META:
             row = tl.load(ReqPoolIdx + b).to(tl.int64)
-        q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=hmask[:, None] & dmask[None, :], other=0.0)
+        if ROPE:  # the group's q heads as they come from the projection: normalised and rotated here
+            q = _rope_heads_tile(Q + b.to(tl.int64) * stride_qb + kvh * GROUP * stride_qh, stride_qh, WQ, cos, sin,
+                                 rope_eps, GROUP, BLOCK_H, HEAD_DIM // 2, ROPE_NORM)
+        else:
+            q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+            q = tl.load(q_ptrs, mask=hmask[:, None] & dmask[None, :], other=0.0)
         q = q.to(K.dtype.element_ty)
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -349,7 +413,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, scale: float,
                      max_seq_len: int | None = None, workspace: torch.Tensor | None = None,
                      num_splits: int | None = None, fused_merge: bool | None = None,
-                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     rope: DecodeRope | None = None) -> torch.Tensor:
     """One new token per request: out[b] = softmax(q[b] K_b^T * scale) V_b over keys 0..seq_lens[b]-1.
 
     q, out: [B, Hq, D] (last dim contiguous); k_buf, v_buf: [num_slots, Hkv, D]; req_pool_indices: [B];
@@ -362,7 +427,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     `workspace` is an optional flat 4-byte (fp32) buffer of at least `decode_workspace_numel(...)` elements,
     ZEROED when allocated (its tail holds the merge counters, which every launch leaves at zero), so a captured
     graph reuses the same memory. `fused_merge` (default: the kernel option decode_fused_merge) merges the splits
-    in the stage-1 launch instead of a second one. Rows with seq_len 0 get zeros.
+    in the stage-1 launch instead of a second one. Rows with seq_len 0 get zeros. With `rope` (and `new_kv`), q
+    and the new k come straight from the projection: the kernel applies the RoPE (and Qwen3's per-head norms)
+    itself, as `norm_and_rope` / `apply_rope` would have, before it uses q and stores k (the fused RoPE).
     """
     _require_triton()
     B, Hq, D = q.shape
@@ -378,6 +445,13 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
     else:  # placeholders for the unused pointer arguments (FUSED_STORE is off)
         k_new, v_new, out_loc = k_buf, v_buf, seq_lens
+    if rope is not None:
+        if new_kv is None or not rope.fits(q):
+            raise ValueError("the fused RoPE needs new_kv and a whole-head rotary of a power-of-2 head dim, "
+                             "with norm weights in q's dtype")
+        positions, cos_sin, q_norm, k_norm = rope.positions, rope.cos_sin, rope.q_norm, rope.k_norm
+    else:  # placeholders (ROPE is off)
+        positions, cos_sin, q_norm, k_norm = seq_lens, q, q, q
     group = Hq // Hkv
     if num_splits is None:
         num_splits = decode_num_splits(B, Hkv, max_seq_len, _num_sms(q.device))
@@ -413,15 +487,16 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     early = current_options().early_metadata  # without PDL: only the order of its loads
     _decode_stage1_kernel[(B, Hkv, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, counters, out,
-        k_new, v_new, out_loc,
+        k_new, v_new, out_loc, positions, cos_sin, q_norm, k_norm,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        scale * _LOG2E,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos_sin.stride(0),
+        scale * _LOG2E, rope.eps if rope is not None else 0.0,
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits,
         IEEE_DOT=ieee, FUSED_MERGE=fused, BLOCK_S=block_s, FUSED_STORE=new_kv is not None, EARLY_META=early,
+        ROPE=rope is not None, ROPE_NORM=rope is not None and rope.q_norm is not None,
         USE_PDL=bool(kw), num_warps=4, num_stages=2, **kw,
     )
     if num_splits > 1 and not fused:

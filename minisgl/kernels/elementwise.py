@@ -242,6 +242,39 @@ def _silu_and_mul_kernel(GU, Out, stride_g, stride_o, inter, BLOCK: tl.constexpr
 
 
 @_jit
+def head_norm_halves(x1, x2, W, rstd, offs_d, dmask, dt, HALF: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    """The two rotary halves [heads, HALF] of each head (fp32) after its RMSNorm (rstd [heads, 1]), rounded where
+    rms_norm then apply_rope round: times W (or (1 + W) with ZERO_CENTRED)."""
+    w1 = tl.load(W + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(W + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    if ZERO_CENTRED:  # Qwen3.5: (1 + w) in fp32, the norm's output rounded once, then rope
+        x1 = (x1 * rstd * (1.0 + w1)).to(dt).to(tl.float32)
+        x2 = (x2 * rstd * (1.0 + w2)).to(dt).to(tl.float32)
+    else:  # the normed value rounded, then its product with the weight
+        x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return x1, x2
+
+
+@_jit
+def rotate_halves(x1, x2, cos, sin, dt):
+    """NeoX RoPE of the halves (fp32), rounded to dt: (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    return (x1 * cos - x2 * sin).to(dt), (x2 * cos + x1 * sin).to(dt)
+
+
+@_jit
+def norm_rope_halves(x1, x2, W, cos, sin, offs_d, dmask, eps, dt, HALF: tl.constexpr, NORM: tl.constexpr,
+                     ZERO_CENTRED: tl.constexpr):
+    """A whole-head rotary (no REST dims) of the halves x1, x2 [heads, HALF] (fp32): with NORM, RMSNorm each head
+    first (Qwen3's q/k norms), then rotate; both halves rounded to dt. The decode kernel's fused RoPE
+    (kernels/attention.py) calls it too: the same operations as the RoPE kernel, in the same order."""
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        x1, x2 = head_norm_halves(x1, x2, W, rstd, offs_d, dmask, dt, HALF, ZERO_CENTRED)
+    return rotate_halves(x1, x2, cos, sin, dt)
+
+
+@_jit
 def _rope_heads(X, stride_h, Y, stride_yh, W, cos, sin, offs_d, dmask, eps, H: tl.constexpr,
                 BLOCK_H: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr,
                 NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr):
@@ -262,29 +295,21 @@ def _rope_heads(X, stride_h, Y, stride_yh, W, cos, sin, offs_d, dmask, eps, H: t
         mask3 = hmask & rmask[None, :]
         p3 = X + offs_h[:, None] * stride_h + 2 * HALF + offs_r[None, :]
         x3 = tl.load(p3, mask=mask3, other=0.0).to(tl.float32)
-    if NORM:
-        ss = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
-        if REST > 0:
-            ss += tl.sum(x3 * x3, 1)
-        rstd = tl.rsqrt(ss / (2 * HALF + REST) + eps)[:, None]
-        w1 = tl.load(W + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(W + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-        if ZERO_CENTRED:  # Qwen3.5: (1 + w) in fp32, the norm's output rounded once, then rope
-            x1 = (x1 * rstd * (1.0 + w1)).to(dt).to(tl.float32)
-            x2 = (x2 * rstd * (1.0 + w2)).to(dt).to(tl.float32)
-        else:  # rounded where rms_norm then apply_rope round: the normed value, then its product with the weight
-            x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        if REST > 0:
+        if NORM:
+            ss = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(x3 * x3, 1)
+            rstd = tl.rsqrt(ss / (2 * HALF + REST) + eps)[:, None]
+            x1, x2 = head_norm_halves(x1, x2, W, rstd, offs_d, dmask, dt, HALF, ZERO_CENTRED)
             w3 = tl.load(W + 2 * HALF + offs_r, mask=rmask, other=0.0).to(tl.float32)[None, :]
             if ZERO_CENTRED:
                 x3 = x3 * rstd * (1.0 + w3)
             else:
                 x3 = w3 * (x3 * rstd).to(dt).to(tl.float32)
-    tl.store(y1, (x1 * cos - x2 * sin).to(dt), mask=mask)
-    tl.store(y1 + HALF, (x2 * cos + x1 * sin).to(dt), mask=mask)
-    if REST > 0:
+        r1, r2 = rotate_halves(x1, x2, cos, sin, dt)
         tl.store(Y + offs_h[:, None] * stride_yh + 2 * HALF + offs_r[None, :], x3.to(dt), mask=mask3)
+    else:
+        r1, r2 = norm_rope_halves(x1, x2, W, cos, sin, offs_d, dmask, eps, dt, HALF, NORM, ZERO_CENTRED)
+    tl.store(y1, r1, mask=mask)
+    tl.store(y1 + HALF, r2, mask=mask)
 
 
 @_jit
