@@ -449,7 +449,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         if new_kv is None or not rope.fits(q):
             raise ValueError("the fused RoPE needs new_kv and a whole-head rotary of a power-of-2 head dim, "
                              "with norm weights in q's dtype")
-        positions, cos_sin, q_norm, k_norm = rope.positions, rope.cos_sin, rope.q_norm, rope.k_norm
+        positions, cos_sin = rope.positions, rope.cos_sin
+        q_norm, k_norm = (rope.q_norm, rope.k_norm) if rope.q_norm is not None else (q, q)  # q: placeholders
     else:  # placeholders (ROPE is off)
         positions, cos_sin, q_norm, k_norm = seq_lens, q, q, q
     group = Hq // Hkv
