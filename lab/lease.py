@@ -432,6 +432,12 @@ CALLS: dict[str, Call] = {
         carry=(),
         steps=(Lab("fused_rope06", 200, ("fused_rope06.json",), ("fused_rope06",)),
                Lab("fused_rope8", 300, ("fused_rope8.json",), ("fused_rope8",)))),
+    "fused_merge": Call(
+        "optional: issue 29, the decode splits merged inside the first decode launch (kernel option "
+        "decode_fused_merge; run10, before PDL's early loads, found it slower): tokens off and on, then W2 off and "
+        "on, two rounds; Qwen3-0.6B",
+        carry=(),
+        steps=(Lab("fused_merge06", 200, ("fused_merge06.json",), ("fused_merge06",)),)),
     "mixes": Call(
         "optional, on a machine calls 1-3 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
         "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "

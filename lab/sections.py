@@ -557,6 +557,7 @@ EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot
                     "and its cos/sin, before their PDL wait")
 
 
+FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"
 FUSED_ROPE_ABOUT = "the decode step's RoPE and q/k norms inside the decode attention kernel"
 
 
@@ -738,6 +739,9 @@ SECTIONS: dict[str, Section] = {
     "fused_rope06": section(lambda: kernel_option_ab("qwen3-0.6b", "decode_fused_rope", FUSED_ROPE_ABOUT),
                             "Qwen3-0.6B: tokens and W2 with the decode step's RoPE inside the decode attention "
                             "kernel, off and on"),
+    "fused_merge06": section(lambda: kernel_option_ab("qwen3-0.6b", "decode_fused_merge", FUSED_MERGE_ABOUT),
+                             "Qwen3-0.6B: tokens and W2 with the decode splits merged in the first launch, off and "
+                             "on (run10 found it slower, before PDL's early loads)"),
     "fused_rope8": section(lambda: kernel_option_ab("qwen3-8b", "decode_fused_rope", FUSED_ROPE_ABOUT, rounds=1),
                            "the same on Qwen3-8B, one round"),
     "wide_ab8": section(lambda: wide_gemv_ab("qwen3-8b"), "the same on Qwen3-8B"),
