@@ -343,15 +343,19 @@ CALLS: dict[str, Call] = {
                FrontCheck("front", 25, ("front.json",)))),
     "settle24": Call(
         "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's bars in one call: "
-        "minisgl's server at its defaults, SGLang's, then minisgl's with 16k-token prefill steps, each at 24/s, "
-        "48/s and all at once under SGLang's client (minisgl's with its request log: where each request's time "
-        "went); then the burst's requests offline (the server/offline ratio)",
+        "minisgl's server at its defaults, SGLang's, then minisgl's with the burst's mixed steps in prefill graphs "
+        "(extend tiles, graphs up to 8,704 tokens x 512 requests), each at 24/s, 48/s and all at once under "
+        "SGLang's client (minisgl's with its request log: where each request's time went); then the burst's "
+        "requests offline (the server/offline ratio)",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         # run20/21: a minisgl server ~50 s to start, the client ~28 s, the loads ~12 + 7 + 9 s; SGLang's server
-        # 135 s to start; offline ~50 s. The order cuts the 16k arm and the offline run first.
+        # 135 s to start; offline ~50 s. The order cuts the third arm and the offline run first. run22-24's third
+        # arm, 16k-token prefill steps, gave 1.105x SGLang's burst tok/s on a fast H100 (run24) and a median TTFT
+        # worse there, better on a slow H200 (run22); the mixed graphs cut a slow host's launch time most (run24).
         steps=(Serving("settle24", 480, ("settle24.json", "settle24_minisgl.jsonl", "settle24_sglang.jsonl",
-                                         "settle24_minisgl_chunk16k.jsonl"), loads=("rate24", "rate48", "burst"),
-                       servers=("minisgl", "sglang", "minisgl_chunk16k")),)),
+                                         "settle24_minisgl_tiles_mixed_graphs.jsonl"),
+                       loads=("rate24", "rate48", "burst"),
+                       servers=("minisgl", "sglang", "minisgl_tiles_mixed_graphs")),)),
     "mixed": Call(
         "optional: issue 24's burst on the engine alone: Qwen3-0.6B on the 512-request mix, each step's host time "
         "by phase (schedule, launch, wait for the device) and each step synchronised and timed; run23's burst "
