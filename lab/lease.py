@@ -584,9 +584,6 @@ MINISGL_SERVE = [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODE
                  "--host", "127.0.0.1", "--port", "{port}", "--request-log", "{requests}", "--step-log", "{steps}"]
 SERVERS = {
     "minisgl": MINISGL_SERVE,
-    # twice the prefill tokens a step (SGLang on this card: chunk 8192, max_prefill_tokens 16384): fewer, longer
-    # prefill steps through a burst
-    "minisgl_chunk16k": [*MINISGL_SERVE, "--chunked-prefill-size", "16384"],
     # the extend kernel from a tile list (kernels/attention.py): no programs for blocks past the requests' ends,
     # which a prefill graph's grid (its request bucket x its token bucket in blocks) is mostly made of
     "minisgl_tiles": [*MINISGL_SERVE, "--enable-extend-tiles"],
