@@ -117,6 +117,10 @@ class KernelOptions:
                                 "before it (each request's length, table row, new slot and first key slots; each "
                                 "token's position and cos/sin; kernels/attention.py). On: W2 TPOT 1.066 -> 1.017 "
                                 "ms on an H100, the same tokens (reports/h100/run24)", disable=True)
+    early_kv: bool = _opt(False, "--enable-early-kv",
+                          "with the early metadata and the fused store, the decode kernel also reads its first key "
+                          "tile's keys and values before its PDL wait, the new token's row taken from registers "
+                          "(kernels/attention.py, \"The early keys\")", enable=True)
     decode_fused_rope: bool = _opt(False, "--enable-decode-fused-rope",
                                    "a decode step's RoPE, and Qwen3's per-head q/k norms, run inside the decode "
                                    "attention kernel instead of a launch of their own before it (one launch a layer "

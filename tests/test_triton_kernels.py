@@ -213,7 +213,7 @@ def test_decode_shared_workspace_across_batch_sizes():
         (2, 1, 80, 2, 2, torch.float16, torch.float32),  # head_dim not a power of 2: the store is masked
     ],
 )
-@pytest.mark.parametrize("early_meta", [False, True], ids=["meta_after_wait", "early_meta"])
+@pytest.mark.parametrize("early_meta", [False, True, "kv"], ids=["meta_after_wait", "early_meta", "early_kv"])
 @pytest.mark.parametrize("fused_merge", [True, False], ids=["fused_merge", "two_launch"])
 def test_decode_fused_store_matches_store_kv(force_triton, hq, hkv, d, page_size, num_splits, buf_dtype, new_dtype,
                                              fused_merge, early_meta):
@@ -221,7 +221,10 @@ def test_decode_fused_store_matches_store_kv(force_triton, hq, hkv, d, page_size
     output bit for bit and the same buffers, with rows of 1 key and CUDA-graph padded rows (slot 0, seq_len 1,
     pointed at a live request's row) in the batch. Both sides run the Triton kernels (the store_kv kernel under
     the interpreter), so the casts to the buffer dtype round the same way. With the kernel option
-    early_metadata on the fused side (each request's length, row and slot read first), still the same."""
+    early_metadata on the fused side (each request's length, row and slot read first), still the same; with
+    early_kv too (the first key tile read before the wait, the new token's row patched in from registers), the
+    same for every live row (a padded row's tile reads a live request's position 0 where the new key is patched
+    in: its output, discarded, differs)."""
     gen = torch.Generator().manual_seed(hq * 100 + d + num_splits)
     max_len, rows_total = 300, 6
     num_pages = rows_total * ((max_len + page_size - 1) // page_size) + 3
@@ -245,7 +248,7 @@ def test_decode_fused_store_matches_store_kv(force_triton, hq, hkv, d, page_size
         k_buf, v_buf = k0.clone(), v0.clone()
         out = torch.full((bs, hq, d), float("nan"), dtype=new_dtype)
         if fused_store:
-            with kernel_options(early_metadata=early_meta):
+            with kernel_options(early_metadata=bool(early_meta), early_kv=early_meta == "kv"):
                 decode_attention(q, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
                                  num_splits=num_splits, fused_merge=fused_merge, new_kv=(k, v, loc))
         else:
@@ -254,7 +257,9 @@ def test_decode_fused_store_matches_store_kv(force_triton, hq, hkv, d, page_size
                              num_splits=num_splits, fused_merge=fused_merge)
         outs.append(out)
         bufs.append((k_buf, v_buf))
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0][:live], outs[1][:live])
+    if early_meta != "kv":
+        assert torch.equal(outs[0], outs[1])
     (kf, vf), (ku, vu) = bufs
     assert torch.equal(kf[1:], ku[1:]) and torch.equal(vf[1:], vu[1:])
     # k/v cast to the buffer dtype as the interpreter casts (it truncates fp32 -> bf16; torch rounds to nearest)
@@ -285,7 +290,7 @@ def test_decode_fused_store_matches_store_kv(force_triton, hq, hkv, d, page_size
     ],
 )
 @pytest.mark.parametrize("norm", [True, False], ids=["qwen3_norms", "plain_rope"])
-@pytest.mark.parametrize("early_meta", [False, True], ids=["meta_after_wait", "early_meta"])
+@pytest.mark.parametrize("early_meta", [False, True, "kv"], ids=["meta_after_wait", "early_meta", "early_kv"])
 def test_decode_fused_rope_matches_rope_then_decode(force_triton, hq, hkv, d, num_splits, dtype, norm, early_meta):
     """decode_attention applying the RoPE (and Qwen3's per-head norms) itself (rope=) against norm_and_rope /
     apply_rope then decode_attention with the fused store: the same output bit for bit and the same K/V buffers
@@ -316,7 +321,7 @@ def test_decode_fused_rope_matches_rope_then_decode(force_triton, hq, hkv, d, nu
     for fused in (True, False):
         k_buf, v_buf = k0.clone(), v0.clone()
         out = torch.full((bs, hq, d), float("nan"), dtype=dtype)
-        with kernel_options(early_metadata=early_meta):
+        with kernel_options(early_metadata=bool(early_meta), early_kv=early_meta == "kv"):
             if fused:
                 qkv_before = qkv.clone()
                 decode_attention(q, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
@@ -791,16 +796,16 @@ def test_elementwise_cpu_path_without_force():
 
 
 def test_engine_with_the_fused_rope_matches_hf_and_the_unfused_engine(qwen3_path, make_llm, monkeypatch):
-    """The kernel option decode_fused_rope: every decoder Attention becomes a FusedRopeAttention, each decode step's
-    attention call gets the rotation (a `rope`) and launches no RoPE kernel of its own, prefill and mixed steps
-    still rotate first; the greedy tokens are Hugging Face's, and the same as the engine's without the option
+    """The kernel option decode_fused_rope: the model's rotary embedding becomes a DeferredRotary, each decode
+    step's attention call gets the rotation (a `rope`) and launches no RoPE kernel of its own, prefill and mixed
+    steps still rotate first; the greedy tokens are Hugging Face's, and the same as the engine's without the option
     (the Triton kernels under the interpreter, norms and RoPE included, so both rotate with the same code)."""
     from helpers import assert_parity, hf_greedy
     from triton.runtime.interpreter import InterpretedFunction
 
     from minisgl import SamplingParams
     from minisgl.attention import triton_backend
-    from minisgl.attention.fused_rope import FusedRopeAttention
+    from minisgl.attention.fused_rope import DeferredRotary
 
     calls = []  # (kernel, a rope given) in launch order
     decode, run = triton_backend.decode_attention, InterpretedFunction.run
@@ -823,8 +828,8 @@ def test_engine_with_the_fused_rope_matches_hf_and_the_unfused_engine(qwen3_path
     for fused in (True, False):
         llm = make_llm(qwen3_path, decode_fused_rope=fused, **common)
         runner = llm.engine.runner
-        attns = [m for m in runner.model.modules() if isinstance(m, FusedRopeAttention)]
-        assert runner.fused_rope_layers == len(attns) == (runner.model_config.num_layers if fused else 0)
+        deferred = [m for m in runner.model.modules() if isinstance(m, DeferredRotary)]
+        assert runner.fused_rope == len(deferred) == int(fused)
         calls.clear()
         outs[fused] = llm.generate(prompts, params)
         # R: a RoPE launch; F: a decode attention call given the rotation; D: one given rotated q and k (a mixed
@@ -841,11 +846,13 @@ def test_engine_with_the_fused_rope_matches_hf_and_the_unfused_engine(qwen3_path
     assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
 
 
-@pytest.mark.parametrize("fused_store", [True, False], ids=["fused_store", "store_kv"])
-def test_engine_on_triton_backend_matches_hf(fused_store, qwen3_path, make_llm, monkeypatch):
+@pytest.mark.parametrize("fused_store,early_kv", [(True, False), (False, False), (True, True)],
+                         ids=["fused_store", "store_kv", "early_kv"])
+def test_engine_on_triton_backend_matches_hf(fused_store, early_kv, qwen3_path, make_llm, monkeypatch):
     """A tiny Qwen3 (fp32) through the engine on the Triton attention backend under the interpreter, with the
-    decode K/V store in the decode kernel and as a separate store: greedy tokens equal Hugging Face's, and every
-    decode attention call stored its K/V itself exactly when the switch is on."""
+    decode K/V store in the decode kernel and as a separate store (and with the early keys: the first key tile
+    read before the wait): greedy tokens equal Hugging Face's, and every decode attention call stored its K/V
+    itself exactly when the switch is on."""
     from helpers import assert_parity, hf_greedy
 
     from minisgl import SamplingParams
@@ -862,7 +869,7 @@ def test_engine_on_triton_backend_matches_hf(fused_store, qwen3_path, make_llm, 
     prompts = [[5, 9, 17, 3, 44, 8, 21, 60, 2, 7, 11], [100, 4, 4, 4, 33], [7]]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     llm = make_llm(qwen3_path, dtype="float32", attention_backend="triton", page_size=4,
-                   decode_fused_store=fused_store)
+                   decode_fused_store=fused_store, early_kv=early_kv)
     outs = llm.generate(prompts, params)
     assert_parity(outs, hf_greedy(qwen3_path, prompts, max_new_tokens=5), prompts)
     assert fused_calls and set(fused_calls) == {fused_store}

@@ -72,7 +72,10 @@ def _arg_type(value) -> str:
 
 
 def compile_ptx(kernel, args: tuple, kw: dict, **constexpr_overrides) -> str:
-    """The sm_90 PTX of `kernel` for a recorded call, launch_pdl on and the given constexprs overridden."""
+    """The sm_90 PTX of `kernel` for a recorded call, launch_pdl on and the given constexprs overridden. Compiled
+    without a launch's divisibility specialisation (16-byte aligned pointers and strides), so no load is
+    vectorised: a thread loads each element it holds with a load of its own, which makes the loads before the
+    wait countable exactly (the bounds in `main`). The order of loads and the wait is the launched kernel's."""
     names = [p.name for p in kernel.params]
     values = dict(zip(names, args))
     values.update({k: v for k, v in kw.items() if k in names})
@@ -288,9 +291,14 @@ def main() -> int:
             variants = [{"EARLY_W": 3}, {"EARLY_W": 1}, {"EARLY_W": 0}]
         if "EARLY_META" in params:
             variants = [{"EARLY_META": True}, {"EARLY_META": False}]
+        if "EARLY_KV" in params and kw.get("FUSED_STORE"):  # the early keys: with the early metadata only
+            variants = [{"EARLY_META": True, "EARLY_KV": True}, {"EARLY_META": True, "EARLY_KV": False},
+                        {"EARLY_META": False, "EARLY_KV": False}]
+        elif "EARLY_KV" in params:
+            variants = [dict(v, EARLY_KV=False) for v in variants]
         for overrides in variants:
             key = (kernel.__name__,
-                   repr([(k, v) for k, v in kw.items() if k not in ("USE_PDL", "EARLY_W", "EARLY_META")]),
+                   repr([(k, v) for k, v in kw.items() if k not in ("USE_PDL", "EARLY_W", "EARLY_META", "EARLY_KV")]),
                    tuple(_arg_type(v) if not isinstance(v, torch.Tensor) else str(v.dtype) for v in a),
                    repr(overrides))
             if key in seen:
@@ -300,8 +308,10 @@ def main() -> int:
             early = overrides.get("EARLY_W", 0) > 0 or overrides.get("EARLY_META", False)
             # the early metadata: a decode row's length, (stage 1) its table row, its new slot with the fused store
             # and its first key tile's slots (at most one load per slot: every thread may hold them all); RoPE's
-            # position and its cos and sin (the fused RoPE's in stage 1 too)
+            # position and its cos and sin (the fused RoPE's in stage 1 too); with the early keys, their tile
             stage1 = 2 + bool(kw.get("FUSED_STORE")) + kw.get("BLOCK_N", 0) + 3 * bool(kw.get("ROPE"))
+            if overrides.get("EARLY_KV"):  # and the first key tile's keys and values, an element a load
+                stage1 += 2 * kw["BLOCK_N"] * kw["BLOCK_D"] // (32 * kw["num_warps"])
             metadata = ({"_decode_stage1_kernel": stage1, "_decode_stage2_kernel": 1,
                          "_rope_kernel": 3}[kernel.__name__] if overrides.get("EARLY_META") else None)
             problems = check_ptx(ptx, allow_loads_before_wait=early, max_early_loads=metadata)

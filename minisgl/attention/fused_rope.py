@@ -7,12 +7,13 @@ already loads its q heads and, for the program that owns the new position, the n
 store): it can normalise and rotate them as it loads them, with the very operations the RoPE kernel runs
 (`norm_rope_halves`), so the link goes and the tokens stay the same.
 
-`FusedRopeAttention` replaces the model's `Attention` (models/decoder.py): the same projections under the same
-names, but it hands q and k to the backend's `forward_rope` unrotated, with what the rotation needs. The Triton
-backend fuses the rotation into a decode step's kernel and rotates first, as the model would, in any other step
-(a prefill, a mixed step; attention/triton_backend.py). The engine swaps the modules in (`use_fused_rope`) only
-with the option on and the Triton backend; a model with another attention class (Qwen3.5's gated one, partial
-rotary) keeps its own.
+The model does not change. Its attention calls `rotary(q, k, positions, q_norm, k_norm)` and then the backend's
+`forward(q, k, v, layer_id)` (models/decoder.py); the engine swaps the model's rotary embedding for a
+`DeferredRotary`, which asks the backend first (`defer_rope`): in a step the backend can fuse (a decode step whose
+K/V store is fused, a whole-head rotary) the backend keeps what the rotation needs and the next `forward` hands it
+to the decode kernel, and q and k come back unrotated; in any other step (a prefill, a mixed step) the rotation
+runs as before. A model that rotates without calling its rotary module (Qwen3.5's partial rotary reads the table
+itself) is never deferred.
 """
 
 from __future__ import annotations
@@ -20,38 +21,34 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.models.decoder import Attention
 
+class DeferredRotary(nn.Module):
+    """A rotary embedding (models/layers.py's RotaryEmbedding) that lets the attention backend apply itself where
+    the backend can fuse it (attention/triton_backend.py, `defer_rope`). The same table, as `cos_sin`."""
 
-class FusedRopeAttention(nn.Module):
-    """A decoder `Attention` whose q and k reach the backend unrotated (`forward_rope`). Holds the same submodules
-    under the same names."""
-
-    def __init__(self, attn: Attention) -> None:
+    def __init__(self, rotary: nn.Module, backend) -> None:
         super().__init__()
-        self.layer_id = attn.layer_id
-        self.num_q_heads, self.num_kv_heads, self.head_dim = attn.num_q_heads, attn.num_kv_heads, attn.head_dim
-        self.q_size, self.kv_size = attn.q_size, attn.kv_size
-        self.qkv_proj, self.o_proj = attn.qkv_proj, attn.o_proj
-        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.rotary = rotary
+        self.backend = backend  # not a module: held as a plain attribute
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: nn.Module, attn) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_q_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = attn.forward_rope(q, k, v, self.layer_id, positions, rotary, self.q_norm, self.k_norm)
-        return self.o_proj(o.reshape(t, self.q_size))
+    @property
+    def cos_sin(self) -> torch.Tensor:
+        return self.rotary.cos_sin
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_norm: nn.Module | None = None,
+                k_norm: nn.Module | None = None):
+        if self.backend.defer_rope(q, k, positions, self.rotary.cos_sin, q_norm, k_norm):
+            return q, k  # rotated inside the decode kernel of the backend's next forward
+        return self.rotary(q, k, positions, q_norm, k_norm)
 
 
-def use_fused_rope(model: nn.Module) -> int:
-    """Swap every `Attention` under `model` for a FusedRopeAttention; returns how many."""
+def use_fused_rope(model: nn.Module, rotary_class: type, backend) -> int:
+    """Swap every module of `rotary_class` under `model` for a DeferredRotary tied to `backend`; returns how many."""
     swapped = 0
     for name, child in list(model.named_children()):
-        if type(child) is Attention:
-            setattr(model, name, FusedRopeAttention(child))
+        if type(child) is rotary_class:
+            setattr(model, name, DeferredRotary(child, backend))
             swapped += 1
         else:
-            swapped += use_fused_rope(child)
+            swapped += use_fused_rope(child, rotary_class, backend)
     return swapped

@@ -87,6 +87,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph_tiles: torch.Tensor | None = None  # the prefill graphs' fixed list (init_prefill_graph_state)
         self._graph_decode: torch.Tensor | None = None  # and their decode rows' lengths (0: not a decode row)
         self._graph_decode_lens: torch.Tensor | None = None  # this graph's slice of it, when its decode rows split
+        self._rope: DecodeRope | None = None  # the rotation the next forward applies (defer_rope)
 
     def _num_splits(self, bs: int) -> int:
         return decode_num_splits(bs, self.num_kv_heads, self.max_context_len, self._num_sms)
@@ -179,24 +180,27 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph_tiles[:2 * bound].copy_(self._upload(torch.from_numpy(tiles), device), non_blocking=True)
         self._graph_decode[:reqs].copy_(self._upload(torch.from_numpy(decode_lens), device), non_blocking=True)
 
-    def forward_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, positions: torch.Tensor,
-                     rotary: nn.Module, q_norm: nn.Module | None, k_norm: nn.Module | None) -> torch.Tensor:
-        """`forward` for q and k as the projection left them (attention/fused_rope.py, the kernel option
-        decode_fused_rope): a decode step whose K/V store is fused hands the RoPE (and Qwen3's per-head norms) to
-        the decode kernel; any other step, or a layout it does not take, runs `rotary` first as the model would."""
-        if self.meta.is_decode and self._fuse_store(k, v):
-            rope = DecodeRope(positions, rotary.cos_sin, None if q_norm is None else q_norm.weight,
-                              None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps)
-            if rope.fits(q):
-                return self.forward(q, k, v, layer_id, rope=rope)
-        q, k = rotary(q, k, positions, q_norm, k_norm)
-        return self.forward(q, k, v, layer_id)
+    def defer_rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                   q_norm: nn.Module | None, k_norm: nn.Module | None) -> bool:
+        """Whether the next `forward` applies this rotation itself (attention/fused_rope.py, the kernel option
+        decode_fused_rope): in a decode step whose K/V store is fused, for a whole-head rotary, it keeps what the
+        decode kernel needs and says yes; q and k then reach `forward` unrotated."""
+        if not (self.meta.is_decode and current_options().decode_fused_store and k.stride(-1) == 1):
+            return False
+        rope = DecodeRope(positions, cos_sin, None if q_norm is None else q_norm.weight,
+                          None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps)
+        if not rope.fits(q):
+            return False
+        self._rope = rope
+        return True
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                rope: DecodeRope | None = None) -> torch.Tensor:
-        """`rope`: a decode step's q and k are unrotated, and the decode kernel applies it (forward_rope)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         meta = self.meta
+        rope, self._rope = self._rope, None  # a rotation defer_rope took on for this call: q and k are unrotated
         fuse_store = meta.is_decode and self._fuse_store(k, v)
+        if rope is not None and not fuse_store:  # (v's layout ruled the fused store out) rotate here after all
+            q, k = rope.apply(q, k)
+            rope = None
         if not fuse_store:
             self.store_kv(k, v, layer_id)
         k_buf, v_buf = self.kv_cache.k_buffers[layer_id], self.kv_cache.v_buffers[layer_id]

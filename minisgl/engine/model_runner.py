@@ -215,10 +215,11 @@ class ModelRunner:
                                    num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                                    head_dim=mc.head_dim, scale=mc.head_dim ** -0.5,
                                    max_context_len=self.max_model_len)
-        self.fused_rope_layers = 0
-        if config.kernels.decode_fused_rope and hasattr(self.attn, "forward_rope"):
+        self.fused_rope = 0  # rotary embeddings that let the backend apply them (attention/fused_rope.py)
+        if config.kernels.decode_fused_rope and hasattr(self.attn, "defer_rope"):
             from minisgl.attention.fused_rope import use_fused_rope
-            self.fused_rope_layers = use_fused_rope(self.model)  # attention/fused_rope.py
+            from minisgl.models.layers import RotaryEmbedding
+            self.fused_rope = use_fused_rope(self.model, RotaryEmbedding, self.attn)
         lap("pools")
         # The heap built so far (modules, the model, the pools) frozen before the warm-up and the captures: the
         # collections their own objects trigger (Triton's kernels, graphs, step tensors) then skip it, instead of

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minisgl.kernels.elementwise import _jit, norm_rope_halves  # _jit: triton.jit with its options, if installed
+from minisgl.kernels.elementwise import _jit, apply_rope, norm_and_rope, norm_rope_halves  # _jit: triton.jit, if any
 from minisgl.kernels.options import current_options
 from minisgl.kernels.pdl import pdl_enter, pdl_launch, pdl_launch_dependents, pdl_wait
 
@@ -65,6 +65,12 @@ class DecodeRope:
     k_norm: torch.Tensor | None = None
     eps: float = 0.0
 
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation as its own launch (kernels/elementwise.py), as the model would have run it."""
+        if self.q_norm is None:
+            return apply_rope(q, k, self.positions, self.cos_sin)
+        return norm_and_rope(q, k, self.positions, self.cos_sin, self.q_norm, self.k_norm, self.eps)
+
     def fits(self, q: torch.Tensor) -> bool:
         """A layout the kernel takes: a whole-head rotary of a power-of-2 head dim, norms in q's dtype."""
         d = q.shape[-1]
@@ -100,6 +106,14 @@ class DecodeRope:
 # run15's timeline). The keys and values themselves are read after it: the new token's are this step's.
 
 
+# The early keys (kernel option `early_kv`, with the early metadata and the fused store): stage 1 also reads its first
+# key tile's keys and values before the wait. Every slot in it holds a key of an earlier step, complete before this
+# step's first kernel, except the new token's (position seq_len - 1), which this program stores after the wait
+# (or store_kv, a predecessor, stored for a mixed step's decode rows): the early read of that slot may be stale, so
+# the program puts the new key and value it holds in registers into that row of the tile, the same bits it stores.
+# At batch 1 a split is often a single tile, so after the wait a program waits on no key load at all.
+
+
 @_jit
 def _merge_head(
     PartO, PartLse, Out, b, h, n_valid,
@@ -129,8 +143,21 @@ def _merge_head(
 def _decode_tile(q, m_i, l_i, acc, K, V, slots, nmask, kvh, stride_kn, stride_kh, stride_vn, stride_vh, offs_d,
                  dmask, qk_scale, IEEE_DOT: tl.constexpr):
     """One key tile of a decode program's online softmax: its keys and values read through `slots`."""
-    kv_mask = nmask[:, None] & dmask[None, :]
-    k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = _load_kv(K, slots, nmask, kvh, stride_kn, stride_kh, offs_d, dmask)
+    m_new, l_i, alpha, p = _tile_softmax(q, m_i, l_i, k, nmask, qk_scale, IEEE_DOT)
+    v = _load_kv(V, slots, nmask, kvh, stride_vn, stride_vh, offs_d, dmask)
+    return m_new, l_i, _tile_accumulate(acc, alpha, p, v, IEEE_DOT)
+
+
+@_jit
+def _load_kv(Buf, slots, nmask, kvh, stride_n, stride_h, offs_d, dmask):
+    return tl.load(Buf + slots[:, None] * stride_n + kvh * stride_h + offs_d[None, :],
+                   mask=nmask[:, None] & dmask[None, :], other=0.0)
+
+
+@_jit
+def _tile_softmax(q, m_i, l_i, k, nmask, qk_scale, IEEE_DOT: tl.constexpr):
+    """A key tile's scores and the online softmax's running max and sum after it: (m_new, l_i, alpha, p)."""
     if IEEE_DOT:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -140,13 +167,14 @@ def _decode_tile(q, m_i, l_i, acc, K, V, slots, nmask, kvh, stride_kn, stride_kh
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
+
+
+@_jit
+def _tile_accumulate(acc, alpha, p, v, IEEE_DOT: tl.constexpr):
     if IEEE_DOT:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 @_jit
@@ -186,8 +214,8 @@ def _decode_stage1_kernel(
     rope_eps,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    BLOCK_S: tl.constexpr, FUSED_STORE: tl.constexpr, EARLY_META: tl.constexpr, ROPE: tl.constexpr,
-    ROPE_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, FUSED_STORE: tl.constexpr, EARLY_META: tl.constexpr, EARLY_KV: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # before any global access, the K/V store and the shared counters included (kernels/pdl.py)
         if EARLY_META:  # ... except the step's metadata, read first (see "The early metadata" above); the wait follows
@@ -203,12 +231,17 @@ def _decode_stage1_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
     if EARLY_META:  # the table is the step's input too: the first key tile's slots (none if the split is empty)
         row = tl.load(ReqPoolIdx + b).to(tl.int64)
         if FUSED_STORE:
             slot = tl.load(OutLoc + b).to(tl.int64)
         offs_n0 = start + tl.arange(0, BLOCK_N)
         slots0 = tl.load(ReqToToken + row * stride_r2t + offs_n0, mask=offs_n0 < end, other=0).to(tl.int64)
+        if EARLY_KV:  # and that tile's keys and values (see "The early keys" above; the new token's is patched in)
+            k0 = _load_kv(K, slots0, offs_n0 < end, kvh, stride_kn, stride_kh, offs_d, dmask)
+            v0 = _load_kv(V, slots0, offs_n0 < end, kvh, stride_vn, stride_vh, offs_d, dmask)
         if ROPE:  # the token's position is the step's input, its cos/sin a constant table
             cos, sin = _rope_cos_sin(Pos, CosSin, b, stride_cs, HEAD_DIM // 2)
         if USE_PDL:
@@ -219,8 +252,6 @@ def _decode_stage1_kernel(
     offs_g = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_g
     hmask = offs_g < GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < HEAD_DIM
 
     if start < end:
         if FUSED_STORE:
@@ -248,6 +279,10 @@ def _decode_stage1_kernel(
                 vn = tl.load(VNew + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=dmask)
                 tl.store(V + slot * stride_vn + kvh * stride_vh + offs_d, vn.to(V.dtype.element_ty), mask=dmask)
                 tl.debug_barrier()
+                if EARLY_KV:  # the early tile read this slot before the store: the new row, from registers
+                    new_row = (offs_n0 == seq_len - 1)[:, None]
+                    k0 = tl.where(new_row, kn.to(K.dtype.element_ty)[None, :], k0)
+                    v0 = tl.where(new_row, vn.to(V.dtype.element_ty)[None, :], v0)
         if not EARLY_META:
             row = tl.load(ReqPoolIdx + b).to(tl.int64)
         if ROPE:  # the group's q heads as they come from the projection: normalised and rotated here
@@ -261,7 +296,11 @@ def _decode_stage1_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        if EARLY_META:  # the first key tile's slots were read before the wait
+        if EARLY_KV:  # the first key tile's keys and values were read before the wait
+            m_i, l_i, alpha, p = _tile_softmax(q, m_i, l_i, k0, offs_n0 < end, qk_scale, IEEE_DOT)
+            acc = _tile_accumulate(acc, alpha, p, v0, IEEE_DOT)
+            first = start + BLOCK_N
+        elif EARLY_META:  # the first key tile's slots were read before the wait
             m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, K, V, slots0, offs_n0 < end, kvh, stride_kn, stride_kh,
                                          stride_vn, stride_vh, offs_d, dmask, qk_scale, IEEE_DOT)
             first = start + BLOCK_N
@@ -485,7 +524,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         counters = out.new_empty((1,), dtype=torch.int32)
 
     kw = pdl_launch(q)
-    early = current_options().early_metadata  # without PDL: only the order of its loads
+    options = current_options()
+    early = options.early_metadata  # without PDL: only the order of its loads
+    # the early keys need the early metadata's slots, and the new token's K/V in registers (the fused store)
+    early_kv = early and options.early_kv and new_kv is not None
     _decode_stage1_kernel[(B, Hkv, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, counters, out,
         k_new, v_new, out_loc, positions, cos_sin, q_norm, k_norm,
@@ -497,7 +539,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         scale * _LOG2E, rope.eps if rope is not None else 0.0,
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits,
         IEEE_DOT=ieee, FUSED_MERGE=fused, BLOCK_S=block_s, FUSED_STORE=new_kv is not None, EARLY_META=early,
-        ROPE=rope is not None, ROPE_NORM=rope is not None and rope.q_norm is not None,
+        EARLY_KV=early_kv, ROPE=rope is not None, ROPE_NORM=rope is not None and rope.q_norm is not None,
         USE_PDL=bool(kw), num_warps=4, num_stages=2, **kw,
     )
     if num_splits > 1 and not fused:
