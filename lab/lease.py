@@ -430,12 +430,14 @@ CALLS: dict[str, Call] = {
         carry=(),
         steps=(Lab("early_meta06", 200, ("early_meta06.json",), ("early_meta06",)),)),
     "fused_rope": Call(
-        "optional: issue 29, a decode step's RoPE and Qwen3's q/k norms inside the decode attention kernel (kernel "
-        "option decode_fused_rope; one launch a layer fewer): tokens off and on (greedy and seeded sampling, batch 1 "
-        "and 8, graphs and eager), then W2 off and on, two rounds on Qwen3-0.6B and one on Qwen3-8B",
+        "optional: issue 29, the next links of a batch-1 decode step: the RoPE and Qwen3's q/k norms inside the "
+        "decode attention kernel (kernel option decode_fused_rope; one launch a layer fewer) and its first key tile "
+        "read before the PDL wait (early_kv), each alone and both: tokens against both off (greedy and seeded "
+        "sampling, batch 1 and 8, graphs and eager), then W2 in each arm, two rounds; Qwen3-0.6B",
         carry=(),
-        steps=(Lab("fused_rope06", 200, ("fused_rope06.json",), ("fused_rope06",)),
-               Lab("fused_rope8", 300, ("fused_rope8.json",), ("fused_rope8",)))),
+        steps=(Lab("fused_rope06", 380, ("fused_rope06.json",), ("fused_rope06",)),)),
+    "fused_rope8": Call("optional: the same on Qwen3-8B, W2 in one round", carry=(),
+                        steps=(Lab("fused_rope8", 480, ("fused_rope8.json",), ("fused_rope8",)),)),
     "fused_merge": Call(
         "optional: issue 29, the decode splits merged inside the first decode launch (kernel option "
         "decode_fused_merge; run10, before PDL's early loads, found it slower): tokens off and on, then W2 off and "

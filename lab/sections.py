@@ -558,17 +558,26 @@ EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot
 
 
 FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"
-FUSED_ROPE_ABOUT = "the decode step's RoPE and q/k norms inside the decode attention kernel"
+# issue 29's next links of a batch-1 decode step's chain (kernels/attention.py)
+DECODE_LINKS = {"decode_fused_rope": "the decode step's RoPE and q/k norms inside the decode attention kernel",
+                "early_kv": "the decode kernel's first key tile read before its PDL wait"}
 
 
-def kernel_option_ab(model: str, option: str, about: str, rounds: int = 2) -> dict:
-    """A boolean kernel option that changes no arithmetic (the GEMV's norm fold, the early metadata, the fused
-    RoPE): tokens with it off and on, under CUDA graphs and eagerly, each against it off in the same mode (they
-    must be the same; eager and graph steps may differ from each other, run22), then W2 with it off and on,
-    interleaved `rounds` times."""
-    on, off = {option: True}, {option: False}  # both explicit: the default may be either
-    tokens = same_tokens_by_mode(model, {"off": off, "on": on}, "off")
-    runs = Bench(model, (Arm("off", ("w2",), kernel=off), Arm("on", ("w2",), kernel=on, about=about)), rounds)()
+def kernel_option_ab(model: str, options: dict[str, str], rounds: int = 2) -> dict:
+    """Boolean kernel options that change no arithmetic (the GEMV's norm fold, the early metadata, the fused RoPE,
+    the early keys; `options`: name -> what it does): tokens with all of them off, each alone on and, with more
+    than one, all on, under CUDA graphs and eagerly, each against all off in the same mode (they must be the same;
+    eager and graph steps may differ from each other, run22), then W2 in each of those arms, interleaved `rounds`
+    times. Arms are named by their option (or "off", "all"); every option is set explicitly in every arm, since the
+    default may be either."""
+    off = {name: False for name in options}
+    arms = {"off": (off, "")}
+    arms |= {name: ({**off, name: True}, about) for name, about in options.items()}
+    if len(options) > 1:
+        arms["all"] = ({name: True for name in options}, "; ".join(options.values()))
+    tokens = same_tokens_by_mode(model, {label: kernel for label, (kernel, _) in arms.items()}, "off")
+    runs = Bench(model, tuple(Arm(label, ("w2",), kernel=kernel, about=about)
+                              for label, (kernel, about) in arms.items()), rounds)()
     return {"tokens": tokens, "runs": runs, "ok": all(t["ok"] for t in tokens.values())}
 
 
@@ -727,22 +736,22 @@ SECTIONS: dict[str, Section] = {
     "early_ab8": section(early_tiles("qwen3-8b", (1, 3), rounds=1)),
     "wide_ab06": section(lambda: wide_gemv_ab("qwen3-0.6b"),
                          "Qwen3-0.6B: the GEMV tuned with wide K tiles, then W2 with three GEMV tables"),
-    "fold06": section(lambda: kernel_option_ab("qwen3-0.6b", "gemv_norm_fold", FOLD_ABOUT),
+    "fold06": section(lambda: kernel_option_ab("qwen3-0.6b", {"gemv_norm_fold": FOLD_ABOUT}),
                       "Qwen3-0.6B: tokens and W2 with the RMSNorms folded into the GEMVs, off and on"),
-    "fold8": section(lambda: kernel_option_ab("qwen3-8b", "gemv_norm_fold", FOLD_ABOUT, rounds=1),
+    "fold8": section(lambda: kernel_option_ab("qwen3-8b", {"gemv_norm_fold": FOLD_ABOUT}, rounds=1),
                      "the same on Qwen3-8B, one round"),
-    "early_meta06": section(lambda: kernel_option_ab("qwen3-0.6b", "early_metadata", EARLY_META_ABOUT),
+    "early_meta06": section(lambda: kernel_option_ab("qwen3-0.6b", {"early_metadata": EARLY_META_ABOUT}),
                             "Qwen3-0.6B: tokens and W2 with the decode kernels' and RoPE's metadata read before "
                             "their PDL wait, off and on"),
-    "early_meta8": section(lambda: kernel_option_ab("qwen3-8b", "early_metadata", EARLY_META_ABOUT,
+    "early_meta8": section(lambda: kernel_option_ab("qwen3-8b", {"early_metadata": EARLY_META_ABOUT},
                                                     rounds=1), "the same on Qwen3-8B, one round"),
-    "fused_rope06": section(lambda: kernel_option_ab("qwen3-0.6b", "decode_fused_rope", FUSED_ROPE_ABOUT),
+    "fused_rope06": section(lambda: kernel_option_ab("qwen3-0.6b", DECODE_LINKS),
                             "Qwen3-0.6B: tokens and W2 with the decode step's RoPE inside the decode attention "
-                            "kernel, off and on"),
-    "fused_merge06": section(lambda: kernel_option_ab("qwen3-0.6b", "decode_fused_merge", FUSED_MERGE_ABOUT),
+                            "kernel, with its first key tile read before the PDL wait, each alone and both"),
+    "fused_merge06": section(lambda: kernel_option_ab("qwen3-0.6b", {"decode_fused_merge": FUSED_MERGE_ABOUT}),
                              "Qwen3-0.6B: tokens and W2 with the decode splits merged in the first launch, off and "
                              "on (run10 found it slower, before PDL's early loads)"),
-    "fused_rope8": section(lambda: kernel_option_ab("qwen3-8b", "decode_fused_rope", FUSED_ROPE_ABOUT, rounds=1),
+    "fused_rope8": section(lambda: kernel_option_ab("qwen3-8b", DECODE_LINKS, rounds=1),
                            "the same on Qwen3-8B, one round"),
     "wide_ab8": section(lambda: wide_gemv_ab("qwen3-8b"), "the same on Qwen3-8B"),
     # GPU self-checks
