@@ -119,6 +119,7 @@ class TritonAttentionBackend(AttentionBackend):
         """The step's plan, once for all its layers: how many leading decode rows take the decode kernel, and with
         the kernel option extend_tiles the extend kernel's tile list (or a prefill graph's fixed inputs)."""
         self.meta = self._planned = meta
+        self._rope = None  # a rotation is taken on for the very next forward only
         self._n_dec = 0 if meta.is_decode else self._first_row(meta)
         self._tiles = self._graph_decode_lens = None
         if meta.is_decode or not current_options().extend_tiles:
@@ -270,6 +271,7 @@ class TritonAttentionBackend(AttentionBackend):
             # An eager workspace may be reallocated later, which would leave the graph reading freed memory.
             raise RuntimeError("call init_cuda_graph_state(max_bs) before capturing this batch size")
         self.meta = meta
+        self._rope = None
 
     def prepare_for_replay(self, meta: AttentionMetadata) -> None:
         # The kernels read seq_lens / req_pool_indices from meta's fixed buffers on the device: nothing to do.
