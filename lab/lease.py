@@ -435,7 +435,8 @@ CALLS: dict[str, Call] = {
         "read before the PDL wait (early_kv), each alone and both: tokens against both off (greedy and seeded "
         "sampling, batch 1 and 8, graphs and eager), then W2 in each arm, two rounds; Qwen3-0.6B",
         carry=(),
-        steps=(Lab("fused_rope06", 380, ("fused_rope06.json",), ("fused_rope06",)),)),
+        # run24's early_meta06 (two arms, warm caches): 91 s
+        steps=(Lab("fused_rope06", 260, ("fused_rope06.json",), ("fused_rope06",)),)),
     "fused_rope8": Call("optional: the same on Qwen3-8B, W2 in one round", carry=(),
                         steps=(Lab("fused_rope8", 480, ("fused_rope8.json",), ("fused_rope8",)),)),
     "fused_merge": Call(
@@ -443,7 +444,7 @@ CALLS: dict[str, Call] = {
         "decode_fused_merge; run10, before PDL's early loads, found it slower): tokens off and on, then W2 off and "
         "on, two rounds; Qwen3-0.6B",
         carry=(),
-        steps=(Lab("fused_merge06", 200, ("fused_merge06.json",), ("fused_merge06",)),)),
+        steps=(Lab("fused_merge06", 120, ("fused_merge06.json",), ("fused_merge06",)),)),
     "mixes": Call(
         "optional, on a machine calls 1-3 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
         "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "
