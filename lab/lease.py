@@ -437,6 +437,8 @@ CALLS: dict[str, Call] = {
         carry=(),
         # run24's early_meta06 (two arms, warm caches): 91 s
         steps=(Lab("fused_rope06", 260, ("fused_rope06.json",), ("fused_rope06",)),)),
+    "links": Call("optional: fused_rope's arms both off and both on only (half its time)", carry=(),
+                  steps=(Lab("links06", 140, ("links06.json",), ("links06",)),)),
     "fused_rope8": Call("optional: the same on Qwen3-8B, W2 in one round", carry=(),
                         steps=(Lab("fused_rope8", 480, ("fused_rope8.json",), ("fused_rope8",)),)),
     "fused_merge": Call(

@@ -563,16 +563,17 @@ DECODE_LINKS = {"decode_fused_rope": "the decode step's RoPE and q/k norms insid
                 "early_kv": "the decode kernel's first key tile read before its PDL wait"}
 
 
-def kernel_option_ab(model: str, options: dict[str, str], rounds: int = 2) -> dict:
+def kernel_option_ab(model: str, options: dict[str, str], rounds: int = 2, each: bool = True) -> dict:
     """Boolean kernel options that change no arithmetic (the GEMV's norm fold, the early metadata, the fused RoPE,
     the early keys; `options`: name -> what it does): tokens with all of them off, each alone on and, with more
     than one, all on, under CUDA graphs and eagerly, each against all off in the same mode (they must be the same;
     eager and graph steps may differ from each other, run22), then W2 in each of those arms, interleaved `rounds`
     times. Arms are named by their option (or "off", "all"); every option is set explicitly in every arm, since the
-    default may be either."""
+    default may be either. `each=False`: only "off" and "all" (half the time, for a lease's last minutes)."""
     off = {name: False for name in options}
     arms = {"off": (off, "")}
-    arms |= {name: ({**off, name: True}, about) for name, about in options.items()}
+    if each or len(options) == 1:
+        arms |= {name: ({**off, name: True}, about) for name, about in options.items()}
     if len(options) > 1:
         arms["all"] = ({name: True for name in options}, "; ".join(options.values()))
     tokens = same_tokens_by_mode(model, {label: kernel for label, (kernel, _) in arms.items()}, "off")
@@ -751,6 +752,8 @@ SECTIONS: dict[str, Section] = {
     "fused_merge06": section(lambda: kernel_option_ab("qwen3-0.6b", {"decode_fused_merge": FUSED_MERGE_ABOUT}),
                              "Qwen3-0.6B: tokens and W2 with the decode splits merged in the first launch, off and "
                              "on (run10 found it slower, before PDL's early loads)"),
+    "links06": section(lambda: kernel_option_ab("qwen3-0.6b", DECODE_LINKS, each=False),
+                       "Qwen3-0.6B: fused_rope06's arms both off and both on only"),
     "fused_rope8": section(lambda: kernel_option_ab("qwen3-8b", DECODE_LINKS, rounds=1),
                            "the same on Qwen3-8B, one round"),
     "wide_ab8": section(lambda: wide_gemv_ab("qwen3-8b"), "the same on Qwen3-8B"),
