@@ -555,8 +555,6 @@ def pdl_tokens(model: str = "qwen3-0.6b") -> dict:
 FOLD_ABOUT = "RMSNorms folded into the GEMVs"
 EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot, and RoPE each token's position "
                     "and its cos/sin, before their PDL wait")
-
-
 FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"
 # issue 29's next links of a batch-1 decode step's chain (kernels/attention.py)
 DECODE_LINKS = {"decode_fused_rope": "the decode step's RoPE and q/k norms inside the decode attention kernel",
@@ -769,7 +767,7 @@ SECTIONS: dict[str, Section] = {
     "sampling_check": section(module_check("lab.checks.sampling"), "the fused sampler against its reference"),
     "prefill_check": section(module_check("lab.checks.prefill_graphs"), "prefill graphs against eager steps"),
     "prefill_check_tiles": section(module_check("lab.checks.prefill_graphs", w2=False,
-                                                        every_engine={"extend_tiles": True}),
+                                                every_engine={"extend_tiles": True}),
                                    "the same with the extend kernel from a tile list (extend_tiles)"),
     "tiles_ab06": section(Bench("qwen3-0.6b", (
         Arm("grid", ("w1", "w3", "w4"), about="the extend kernel's grid: every request x the longest extend"),

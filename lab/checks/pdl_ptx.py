@@ -11,9 +11,9 @@ checked on what the compiler emits, not on the source. The GEMV with the early
 weight load (EARLY_W, 1-3 tiles) may load before the wait (its first weight tiles) but not store or use atomics;
 its strict variant (EARLY_W 0) is held to the full rule. So may the decode kernels and RoPE with the early
 metadata (EARLY_META: each request's length, row, slot and first key slots; each token's position and its
-cos/sin), compiled both
-ways, up to exactly those loads. Every `*_kernel` of the four modules must take USE_PDL and be among the
-compiled ones (a new kernel left out of this check fails it).
+cos/sin; with EARLY_KV, stage 1's first key tile too), compiled both ways, up to exactly those loads. Every
+`*_kernel` of the four modules must take USE_PDL and be among the compiled ones (a new kernel left out of this
+check fails it).
 
     python -m lab.checks.pdl_ptx [--json out.json]
 

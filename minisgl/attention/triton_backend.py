@@ -108,10 +108,11 @@ class TritonAttentionBackend(AttentionBackend):
             self._eager_ws_bs = bs
         return self._eager_workspace
 
-    def _fuse_store(self, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether this decode step's K/V store goes into the decode kernel (the engine's kernel option, read at
-        every call, so a captured graph holds the path of the options it was captured under)."""
-        return current_options().decode_fused_store and k.stride(-1) == 1 and v.stride(-1) == 1
+    def _fuse_store(self, *new: torch.Tensor) -> bool:
+        """Whether this decode step's K/V store goes into the decode kernel, for the new k and v given (the engine's
+        kernel option, read at every call, so a captured graph holds the path of the options it was captured
+        under; and rows of each with a contiguous last dim)."""
+        return current_options().decode_fused_store and all(t.stride(-1) == 1 for t in new)
 
     # --- extend tile lists (kernel option extend_tiles) ---
 
@@ -186,7 +187,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Whether the next `forward` applies this rotation itself (attention/fused_rope.py, the kernel option
         decode_fused_rope): in a decode step whose K/V store is fused, for a whole-head rotary, it keeps what the
         decode kernel needs and says yes; q and k then reach `forward` unrotated."""
-        if not (self.meta.is_decode and current_options().decode_fused_store and k.stride(-1) == 1):
+        if not (self.meta.is_decode and self._fuse_store(k)):  # v is not here: forward checks it again
             return False
         rope = DecodeRope(positions, cos_sin, None if q_norm is None else q_norm.weight,
                           None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps)
