@@ -343,19 +343,17 @@ CALLS: dict[str, Call] = {
                FrontCheck("front", 25, ("front.json",)))),
     "settle24": Call(
         "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's bars in one call: "
-        "minisgl's server at its defaults, SGLang's, then minisgl's with the burst's mixed steps in prefill graphs "
-        "(extend tiles, graphs up to 8,704 tokens x 512 requests), each at 24/s, 48/s and all at once under "
-        "SGLang's client (minisgl's with its request log: where each request's time went); then the burst's "
-        "requests offline (the server/offline ratio)",
+        "minisgl's server at its defaults, SGLang's, then minisgl's with the burst's mixed steps eager (prefill "
+        "graphs up to 4,096 tokens x 64 requests, the extend kernel's grid: the defaults before run25), each at "
+        "24/s, 48/s and all at once under SGLang's client (minisgl's with its request log: where each request's "
+        "time went); then the burst's requests offline (the server/offline ratio)",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
-        # run20/21: a minisgl server ~50 s to start, the client ~28 s, the loads ~12 + 7 + 9 s; SGLang's server
-        # 135 s to start; offline ~50 s. The order cuts the third arm and the offline run first. run22-24's third
-        # arm, 16k-token prefill steps, gave 1.105x SGLang's burst tok/s on a fast H100 (run24) and a median TTFT
-        # worse there, better on a slow H200 (run22); the mixed graphs cut a slow host's launch time most (run24).
-        steps=(Serving("settle24", 480, ("settle24.json", "settle24_minisgl.jsonl", "settle24_sglang.jsonl",
-                                         "settle24_minisgl_tiles_mixed_graphs.jsonl"),
+        # run25 (H200): the whole call 328 s, the offline run included. The order cuts the third arm and the
+        # offline run first.
+        steps=(Serving("settle24", 400, ("settle24.json", "settle24_minisgl.jsonl", "settle24_sglang.jsonl",
+                                         "settle24_minisgl_eager_mixed.jsonl"),
                        loads=("rate24", "rate48", "burst"),
-                       servers=("minisgl", "sglang", "minisgl_tiles_mixed_graphs")),)),
+                       servers=("minisgl", "sglang", "minisgl_eager_mixed")),)),
     "mixed": Call(
         "optional: issue 24's burst on the engine alone: Qwen3-0.6B on the 512-request mix, each step's host time "
         "by phase (schedule, launch, wait for the device) and each step synchronised and timed; run23's burst "
@@ -365,30 +363,20 @@ CALLS: dict[str, Call] = {
     "launch": Call(
         "optional: issue 24's burst on the engine alone, host side: Qwen3-0.6B on the 512-request mix with every step "
         "launched on an idle device (host launch time against device time, by how the step ran) and the prefill "
-        "launches under cProfile, then the same with the mixed steps in prefill graphs (extend tiles); run23's mix "
-        "took ~20 ms to launch an eager mixed step",
+        "launches under cProfile (the mixed steps in prefill graphs at the defaults), then the same with them eager "
+        "(the defaults before run25); run23's mix took ~20 ms to launch an eager mixed step",
         carry=(),
-        steps=(Lab("launch06", 180, ("launch06.json",), ("launch06", "launch06_graphs")),)),
-    "tiles": Call(
-        "optional, on a machine calls 1-3 staged (or carry the last part along): the extend kernel from a tile list "
-        "(kernel option extend_tiles) in serving: minisgl's server at its defaults, with --enable-extend-tiles, and "
-        "with it and prefill graphs up to 8,704 tokens (an 8k chunk and 512 decode rows) and 512 requests (the "
-        "burst's mixed steps in graphs too), at 24/s and all at once (step logs: how each step ran); then the "
-        "burst's requests offline",
-        carry=(KIT, f"{WHEEL_DIR}/serve"),
-        steps=(Serving("tiles", 420, ("tiles.json", "tiles_minisgl.jsonl", "tiles_minisgl_tiles.jsonl",
-                                      "tiles_minisgl_tiles_mixed_graphs.jsonl"), loads=("rate24", "burst"),
-                       servers=("minisgl", "minisgl_tiles", "minisgl_tiles_mixed_graphs")),)),
+        steps=(Lab("launch06", 180, ("launch06.json",), ("launch06", "launch06_eager")),)),
     "tiles_offline": Call(
         "optional: the extend kernel from a tile list (extend_tiles) against its grid: the kernel alone in "
         "prefill-graph shapes, then Qwen3-0.6B's W1, W3 and W4, two rounds interleaved, and the prefill graphs "
-        "against eager steps with it on",
+        "against eager steps with the grid (the tile list's are prefill_check's, at the defaults)",
         carry=(),
         steps=(Lab("tiles_ab06", 330, ("tiles_ab06.json",),
-                   ("extend_tiles_check", "tiles_ab06", "prefill_check_tiles")),)),
+                   ("extend_tiles_check", "tiles_ab06", "prefill_check_grid")),)),
     "tiles_check": Call(
         "optional: the extend kernel from a tile list against its grid, the kernel alone in prefill-graph shapes "
-        "(tiles_offline's first section; run24's attempt failed on a lab bug)",
+        "(tiles_offline's first section; run25: 4 of 4 ok)",
         carry=(),
         steps=(Lab("extend_tiles_check", 90, ("extend_tiles_check.json",), ("extend_tiles_check",)),)),
     "warmup": Call(
@@ -437,8 +425,10 @@ CALLS: dict[str, Call] = {
         carry=(),
         # run24's early_meta06 (two arms, warm caches): 91 s
         steps=(Lab("fused_rope06", 260, ("fused_rope06.json",), ("fused_rope06",)),)),
-    "links": Call("optional: fused_rope's arms both off and both on only (half its time)", carry=(),
-                  steps=(Lab("links06", 140, ("links06.json",), ("links06",)),)),
+    "links": Call("optional: fused_rope's arms both off and both on only (half its time), then the early keys off and "
+                  "on on Qwen3.5-0.8B (tokens and W2, one round)", carry=(),
+                  steps=(Lab("links06", 150, ("links06.json",), ("links06",)),
+                         Lab("early_kv35", 120, ("early_kv35.json",), ("early_kv35",)))),
     "fused_rope8": Call("optional: the same on Qwen3-8B, W2 in one round", carry=(),
                         steps=(Lab("fused_rope8", 480, ("fused_rope8.json",), ("fused_rope8",)),)),
     "fused_merge": Call(
@@ -589,14 +579,10 @@ MINISGL_SERVE = [sys.executable, "-m", "minisgl", "serve", "--model", SERVE_MODE
                  "--host", "127.0.0.1", "--port", "{port}", "--request-log", "{requests}", "--step-log", "{steps}"]
 SERVERS = {
     "minisgl": MINISGL_SERVE,
-    # the extend kernel from a tile list (kernels/attention.py): no programs for blocks past the requests' ends,
-    # which a prefill graph's grid (its request bucket x its token bucket in blocks) is mostly made of
-    "minisgl_tiles": [*MINISGL_SERVE, "--enable-extend-tiles"],
-    # and a burst's mixed steps (8k prompt tokens beside hundreds of decode rows) in CUDA graphs too: run23 found
-    # them eager and host-bound (20-45 ms of launches a step); in a graph the decode rows take the extend kernel.
-    # A mixed step's tokens are its 8,192 prompt tokens plus one per decode row: the largest bucket is 8192 + 512
-    "minisgl_tiles_mixed_graphs": [*MINISGL_SERVE, "--enable-extend-tiles", "--prefill-graph-max-tokens", "8704",
-                                   "--prefill-graph-max-reqs", "512"],
+    # the defaults before run25: a burst's mixed steps (8k prompt tokens beside hundreds of decode rows) eager, past
+    # the largest prefill graph (run23: 20-45 ms of launches a step), the extend kernel on its grid
+    "minisgl_eager_mixed": [*MINISGL_SERVE, "--disable-extend-tiles", "--prefill-graph-max-tokens", "4096",
+                            "--prefill-graph-max-reqs", "64"],
     "sglang": ["bash", f"{KIT}/serving.sh", WHEEL_DIR, "sglang-server", "--", "--model-path", SERVE_MODEL,
                "--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
                "--sampling-backend", "pytorch", "--grammar-backend", "none", "--host", "127.0.0.1", "--port", "{port}"],

@@ -337,11 +337,10 @@ def mix_phases(model: str, mix: str = "mix512") -> dict:
     return with_engine(model, body)
 
 
-# The burst's mixed steps in prefill graphs (the `tiles` serving call's third server, offline): an 8k chunk beside up to
-# 512 decode rows fits the largest bucket, and the extend kernel runs from the tile list with the decode rows split
-# off on the device
-MIXED_GRAPHS = dict(settings={"prefill_graph_max_tokens": 8192 + 512, "prefill_graph_max_reqs": 512},
-                    kernel={"extend_tiles": True})
+# The defaults before run25: a burst's mixed steps (an 8k chunk beside hundreds of decode rows) eager, past the
+# largest prefill graph, and the extend kernel on its grid; the A/B arm of the mixed steps in graphs
+EAGER_MIXED = dict(settings={"prefill_graph_max_tokens": 4096, "prefill_graph_max_reqs": 64},
+                   kernel={"extend_tiles": False})
 
 
 def launch_profile(model: str, mix: str = "mix512", top: int = 40, settings: dict | None = None,
@@ -702,9 +701,9 @@ SECTIONS: dict[str, Section] = {
     "launch06": section(lambda: launch_profile("qwen3-0.6b"),
                         "Qwen3-0.6B on the 512-request mix: each step launched on an idle device (host launch time "
                         "against device time, by how the step ran), the eager prefill launches under cProfile"),
-    "launch06_graphs": section(lambda: launch_profile("qwen3-0.6b", **MIXED_GRAPHS),
-                               "the same with the mixed steps in prefill graphs (up to 8,704 tokens and 512 requests, "
-                               "the extend kernel from its tile list)"),
+    "launch06_eager": section(lambda: launch_profile("qwen3-0.6b", **EAGER_MIXED),
+                              "the same with the mixed steps eager (prefill graphs up to 4,096 tokens and 64 "
+                              "requests, the extend kernel's grid: the defaults before run25)"),
     "gdn_solve35": section(gdn_solve_ab, "Qwen3.5 on the 512-request mix with the chunk prepare's two triangular "
                            "solves (rows, blocks): tok/s and greedy tokens compared"),
     "mixes35_rows256": section(lambda: mixes("qwen3.5-0.8b", max_running_requests=256),
@@ -754,6 +753,10 @@ SECTIONS: dict[str, Section] = {
                        "Qwen3-0.6B: fused_rope06's arms both off and both on only"),
     "fused_rope8": section(lambda: kernel_option_ab("qwen3-8b", DECODE_LINKS, rounds=1),
                            "the same on Qwen3-8B, one round"),
+    "early_kv35": section(lambda: kernel_option_ab("qwen3.5-0.8b", {"early_kv": DECODE_LINKS["early_kv"]},
+                                                   rounds=1),
+                          "Qwen3.5-0.8B: tokens and W2 with the early keys off and on (its full-attention layers' "
+                          "decode kernel; its partial rotary keeps the RoPE kernel), one round"),
     "wide_ab8": section(lambda: wide_gemv_ab("qwen3-8b"), "the same on Qwen3-8B"),
     # GPU self-checks
     "kernels": section(kernels, "Triton kernels against torch references (lab.checks.kernels)"),
@@ -766,11 +769,12 @@ SECTIONS: dict[str, Section] = {
     "gdn_check": section(lambda: child_check("lab.checks.gdn", "--quick"), "Gated DeltaNet kernels, timed"),
     "sampling_check": section(module_check("lab.checks.sampling"), "the fused sampler against its reference"),
     "prefill_check": section(module_check("lab.checks.prefill_graphs"), "prefill graphs against eager steps"),
-    "prefill_check_tiles": section(module_check("lab.checks.prefill_graphs", w2=False,
-                                                every_engine={"extend_tiles": True}),
-                                   "the same with the extend kernel from a tile list (extend_tiles)"),
+    "prefill_check_grid": section(module_check("lab.checks.prefill_graphs", w2=False,
+                                               every_engine={"extend_tiles": False}),
+                                  "the same with the extend kernel on its grid (--disable-extend-tiles)"),
     "tiles_ab06": section(Bench("qwen3-0.6b", (
-        Arm("grid", ("w1", "w3", "w4"), about="the extend kernel's grid: every request x the longest extend"),
+        Arm("grid", ("w1", "w3", "w4"), kernel={"extend_tiles": False},
+            about="the extend kernel's grid: every request x the longest extend"),
         Arm("tiles", ("w1", "w3", "w4"), kernel={"extend_tiles": True},
             about="the extend kernel from the step's tile list (kernel option extend_tiles)")), 2)),
     "options_check": section(module_check("lab.checks.engine_options"),

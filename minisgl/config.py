@@ -117,20 +117,24 @@ class KernelOptions:
                                 "before it (each request's length, table row, new slot and first key slots; each "
                                 "token's position and cos/sin; kernels/attention.py). On: W2 TPOT 1.066 -> 1.017 "
                                 "ms on an H100, the same tokens (reports/h100/run24)", disable=True)
-    early_kv: bool = _opt(False, "--enable-early-kv",
-                          "with the early metadata and the fused store, the decode kernel also reads its first key "
-                          "tile's keys and values before its PDL wait, the new token's row taken from registers "
-                          "(kernels/attention.py, \"The early keys\")", enable=True)
+    early_kv: bool = _opt(True, "--disable-early-kv",
+                          "the decode kernel reads its first key tile's keys and values after its PDL wait, not "
+                          "before it (on, with the early metadata and the fused store: the new token's row taken "
+                          "from registers; kernels/attention.py, \"The early keys\"). On: W2 TPOT 0.869 -> 0.858 ms "
+                          "on Qwen3-0.6B, 4.61 -> 4.55 ms on Qwen3-8B on an H200, the same tokens (reports/h200/run25)",
+                          disable=True)
     decode_fused_rope: bool = _opt(False, "--enable-decode-fused-rope",
                                    "a decode step's RoPE, and Qwen3's per-head q/k norms, run inside the decode "
                                    "attention kernel instead of a launch of their own before it (one launch a layer "
                                    "fewer; attention/fused_rope.py; the Triton backend, whole-head rotary)",
                                    enable=True)
-    extend_tiles: bool = _opt(False, "--enable-extend-tiles",
-                              "the extend attention kernel runs one program per real block of new tokens, from a "
-                              "list the host makes each step, instead of a grid over every request and the "
-                              "longest extend (a prefill graph's grid is its buckets'; kernels/attention.py)",
-                              enable=True)
+    extend_tiles: bool = _opt(True, "--disable-extend-tiles",
+                              "the extend attention kernel runs a grid over every request and the longest extend "
+                              "(a prefill graph's: its buckets') instead of one program per real block of new "
+                              "tokens from a list the host makes each step (kernels/attention.py). On, a prefill "
+                              "graph's grid grows with its tokens, not with its requests times its tokens: what "
+                              "lets the defaults capture a burst's mixed steps (prefill_graph_max_tokens)",
+                              disable=True)
     gemv_configs: str | None = _opt(None, "--gemv-configs",
                                     "the GEMV's tile table, a JSON file as lab/tune/gemv.py writes it "
                                     "(default: the GPU's table in kernels/gemv_tuned/, if any)")
@@ -230,13 +234,18 @@ class EngineConfig:
     gemv: bool = _opt(True, "--disable-gemv", "matmuls of at most 4 rows (batch-1..4 decode) through cuBLAS, not "
                       "minisgl's Triton GEMV (kernels/gemv.py; GPU, bf16/fp16 weights)", disable=True)
     # prefill/extend steps as CUDA Graphs too (with cuda_graph on, Triton attention; engine/prefill_graph.py)
-    prefill_graph_max_tokens: int = _opt(4096, "--prefill-graph-max-tokens",
+    # 8,704 = a full 8,192-token chunk beside 512 decode rows: a server's burst runs mixed steps of that shape, and
+    # eagerly each spent 13-18 ms launching ~200 kernels from Python, 49 ms a turn in the server against 25 ms as
+    # a graph (reports/h200/run25: the burst's tok/s +16%, median TTFT 1,561 -> 856 ms; on an H100 run24 +1.1%
+    # and -3.6%; offline the mix ran 1% slower, the padding to a bucket). 66 graphs: 2.1 s and 296 MiB to
+    # capture on Qwen3-0.6B, against 36, 1.0 s and 174 MiB at 4,096 x 64.
+    prefill_graph_max_tokens: int = _opt(8192 + 512, "--prefill-graph-max-tokens",
                                          "largest prefill/extend step (tokens) replayed as a CUDA graph; token "
                                          "buckets 16, 32, ... up to it; 0 = off")
-    # 64, not 16: a server's mixed steps carry a prompt beside every running stream, and at 24 req/s on the H200
+    # more than 16: a server's mixed steps carry a prompt beside every running stream, and at 24 req/s on the H200
     # more than 16 streams ran at times; those steps went eager, took 40-55 ms on a slow host and let more streams
     # pile up (reports/h200/run22: every token gap over 10 ms fell while more than 16 requests ran)
-    prefill_graph_max_reqs: int = _opt(64, "--prefill-graph-max-reqs",
+    prefill_graph_max_reqs: int = _opt(512, "--prefill-graph-max-reqs",
                                        "most requests in a prefill/extend step replayed as a CUDA graph (request "
                                        "buckets 1, 4, 16, 64, ... up to it)")
     kernel_warmup: bool = _opt(True, "--disable-kernel-warmup",
@@ -357,15 +366,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for f in _flag_fields():
         meta = f.metadata
+        text = meta["help"].replace("%", "%%")  # argparse %-formats help: "1.1% slower" must stay text
         if f.name == "model":
-            group.add_argument(*meta["flags"], dest="model", required=True, help=meta["help"])
+            group.add_argument(*meta["flags"], dest="model", required=True, help=text)
         elif meta["disable"] or meta.get("enable"):
             group.add_argument(*meta["flags"], dest=f.name, action="store_const", const=bool(meta.get("enable")),
-                               default=None, help=meta["help"])
+                               default=None, help=text)
         else:
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
             group.add_argument(*meta["flags"], dest=f.name, type=kind, default=None, choices=meta["choices"],
-                               help=f"{meta['help']} (default: {f.default})")
+                               help=f"{text} (default: {f.default})")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict:

@@ -64,7 +64,7 @@ def test_pad_extend_step_values():
 
 def test_config_knobs():
     cfg = EngineConfig(model="x")
-    assert cfg.prefill_graph_max_tokens == 4096 and cfg.prefill_graph_max_reqs == 64
+    assert cfg.prefill_graph_max_tokens == 8704 and cfg.prefill_graph_max_reqs == 512
     EngineConfig(model="x", prefill_graph_max_tokens=0).validate()  # 0 = off is valid
     with pytest.raises(ValueError, match="prefill_graph_max_tokens"):
         EngineConfig(model="x", prefill_graph_max_tokens=-1).validate()

@@ -258,8 +258,10 @@ def head_norm_halves(x1, x2, W, rstd, offs_d, dmask, dt, HALF: tl.constexpr, ZER
 
 @_jit
 def rotate_halves(x1, x2, cos, sin, dt):
-    """NeoX RoPE of the halves (fp32), rounded to dt: (x1 cos - x2 sin, x2 cos + x1 sin)."""
-    return (x1 * cos - x2 * sin).to(dt), (x2 * cos + x1 * sin).to(dt)
+    """NeoX RoPE of the halves (fp32), rounded to dt: (x1 cos - x2 sin, x2 cos + x1 sin). The fused multiply-adds
+    are spelled out: left to the compiler, which product a kernel fuses may differ between kernels (the decode
+    kernel's fused RoPE against the RoPE kernel's), and with it the last bit."""
+    return tl.fma(x1, cos, -(x2 * sin)).to(dt), tl.fma(x2, cos, x1 * sin).to(dt)
 
 
 @_jit
@@ -269,7 +271,8 @@ def norm_rope_halves(x1, x2, W, cos, sin, offs_d, dmask, eps, dt, HALF: tl.const
     first (Qwen3's q/k norms), then rotate; both halves rounded to dt. The decode kernel's fused RoPE
     (kernels/attention.py) calls it too: the same operations as the RoPE kernel, in the same order."""
     if NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        # exact sums (sum_squares): a head's rstd must not depend on how a kernel's layout orders the terms
+        rstd = tl.rsqrt((sum_squares(x1, 1) + sum_squares(x2, 1)).to(tl.float32) / (2 * HALF) + eps)[:, None]
         x1, x2 = head_norm_halves(x1, x2, W, rstd, offs_d, dmask, dt, HALF, ZERO_CENTRED)
     return rotate_halves(x1, x2, cos, sin, dt)
 
@@ -296,7 +299,7 @@ def _rope_heads(X, stride_h, Y, stride_yh, W, cos, sin, offs_d, dmask, eps, H: t
         p3 = X + offs_h[:, None] * stride_h + 2 * HALF + offs_r[None, :]
         x3 = tl.load(p3, mask=mask3, other=0.0).to(tl.float32)
         if NORM:
-            ss = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(x3 * x3, 1)
+            ss = (sum_squares(x1, 1) + sum_squares(x2, 1) + sum_squares(x3, 1)).to(tl.float32)
             rstd = tl.rsqrt(ss / (2 * HALF + REST) + eps)[:, None]
             x1, x2 = head_norm_halves(x1, x2, W, rstd, offs_d, dmask, dt, HALF, ZERO_CENTRED)
             w3 = tl.load(W + 2 * HALF + offs_r, mask=rmask, other=0.0).to(tl.float32)[None, :]
