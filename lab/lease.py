@@ -429,6 +429,9 @@ CALLS: dict[str, Call] = {
                   "on on Qwen3.5-0.8B (tokens and W2, one round)", carry=(),
                   steps=(Lab("links06", 150, ("links06.json",), ("links06",)),
                          Lab("early_kv35", 120, ("early_kv35.json",), ("early_kv35",)))),
+    "rope_tokens": Call("optional: the fused RoPE's tokens off and on alone (Qwen3-0.6B, graphs and eager), for a "
+                        "lease's last minutes", carry=(),
+                        steps=(Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",)),)),
     "fused_rope8": Call("optional: the same on Qwen3-8B, W2 in one round", carry=(),
                         steps=(Lab("fused_rope8", 480, ("fused_rope8.json",), ("fused_rope8",)),)),
     "fused_merge": Call(
