@@ -370,7 +370,7 @@ CALLS: dict[str, Call] = {
     "tiles_offline": Call(
         "optional: the extend kernel from a tile list (extend_tiles) against its grid: the kernel alone in "
         "prefill-graph shapes, then Qwen3-0.6B's W1, W3 and W4, two rounds interleaved, and the prefill graphs "
-        "against eager steps with the grid (the tile list's are prefill_check's, at the defaults)",
+        "against eager steps with the grid (with the tile list, the default, that is prefill_check)",
         carry=(),
         steps=(Lab("tiles_ab06", 330, ("tiles_ab06.json",),
                    ("extend_tiles_check", "tiles_ab06", "prefill_check_grid")),)),
