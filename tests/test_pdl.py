@@ -224,7 +224,8 @@ def test_elementwise_and_attention_pdl_paths(interp, monkeypatch):
 
 def test_every_decode_kernel_waits_before_global_memory_in_its_ptx():
     """Compiles each decode-path kernel for sm_90 with USE_PDL (no GPU needed) and checks griddepcontrol.wait
-    precedes every global access; the script also checks that two rule-breaking control kernels are caught."""
+    precedes every global access; the script also checks that two rule-breaking control kernels are caught, and
+    that the RoPE kernel and the fused RoPE sum a head's squares in fp64 (a revert to fp32 sums fails it)."""
     pytest.importorskip("triton", reason="Triton is not installed (the GPU kernels are optional)")
     if not _pdl().triton_supports_pdl():
         pytest.skip("this Triton has no launch_pdl")

@@ -13,7 +13,9 @@ its strict variant (EARLY_W 0) is held to the full rule. So may the decode kerne
 metadata (EARLY_META: each request's length, row, slot and first key slots; each token's position and its
 cos/sin; with EARLY_KV, stage 1's first key tile too), compiled both ways, up to exactly those loads. Every
 `*_kernel` of the four modules must take USE_PDL and be among the compiled ones (a new kernel left out of this
-check fails it).
+check fails it). One rule of another kind rides along, since the PTX is at hand: the RoPE kernel and the decode
+kernel's fused RoPE sum a head's squares for Qwen3's q/k norm in fp64 (exact, whatever order each kernel's layout
+adds them in: on the H200 an fp32 sum made the two round apart, run25), so their PTX must hold fp64 adds.
 
     python -m lab.checks.pdl_ptx [--json out.json]
 
@@ -315,6 +317,9 @@ def main() -> int:
             metadata = ({"_decode_stage1_kernel": stage1, "_decode_stage2_kernel": 1,
                          "_rope_kernel": 3}[kernel.__name__] if overrides.get("EARLY_META") else None)
             problems = check_ptx(ptx, allow_loads_before_wait=early, max_early_loads=metadata)
+            if (kw.get("NORM") or kw.get("ROPE_NORM")) and not re.search(r"\b(?:add|fma)\.rn\.f64\b", ptx):
+                problems.append("no fp64 add: a q/k norm's head sum must be exact (sum_squares), or the fused RoPE "
+                                "and the RoPE kernel round apart (run25)")
             consts = {k: v for k, v in kw.items() if k.isupper() and k != "USE_PDL"} | overrides
             results.append({"kernel": kernel.__name__, "constexprs": {k: str(v) for k, v in consts.items()},
                             "problems": problems})
