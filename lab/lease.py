@@ -702,6 +702,11 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
             ready = summary["servers"][server]["ready_s"] = wait_healthy(proc, port)
             if ready is not None:
                 summary["servers"][server]["runs"] = run_client(port, loads, jsonl, server, kept)
+            else:  # why, in the summary: its exit code (None: still up, never healthy) and the end of its log
+                log.flush()
+                tail = (LOGS / f"server_{server}.log").read_text(errors="replace").strip().splitlines()[-5:]
+                summary["servers"][server]["error"] = f"never healthy on port {port}: exit code {proc.poll()}; " \
+                                                      + " | ".join(tail)
         finally:
             stop_group(proc, grace_s=SERVER_GRACE_S)
             log.close()

@@ -476,7 +476,7 @@ def test_serve_bench_runs_the_client_once_a_server_and_the_offline_engine_on_the
     assert data["environment"]["git_commit"] and "--servers minisgl" in data["command"]
     result = data["sections"]["serving_x"]["result"]
     server = result["servers"]["minisgl"]
-    assert server["ready_s"] is not None
+    assert server["ready_s"] is not None, server.get("error")
     assert server["runs"] == [{"load": "rate24", "returncode": 0}, {"load": "rate99", "returncode": 1},
                               {"load": "burst", "returncode": 0}]
     assert server["results"]["rate24"]["median_ttft_ms"] == 44.0 and "rate99" not in server["results"]
@@ -602,6 +602,19 @@ def test_serve_bench_never_measures_a_server_it_did_not_start_and_stops_its_own_
     assert "already answers" in servers["first"]["error"] and servers["first"]["runs"] == []
     assert servers["second"]["ready_s"] is not None and servers["second"]["results"] == {}
     assert not lease.port_answers(30002)  # the server serve-bench started is gone
+
+
+def test_serve_bench_says_why_a_server_never_became_healthy(tmp_path, monkeypatch, serve_bench_here):
+    """A server that dies at start (a bad flag, a port taken) is recorded with its exit code and its last log
+    lines, not only as ready_s None (a CI simulation once had the stand-in server above never answer, and nothing
+    said why)."""
+    monkeypatch.setitem(lease.SERVERS, "broken", [sys.executable, "-c", "import sys; print('no such flag'); "
+                                                                        "sys.exit(3)", "{port}"])
+    lease.serve_bench(str(tmp_path), ["rate24"], ["broken"], "serving_z")
+    server = json.loads((tmp_path / "serving_z.json").read_text())["sections"]["serving_z"]["result"]["servers"][
+        "broken"]
+    assert server["ready_s"] is None and server["runs"] == []
+    assert "exit code 3" in server["error"] and "no such flag" in server["error"]
 
 
 def test_serve_summary_rebuilds_a_stopped_steps_summary_from_the_client_lines(tmp_path):
