@@ -560,21 +560,14 @@ DECODE_LINKS = {"decode_fused_rope": "the decode step's RoPE and q/k norms insid
                 "early_kv": "the decode kernel's first key tile read before its PDL wait"}
 
 
-def rope_tokens(model: str) -> dict:
-    """The fused RoPE's tokens against the RoPE kernel's (kernel_option_ab's token check, without the timing)."""
-    out = same_tokens_by_mode(model, {"off": {"decode_fused_rope": False}, "decode_fused_rope":
-                                      {"decode_fused_rope": True}}, "off")
-    out["ok"] = all(t["ok"] for t in out.values())
-    return out
-
-
 def kernel_option_ab(model: str, options: dict[str, str], rounds: int = 2, each: bool = True) -> dict:
     """Boolean kernel options that change no arithmetic (the GEMV's norm fold, the early metadata, the fused RoPE,
     the early keys; `options`: name -> what it does): tokens with all of them off, each alone on and, with more
     than one, all on, under CUDA graphs and eagerly, each against all off in the same mode (they must be the same;
     eager and graph steps may differ from each other, run22), then W2 in each of those arms, interleaved `rounds`
     times. Arms are named by their option (or "off", "all"); every option is set explicitly in every arm, since the
-    default may be either. `each=False`: only "off" and "all" (half the time, for a lease's last minutes)."""
+    default may be either. `each=False`: only "off" and "all" (half the time, for a lease's last minutes);
+    `rounds=0`: the tokens alone."""
     off = {name: False for name in options}
     arms = {"off": (off, "")}
     if each or len(options) == 1:
@@ -583,7 +576,7 @@ def kernel_option_ab(model: str, options: dict[str, str], rounds: int = 2, each:
         arms["all"] = ({name: True for name in options}, "; ".join(options.values()))
     tokens = same_tokens_by_mode(model, {label: kernel for label, (kernel, _) in arms.items()}, "off")
     runs = Bench(model, tuple(Arm(label, ("w2",), kernel=kernel, about=about)
-                              for label, (kernel, about) in arms.items()), rounds)()
+                              for label, (kernel, about) in arms.items()), rounds)() if rounds else {}
     return {"tokens": tokens, "runs": runs, "ok": all(t["ok"] for t in tokens.values())}
 
 
@@ -761,7 +754,8 @@ SECTIONS: dict[str, Section] = {
                        "Qwen3-0.6B: fused_rope06's arms both off and both on only"),
     "fused_rope8": section(lambda: kernel_option_ab("qwen3-8b", DECODE_LINKS, rounds=1),
                            "the same on Qwen3-8B, one round"),
-    "rope_tokens06": section(lambda: rope_tokens("qwen3-0.6b"),
+    "rope_tokens06": section(lambda: kernel_option_ab("qwen3-0.6b", {"decode_fused_rope":
+                                                                     DECODE_LINKS["decode_fused_rope"]}, rounds=0),
                              "Qwen3-0.6B: tokens with the fused RoPE off and on, under CUDA graphs and eagerly "
                              "(fused_rope06's token check alone, for a lease's last minutes)"),
     "early_kv35": section(lambda: kernel_option_ab("qwen3.5-0.8b", {"early_kv": DECODE_LINKS["early_kv"]},
