@@ -176,14 +176,35 @@ class OwnClient(Step):
 
     def prepare(self) -> None:
         write_serve_model()
+        if (REPO / WHEEL_DIR / "serve").is_dir():
+            unzip_wheels(REPO / WHEEL_DIR / "serve", SERVE_SITE)
 
     def ready(self) -> str | None:
+        # the device's python has no fastapi/uvicorn (run26: the server exited at once without them)
+        if not (SITE / ".sglang-kit").is_file():
+            return wheels_missing()
+        if not (SERVE_SITE / ".done").is_file():
+            return f"{WHEEL_DIR}/serve is not carried (minisgl's server takes its HTTP packages from it)"
         return None if (Path(SERVE_MODEL) / "config.json").is_file() else f"could not write {SERVE_MODEL}"
+
+    def env(self) -> dict[str, str]:
+        return server_env("minisgl")
 
     def argv(self, out: str) -> list[str]:
         return [sys.executable, "-m", "minisgl.bench.serving", "--model", SERVE_MODEL, "--label", self.label,
                 "--rates", "8,24,48,inf", "--offline", "--out", os.path.join(out, f"ours_{self.label}.json"), "--",
                 "--load-format", "dummy", *self.flags]
+
+
+@dataclass(frozen=True)
+class Check(Step):
+    """`python -m lab.checks.<module> --out DIR` with the module's own arguments: a check that writes its JSON."""
+
+    module: str = ""
+    args: tuple[str, ...] = ()
+
+    def argv(self, out: str) -> list[str]:
+        return [sys.executable, "-m", f"lab.checks.{self.module}", "--out", out, *self.args]
 
 
 @dataclass(frozen=True)
@@ -402,6 +423,12 @@ CALLS: dict[str, Call] = {
         steps=(WARMUP_SWEEP,
                Lab("wide_ab06", 100, ("wide06.json",), ("wide_ab06",)),
                Lab("wide_ab8", 200, ("wide8.json",), ("wide_ab8",)))),
+    "skinny": Call(
+        "optional: the skinny GEMM (kernel option gemm_rows: 5-16 rows on the tensor cores, not cuBLAS) against "
+        "cuBLAS for every linear shape of Qwen3-0.6B and Qwen3-8B at 2-16 rows, then Qwen3-0.6B's decode step at "
+        "4-16 requests of 1k-token prompts with it off and on, two rounds (a server's step at a moderate rate)",
+        carry=(),
+        steps=(Check("skinny", 240, ("skinny.json",), module="skinny"),)),
     "fold": Call(
         "optional: issue 29, the RMSNorms folded into the decode GEMVs (kernel option gemv_norm_fold): tokens off "
         "and on (greedy and seeded sampling, batch 1 and 8, graphs and eager), then W2 off and on, two rounds; "
@@ -462,7 +489,7 @@ CALLS: dict[str, Call] = {
         "optional: minisgl's server under minisgl's own client (minisgl.bench.serving: the same loads, the "
         "server's CPU seconds), then the same all-at-once requests offline (the server/offline ratio; notebook "
         "11 plots ours_*.json)",
-        carry=(KIT,),
+        carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(OwnClient("serving_ours", 300, ("ours_default.json",)),)),
 }
 

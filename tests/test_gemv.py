@@ -299,3 +299,68 @@ def test_norm_fold_layer_matches_the_decoder_layer_to_the_bit(force_triton, arch
                 h, residual = layer(h, residual, positions, rotary, _Attn())
             outs.append((h, residual))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), rows
+
+
+# --- the skinny GEMM: 5-16 rows on the tensor cores (kernel option gemm_rows) ---
+
+
+# fp32: the interpreter's tl.dot reads bf16 as raw bits (its numpy has no bf16); the GPU runs the bf16 tiles
+@pytest.mark.parametrize("n,k", [(16, 16), (37, 50), (200, 600)])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_skinny_gemm_matches_linear(force_triton, n, k, rows):
+    gen = torch.Generator().manual_seed(n * 100 + k + rows)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    got = gv.skinny_gemm(x, w, tiles=(16, 16, 1, 1))  # several K steps and a partial last tile
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, x @ w.T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gv.skinny_gemm(x, w, b), x @ w.T + b, rtol=1e-4, atol=1e-4)
+
+
+def test_skinny_gemm_reads_strided_rows(force_triton):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 80, generator=gen)[:, 10:74]  # rows 80 apart, contiguous within a row
+    w = torch.randn(24, 64, generator=gen)
+    torch.testing.assert_close(gv.skinny_gemm(x, w, tiles=(16, 32, 1, 2)), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_skinny_gemm_refuses_what_it_cannot_run(force_triton):
+    w = torch.randn(16, 16)
+    with pytest.raises(ValueError, match="at most"):
+        gv.skinny_gemm(torch.randn(gv.SKINNY_MAX_ROWS + 1, 16), w)
+    with pytest.raises(ValueError, match="one dtype"):
+        gv.skinny_gemm(torch.randn(4, 16).to(torch.bfloat16), w)
+
+
+def test_gemm_rows_routes_the_rows_past_the_gemv(force_triton, monkeypatch):
+    lin = gv.GemvLinear(nn.Linear(8, 4), table={(4, 8): (1, 16, 1, 2)})
+    calls = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(gv, "gemv", lambda x, w, b=None, tiles=None: calls.append(("gemv", x.shape[0])) or
+                        real(x, w, b))
+    monkeypatch.setattr(gv, "skinny_gemm", lambda x, w, b=None, tiles=None: calls.append(("skinny", x.shape[0])) or
+                        real(x, w, b))
+    for gemm_rows in (0, 3):
+        with kernel_options(triton_on_cpu=True, gemm_rows=gemm_rows):
+            for rows in (2, 3, 4):
+                lin(torch.randn(rows, 8))
+    assert calls == [("gemv", 2), ("gemv", 2), ("skinny", 3)]  # off: 3 and 4 rows cuBLAS; at 3: 4 rows cuBLAS
+
+
+def test_mlp_takes_the_skinny_gemm_for_its_two_projections(force_triton, monkeypatch):
+    from minisgl.models.layers import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(16, 24)
+    x = torch.randn(6, 16)
+    want = mlp(x)
+    folded = gv.GemvMLP(mlp, table={(48, 16): (1, 16, 1, 1), (16, 24): (1, 16, 1, 1)})
+    shapes = []
+    real = gv.skinny_gemm
+    monkeypatch.setattr(gv, "skinny_gemm", lambda x, w, b=None, tiles=None: shapes.append(tuple(w.shape)) or
+                        real(x, w, b, tiles=(16, 16, 1, 1)))
+    with kernel_options(triton_on_cpu=True, gemm_rows=8):
+        got = folded(x)
+    assert shapes == [(48, 16), (16, 24)]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
