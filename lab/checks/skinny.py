@@ -10,9 +10,11 @@ decode step of a few to a dozen requests, the step a server runs at a moderate r
    (100 steps after every request's first token, synchronised before and after) with `gemm_rows` 0 (cuBLAS) and
    16, interleaved `rounds` times, and each arm's tokens (a different summation order may move a near-tie: the
    count of requests whose tokens equal the cuBLAS arm's is reported, not failed).
+3. `profile` (only when asked: `--parts profile`): the decode step at 1, 4 and 16 such requests at the defaults,
+   under the profiler (kernel time by kind and by name).
 
     python -m lab.checks.skinny --out DIR [--models qwen3-0.6b,qwen3-8b] [--engine-models qwen3-0.6b] [--rounds 2]
-                                # writes DIR/skinny.json
+                                [--parts kernels,engine,profile]      # writes DIR/skinny.json
 """
 
 from __future__ import annotations
@@ -125,6 +127,24 @@ def engine(model: str, rounds: int) -> dict:
     return out
 
 
+def profile(model: str) -> dict:
+    """Where the decode step's time goes at 1, 4 and 16 requests of 1,024-token prompts, at the defaults:
+    minisgl.bench.profile's slice (kernel time by kind and by name, GPU busy fraction, host phases)."""
+    from minisgl import LLM, SamplingParams
+    from minisgl.bench.profile import profile_slice
+
+    llm = LLM(model_path(model), load_format="dummy", dtype="bfloat16")
+    out = {}
+    for b in (1, 4, 16):
+        prompts = [[(89 * i + 13 * j) % 10000 for j in range(1024)] for i in range(b)]
+        params = [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)] * b
+        out[f"bs{b}"] = profile_slice(llm, prompts, params, warm_steps=12, steps=20, top=16)
+        print(model, f"bs{b}", {k: v for k, v in out[f"bs{b}"].items() if k in ("step_ms", "by_kind_per_step")},
+              flush=True)
+    llm.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -151,6 +171,8 @@ def main() -> None:
         for model in a.engine_models.split(","):
             res["engine"][model] = engine(model, a.rounds)
             path.write_text(json.dumps(res, indent=1))
+    if "profile" in a.parts:
+        res["profile"] = {model: profile(model) for model in a.engine_models.split(",")}
     path.write_text(json.dumps(res, indent=1))
 
 
