@@ -423,17 +423,12 @@ CALLS: dict[str, Call] = {
         steps=(WARMUP_SWEEP,
                Lab("wide_ab06", 100, ("wide06.json",), ("wide_ab06",)),
                Lab("wide_ab8", 200, ("wide8.json",), ("wide_ab8",)))),
-    "skinny": Call(
-        "optional: the skinny GEMM (kernel option gemm_rows: 5-16 rows on the tensor cores, not cuBLAS) against "
-        "cuBLAS for every linear shape of Qwen3-0.6B and Qwen3-8B at 2-16 rows, then Qwen3-0.6B's decode step at "
-        "4-16 requests of 1k-token prompts with it off and on, two rounds (a server's step at a moderate rate)",
-        carry=(),
-        steps=(Check("skinny", 90, ("skinny.json",), module="skinny"),)),  # run26 (H100): 81 s
     "decode_mid": Call(
-        "optional: where Qwen3-0.6B's decode step spends its time at 1, 4 and 16 requests of 1k-token prompts "
-        "(run26, H100: 1.0, 1.64, 2.24 ms a step), under the profiler",
+        "optional: Qwen3-0.6B's decode step at 1-16 requests of 1k-token prompts under the profiler (run26, H100: "
+        "1.0, 1.64, 2.24 ms a step at 1, 4, 16), then the decode attention's split count (kernel option "
+        "decode_split_waves 2, 4, 8) at 1-16 requests of 1k- and 4k-token prompts, two rounds, tokens counted",
         carry=(),
-        steps=(Check("decode_mid", 60, ("skinny.json",), module="skinny", args=("--parts", "profile")),)),
+        steps=(Check("decode_mid", 150, ("decode_mid.json",), module="decode_mid"),)),  # run26: profile 25 s
     "fold": Call(
         "optional: issue 29, the RMSNorms folded into the decode GEMVs (kernel option gemv_norm_fold): tokens off "
         "and on (greedy and seeded sampling, batch 1 and 8, graphs and eager), then W2 off and on, two rounds; "

@@ -140,9 +140,10 @@ class KernelOptions:
                                     "(default: the GPU's table in kernels/gemv_tuned/, if any)")
     gemv_pdl_early_tiles: int = _opt(2, "--gemv-pdl-early-tiles",
                                      "weight tiles the GEMV loads before its PDL wait, 0-3 (kernels/gemv.py)")
-    gemm_rows: int = _opt(0, "--gemm-rows",
-                          "up to how many rows (0-16) a decode matmul that the GEMV does not take runs the skinny "
-                          "GEMM on the tensor cores instead of cuBLAS (kernels/gemv.py, skinny_gemm; 0: off)")
+    decode_split_waves: int = _opt(2, "--decode-split-waves",
+                                   "waves of SMs the decode attention's (request, kv head, split) programs fill, "
+                                   "1-16: more waves, more splits of each request's keys (kernels/attention.py, "
+                                   "decode_num_splits)")
     sampler_skip_blocks: bool = _opt(True, "--disable-sampler-skip-blocks",
                                      "the fused sampler reads every block of logits in every pass, not only the "
                                      "blocks that can hold a kept token (kernels/sampling.py; exact either way)",
@@ -160,8 +161,8 @@ class KernelOptions:
     def validate(self) -> None:
         if not 0 <= self.gemv_pdl_early_tiles <= 3:
             raise ValueError(f"gemv_pdl_early_tiles must be in 0..3, got {self.gemv_pdl_early_tiles}")
-        if not 0 <= self.gemm_rows <= 16:
-            raise ValueError(f"gemm_rows must be in 0..16, got {self.gemm_rows}")
+        if not 1 <= self.decode_split_waves <= 16:
+            raise ValueError(f"decode_split_waves must be in 1..16, got {self.decode_split_waves}")
         if self.gdn.prefill not in ("chunked", "recurrent"):
             raise ValueError(f"gdn.prefill must be 'chunked' or 'recurrent', got {self.gdn.prefill!r}")
         if self.gdn.prepare_solve not in ("rows", "blocks"):

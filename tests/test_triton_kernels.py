@@ -375,6 +375,15 @@ def test_decode_num_splits_is_host_only():
     assert decode_num_splits(1, 1, None) == 64
 
 
+def test_decode_split_waves_sets_how_many_programs_the_splits_make():
+    # 16 requests x 8 kv heads = 128 programs before splitting, on 132 SMs
+    assert decode_num_splits(16, 8, 40960, 132) == 3  # two waves (the default): 264 programs wanted
+    with kernel_options(decode_split_waves=4):
+        assert decode_num_splits(16, 8, 40960, 132) == 5  # the option in force
+    assert decode_num_splits(16, 8, 40960, 132, waves=8) == 9  # or given
+    assert decode_num_splits(16, 8, 600, 132, waves=8) == 3  # still no split under 256 tokens
+
+
 # ------------------------------------------------------------------ extend ----------------------------------
 
 

@@ -398,14 +398,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int | None,
-                      num_sms: int = _DEFAULT_NUM_SMS) -> int:
+                      num_sms: int = _DEFAULT_NUM_SMS, waves: int | None = None) -> int:
     """Splits per request for flash-decoding, from host values only (so a captured graph keeps its grid).
 
-    Enough (request, kv head, split) programs to fill about two waves of SMs, but no split shorter than
-    _MIN_TOKENS_PER_SPLIT tokens of the longest possible request, and at most _MAX_SPLITS.
+    Enough (request, kv head, split) programs to fill about `waves` waves of SMs (default: the kernel option
+    `decode_split_waves`), but no split shorter than _MIN_TOKENS_PER_SPLIT tokens of the longest possible request,
+    and at most _MAX_SPLITS.
     """
+    if waves is None:
+        waves = current_options().decode_split_waves
     programs = max(1, batch_size * num_kv_heads)
-    want = math.ceil(2 * num_sms / programs)
+    want = math.ceil(waves * num_sms / programs)
     if max_seq_len is not None:
         want = min(want, math.ceil(max(1, max_seq_len) / _MIN_TOKENS_PER_SPLIT))
     return int(max(1, min(want, _MAX_SPLITS)))

@@ -52,9 +52,8 @@ except ImportError:  # CPU-only installs: GemvLinear is plain F.linear
     triton = None
     tl = None
 
-__all__ = ["GEMV_MAX_ROWS", "SKINNY_MAX_ROWS", "GemvLinear", "GemvMLP", "GemvNormLayer", "device_table", "gemv",
-           "gemv_config", "gemv_max_rows", "gemv_rms_norm", "load_table", "skinny_config", "skinny_gemm", "table_for",
-           "use_gemv"]
+__all__ = ["GEMV_MAX_ROWS", "GemvLinear", "GemvMLP", "GemvNormLayer", "device_table", "gemv", "gemv_config",
+           "gemv_max_rows", "gemv_rms_norm", "load_table", "table_for", "use_gemv"]
 
 # Rows (tokens) up to which the GEMV replaces cuBLAS; above it a GEMM's tiles reuse each weight load across rows.
 GEMV_MAX_ROWS = 4
@@ -231,79 +230,6 @@ def gemv_config(n: int, k: int, table: GemvTable = NO_TABLE) -> tuple[int, int, 
     return block_n, block_k, 4
 
 
-# --- a few more rows: the skinny GEMM ---
-# From 5 to SKINNY_MAX_ROWS rows (a decode step of a few to a dozen requests, as a server at a moderate request rate
-# runs) the GEMV's CUDA-core products cost more than its weight stream saves, and cuBLAS's GEMM tiles stream small
-# weights slowly (H200, reports/h200/run10/gpu_gemv_tune.json: 0.3-2.0 TB/s on Qwen3-0.6B's projections, flat from
-# 1 to 4 rows). The skinny GEMM keeps the GEMV's shape, each program owning BLOCK_N outputs and the whole reduction,
-# but multiplies on the tensor cores: the rows padded to 16 (tl.dot's smallest tile), bf16 products summed in fp32.
-# The kernel option `gemm_rows` (0: off) sets up to how many rows it replaces cuBLAS.
-SKINNY_MAX_ROWS = 16
-
-
-@_jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, ROWS,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   USE_PDL: tl.constexpr, NUM_STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, 16)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    m_mask = offs_m < ROWS  # a runtime value: one variant for every row count (a short prefill takes it too)
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + offs_k
-        k_mask = k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = _load_w(w_ptr, offs_n, n_mask, k, k_mask, stride_wn)
-        if x_ptr.dtype.element_ty == tl.float32:  # fp32 weights (a test's): true fp32 products, not TF32
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
-
-
-def skinny_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the skinny GEMM for a weight of `n` outputs by `k` inputs:
-    16-wide output tiles (the most programs: Qwen3-0.6B's 1,024-output projections get 64) streaming 256 columns a
-    step through a 4-deep pipeline."""
-    return 16, min(256, triton.next_power_of_2(k)), 4, 4
-
-
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """`x @ weight.T + bias` for x `[rows, K]` (rows <= SKINNY_MAX_ROWS) and a weight `[N, K]` of x's dtype on the
-    tensor cores (bf16/fp16; fp32 in exact fp32 products), fp32 accumulation. `tiles`: (BLOCK_N, BLOCK_K, warps,
-    stages), by default `skinny_config`."""
-    if not ew.use_triton(x) or x.shape[0] == 0:
-        return F.linear(x, weight, bias)
-    rows, k = x.shape
-    n = weight.shape[0]
-    if rows > SKINNY_MAX_ROWS:
-        raise ValueError(f"skinny_gemm takes at most {SKINNY_MAX_ROWS} rows, got {rows}")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"skinny_gemm needs x and weight in one dtype, got {x.dtype} and {weight.dtype}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    assert weight.stride(-1) == 1 and weight.shape[1] == k
-    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = tiles or skinny_config(n, k)
-    kw = pdl_launch(x)
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0), rows,
-        BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, USE_PDL=bool(kw),
-        NUM_STAGES=stages, num_warps=warps, **kw)
-    return y
-
-
 def gemv_max_rows(n: int, k: int, table: GemvTable = NO_TABLE) -> int:
     """Up to how many rows a weight of this shape takes the GEMV (0: cuBLAS always)."""
     if (n, k) not in table:
@@ -389,8 +315,6 @@ class GemvLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
             return gemv(x, self.weight, self.bias, tiles=self.tiles)
-        if x.dim() == 2 and x.shape[0] <= current_options().gemm_rows:
-            return skinny_gemm(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -415,8 +339,6 @@ class GemvMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
             return gemv(self.gate_up_proj(x), self.down_proj.weight, silu_mul=True, tiles=self.down_proj.tiles)
-        if x.dim() == 2 and x.shape[0] <= current_options().gemm_rows:  # both projections' skinny GEMMs
-            return self.down_proj(ew.silu_and_mul(self.gate_up_proj(x)))
         return self._mlp_forward(x)
 
 
