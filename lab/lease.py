@@ -429,6 +429,12 @@ CALLS: dict[str, Call] = {
         "decode_split_waves 2, 4, 8) at 1-16 requests of 1k- and 4k-token prompts, two rounds, tokens counted",
         carry=(),
         steps=(Check("decode_mid", 150, ("decode_mid.json",), module="decode_mid"),)),  # run26: profile 25 s
+    "rope_bits": Call(
+        "optional: where the fused RoPE parts from the RoPE kernel on the GPU (its tokens differed in run25 and "
+        "run26, equal under the CPU interpreter): one decode launch each way in bf16 at Qwen3's head shapes, which "
+        "of the stored key and the output differ and by how much (lab.checks.fused_rope_bits; ~40 s)",
+        carry=(),
+        steps=(Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits"),)),
     "fold": Call(
         "optional: issue 29, the RMSNorms folded into the decode GEMVs (kernel option gemv_norm_fold): tokens off "
         "and on (greedy and seeded sampling, batch 1 and 8, graphs and eager), then W2 off and on, two rounds; "

@@ -69,9 +69,9 @@ def test_every_field_has_one_flag():
     # the kernel flags land in the engine's KernelOptions
     assert cfg.kernels == KernelOptions(pdl=False, decode_fused_store=False, decode_fused_merge=True,
                                         mixed_decode_split=False, gemv_configs="t.json", gemv_pdl_early_tiles=1,
-                                        decode_split_waves=4, gemv_norm_fold=True, extend_tiles=False, early_metadata=False,
-                                        early_kv=False, decode_fused_rope=True, sampler_skip_blocks=False,
-                                        sampler_top_k_bound=False)
+                                        decode_split_waves=4, gemv_norm_fold=True, extend_tiles=False,
+                                        early_metadata=False, early_kv=False, decode_fused_rope=True,
+                                        sampler_skip_blocks=False, sampler_top_k_bound=False)
     # nothing given: no keyword, so EngineConfig's defaults are the only defaults
     assert engine_kwargs_from_args(p.parse_args(["--model", "m"])) == {}
 

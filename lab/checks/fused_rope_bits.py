@@ -1,0 +1,114 @@
+"""Where the decode kernel's fused RoPE (kernel option decode_fused_rope) parts from the RoPE kernel on a GPU.
+
+The CPU tests (tests/test_triton_kernels.py, the Triton interpreter, fp32 and fp16) have the fused path equal to
+norm_and_rope-then-decode to the bit, but engines on an H200 (run25) and an H100 (run26) gave different tokens
+with it on, after the q/k norm sums were made exact (0483a49). This check runs the test's comparison on the GPU in
+bf16 at Qwen3's head shapes, one decode launch each way, and says which tensor differs and by how much:
+
+- `q`: the rotated queries (the fused kernel's own q tile is not visible; `q` compares the RoPE kernel's output
+  with norm_and_rope_ref's, the torch reference, to see whether the RoPE kernel itself rounds as specified);
+- `k_stored`: the new key each path wrote into the cache (the fused kernel normalises and rotates it itself);
+- `out`: the attention output.
+
+Shapes: Qwen3-0.6B (16 q heads, 8 kv heads, d 128) and Qwen3-8B (32, 8, 128), batch 1 and 8, 1 and 4 splits,
+early keys on and off.
+
+    python -m lab.checks.fused_rope_bits --out DIR        # writes DIR/fused_rope_bits.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+SHAPES = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}
+
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> dict:
+    a, b = a.float(), b.float()
+    unequal = (a != b)
+    return {"equal": bool(not unequal.any()), "elements_differing": int(unequal.sum()),
+            "max_abs": float((a - b).abs().max()) if a.numel() else 0.0}
+
+
+def compare(hq: int, hkv: int, d: int, bs: int, num_splits: int, early_kv: bool, seed: int,
+            dev: str = "cuda", dtype: torch.dtype = torch.bfloat16, max_len: int = 2048) -> dict:
+    """One decode launch each way on the same inputs (`dev`/`dtype` other than CUDA/bf16: a CPU smoke run under
+    the Triton interpreter, with the kernel option triton_on_cpu in force)."""
+    import dataclasses
+
+    from minisgl.kernels import attention as ak
+    from minisgl.kernels import elementwise as ew
+    from minisgl.kernels.options import current_options, use_options
+
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    seq_lens = torch.randint(2, max_len, (bs,), generator=gen, device=dev, dtype=torch.int32)
+    slots = bs * max_len + 1
+    k0 = torch.randn(slots, hkv, d, generator=gen, device=dev).to(dtype)
+    v0 = torch.randn(slots, hkv, d, generator=gen, device=dev).to(dtype)
+    r2t = (1 + torch.randperm(slots - 1, generator=gen, device=dev)[: bs * max_len]).view(bs, max_len).int()
+    rows = torch.arange(bs, device=dev)
+    loc = r2t[rows, seq_lens.long() - 1].long()
+    positions = (seq_lens - 1).long()
+    qkv = torch.randn(bs, (hq + 2 * hkv) * d, generator=gen, device=dev).to(dtype)
+    q, k, v = (qkv[:, : hq * d].view(bs, hq, d), qkv[:, hq * d: (hq + hkv) * d].view(bs, hkv, d),
+               qkv[:, (hq + hkv) * d:].view(bs, hkv, d))
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    freqs = torch.arange(max_len, device=dev).float()[:, None] * inv[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    qw = (1 + 0.1 * torch.randn(d, generator=gen, device=dev)).to(dtype)
+    kw = (1 + 0.1 * torch.randn(d, generator=gen, device=dev)).to(dtype)
+    scale = d ** -0.5
+    res = {"hq": hq, "hkv": hkv, "d": d, "bs": bs, "num_splits": num_splits, "early_kv": early_kv}
+    with use_options(dataclasses.replace(current_options(), early_kv=early_kv)):
+        outs, ks = [], []
+        for fused in (True, False):
+            k_buf, v_buf = k0.clone(), v0.clone()
+            out = torch.empty(bs, hq, d, device=dev, dtype=dtype)
+            if fused:
+                rope = ak.DecodeRope(positions, cos_sin, qw, kw, 1e-6)
+                ak.decode_attention(q, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
+                                    num_splits=num_splits, new_kv=(k, v, loc), rope=rope)
+            else:
+                qc, kc = q.clone(), k.clone()
+                ew.norm_and_rope(qc, kc, positions, cos_sin, qw, kw, 1e-6)
+                qr, kr = ew.norm_and_rope_ref(q.clone(), k.clone(), positions, cos_sin, qw, kw, 1e-6)
+                res["q_kernel_vs_ref"] = diff(qc, qr)
+                res["k_kernel_vs_ref"] = diff(kc, kr)
+                ak.decode_attention(qc, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
+                                    num_splits=num_splits, new_kv=(kc, v, loc))
+            outs.append(out)
+            ks.append(k_buf[loc])
+    res["k_stored"] = diff(ks[0], ks[1])
+    res["out"] = diff(outs[0], outs[1])
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("fused_rope_bits: no CUDA device, nothing to compare")
+        return
+    from minisgl.bench.runner import environment
+
+    cases = []
+    for (model, (hq, hkv, d)), bs, splits, early in itertools.product(SHAPES.items(), (1, 8), (1, 4), (False, True)):
+        r = compare(hq, hkv, d, bs, splits, early, seed=len(cases))
+        r["model"] = model
+        cases.append(r)
+        print(model, bs, splits, early, {k: r[k] for k in ("q_kernel_vs_ref", "k_stored", "out")}, flush=True)
+    res = {"environment": environment(), "command": "python -m lab.checks.fused_rope_bits", "cases": cases,
+           "all_equal": all(c["out"]["equal"] and c["k_stored"]["equal"] for c in cases)}
+    path = Path(a.out) / "fused_rope_bits.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
