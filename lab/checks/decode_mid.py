@@ -14,7 +14,7 @@ H100, SGLang's client at 24/s: a median 10 decode rows, 2.07 ms a turn, against 
                                    # writes DIR/decode_mid.json
 
 The skinny GEMM that run26 measured with an earlier version of this check (5-16-row matmuls on the tensor cores
-instead of cuBLAS, commit 2e85e64, reports/h200/run26/skinny) was no faster in the engine and was removed.
+instead of cuBLAS, commit 2e85e64, reports/h100/run26/skinny) was no faster in the engine and was removed.
 """
 
 from __future__ import annotations
