@@ -2,26 +2,27 @@
 
 Here (the CPU machine), before the lease:
 
-    python -m lab.lease split-wheels .sglang-whl     # SGLang's wheels in three parts that each fit beside the tree
+    python -m lab.lease split-wheels .sglang-whl     # SGLang's wheels in four parts that each fit beside the tree
     python -m lab.lease serve-wheels                  # the serving calls' part gets minisgl's HTTP parser too
     python -m lab.lease plan                          # every call: its exact command, carry list and minutes
 
 On the device, each call is one command (the plan prints them with the commit filled in):
 
     python3 -m lab.lease call1 --commit SHA          # minisgl Qwen3-0.6B: ceilings, headline + ablation, sweep
-    python3 -m lab.lease call2 --commit SHA          # minisgl Qwen3.5 and Qwen3-8B, HF 0.6B and 8B, 8B profile
-    python3 -m lab.lease call3 --commit SHA          # SGLang on Qwen3-0.6B, Qwen3.5 and Qwen3-8B
+    python3 -m lab.lease call2 --commit SHA          # minisgl Qwen3.5 and Qwen3-8B, HF 0.6B and 8B
+    python3 -m lab.lease call3 --commit SHA          # the profiler diagnoses and batch-1 timelines, 0.6B and 8B
+    python3 -m lab.lease call4 --commit SHA          # SGLang on Qwen3-0.6B, Qwen3.5 and Qwen3-8B
     python3 -m lab.lease serving --commit SHA        # optional: online serving, both servers (issue 24)
     python3 -m lab.lease warmup --commit SHA         # optional: the kernel warm-up at engine start (issue 29)
 
-SGLang's wheels (~50 MB) and the tree (~38 MB) do not fit in one call's 64 MiB, so each of calls 1-3 carries one
-part (`a`, `b`, `c`): every call copies each part it carries (any call may carry one where it has room: the plan
-says which fit) into /tmp/sglwhl on the machine, and once every wheel of the manifest is there the kit's
-run_sglang.sh unpacks them into /tmp/site. Calls 2 and 3 must therefore land on the machine call 1 warmed (a call
-within 30 s of the last one's end). If one lands on a fresh machine, its SGLang steps are skipped with a message
-naming the missing parts, its minisgl steps still run, and `--steps` re-runs what was skipped (`--steps none`
-only stages the parts carried: e.g. `call1 --steps none`, `call2 --steps none` and then `call3` on a fresh
-machine).
+SGLang's wheels (~50 MB) and the tree (~47 MB) do not fit in one call's 64 MiB, so each of calls 1-4 carries one
+part (`a` to `d`; wheels over 8 MiB travel in pieces, joined on the machine): every call copies each part it
+carries (any call may carry one where it has room: the plan says which fit) into /tmp/sglwhl on the machine, and
+once every piece of the manifest is there the pieces are joined and the kit's run_sglang.sh unpacks the wheels
+into /tmp/site. Calls 2-4 must therefore land on the machine call 1 warmed (a call within 30 s of the last one's
+end). If one lands on a fresh machine, its SGLang steps are skipped with a message naming the missing parts, its
+minisgl steps still run, and `--steps` re-runs what was skipped (`--steps none` only stages the parts carried:
+e.g. `call1 --steps none`, `call2 --steps none`, `call3 --steps none` and then `call4` on a fresh machine).
 
 Each step's output goes to /tmp/lease-logs/<step>.log; what the call wrote there is packed into
 $OUT/logs_<call>.tar.xz at the end (xz: the request logs are most of a serving call's bytes). A step that would
@@ -38,6 +39,7 @@ import collections
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import site
@@ -316,31 +318,36 @@ class Call:
 # 330 s plus ~25 s for the default measured again, sglang06 213 s, minisgl35 57 s, sglang35 96 s, sglang8 159 s,
 # minisgl8 235 s plus ~30 s, the 0.6B profiles 87 s and the 8B ones 36 s (plus a process start each), the timelines
 # 40 and 55 s. run15's call 3 held all of Qwen3-8B and both profiles, ~620 s: more than a call's budget.
-# SGLang's wheels travel in three parts (run16: the tree grew to 38.4 MiB, and two halves of 25 MiB left <1 MiB of
-# room), one a call; SGLang's steps all run in call 3, once the three are on the machine.
+# SGLang's wheels travel in four parts (run16: the tree grew to 38.4 MiB, and two halves of 25 MiB left <1 MiB of
+# room; run26: at 47 MiB three parts of 16.3 left 0.7 MiB), one a call; SGLang's steps all run in call 4, once the
+# four are on the machine.
 # issue 29's sweep in a fresh process: a call of its own, and the first step of `gemv`
 WARMUP_SWEEP = Lab("warmup_sweep", 170, ("warmup_sweep.json",), ("warmup_sweep",))
+# the full lease: the headline, its diagnoses and SGLang beside it
+HEADLINE_CALLS = ("call1", "call2", "call3", "call4")
 CALLS: dict[str, Call] = {
     "call1": Call(
         "minisgl Qwen3-0.6B at this commit: the card's ceilings, the headline workloads and the ablation table "
-        "(each switch off in turn), the batch-mix sweep; the profiler diagnosis (W1 slices with each switch, "
-        "batch-1/64 decode) and the batch-1 step's timeline",
+        "(each switch off in turn), the batch-mix sweep, and the batch-1 step's timeline",
         carry=(KIT, f"{WHEEL_DIR}/a"),
         steps=(Lab("minisgl06", 360, ("qwen3_06.json",), ("ceilings", "bench06", "sweep06")),
-               Timeline("timeline06", 40, ("decode_timeline_06.json",), "qwen3-0.6b", "06"),
-               Lab("diagnosis", 95, ("diagnosis.json",), ("profile",)))),
+               Timeline("timeline06", 40, ("decode_timeline_06.json",), "qwen3-0.6b", "06"))),
     "call2": Call(
-        "minisgl on Qwen3.5-0.8B and Qwen3-8B (headline and ablations), transformers on Qwen3-0.6B and 8B, "
-        "Qwen3-8B's profiler diagnosis and batch-1 step timeline",
+        "minisgl on Qwen3.5-0.8B and Qwen3-8B (headline and ablations), transformers on Qwen3-0.6B and 8B",
         carry=(KIT, f"{WHEEL_DIR}/b"),
         steps=(Lab("minisgl35", 60, ("qwen35_hf06.json",), ("qwen35", "hf06")),
-               Lab("diagnosis8", 45, ("diagnosis8.json",), ("profile8",)),
-               Lab("minisgl8", 265, ("qwen3_8b.json",), ("bench8", "hf8")),
-               Timeline("timeline8", 55, ("decode_timeline_8b.json",), "qwen3-8b", "8b"))),
+               Lab("minisgl8", 265, ("qwen3_8b.json",), ("bench8", "hf8")))),
     "call3": Call(
-        "SGLang beside us, on the machine calls 1-2 staged their parts on: Qwen3-0.6B (W1, W1 top-k/top-p, W2, "
-        "W3, W4, the sweep), Qwen3.5-0.8B (W1, W2), Qwen3-8B (W1, W1 top-k/top-p, W2)",
+        "the profiler diagnoses: Qwen3-0.6B (W1 slices with each switch, batch-1/64 decode) and Qwen3-8B, and "
+        "Qwen3-8B's batch-1 step timeline",
         carry=(KIT, f"{WHEEL_DIR}/c"),
+        steps=(Lab("diagnosis", 95, ("diagnosis.json",), ("profile",)),
+               Lab("diagnosis8", 45, ("diagnosis8.json",), ("profile8",)),
+               Timeline("timeline8", 55, ("decode_timeline_8b.json",), "qwen3-8b", "8b"))),
+    "call4": Call(
+        "SGLang beside us, on the machine calls 1-3 staged their parts on: Qwen3-0.6B (W1, W1 top-k/top-p, W2, "
+        "W3, W4, the sweep), Qwen3.5-0.8B (W1, W2), Qwen3-8B (W1, W1 top-k/top-p, W2)",
+        carry=(KIT, f"{WHEEL_DIR}/d"),
         steps=(SGLang("sglang06", 215, ("sglang_06.json",), "qwen3-0.6b", ("w1", "w1_topkp", "w2", "w3", "w4",
                                                                           "sweep")),
                SGLang("sglang35", 100, ("sglang_35.json",), "qwen3.5-0.8b", ("w1", "w2")),
@@ -349,7 +356,7 @@ CALLS: dict[str, Call] = {
     # runs themselves), SGLang's ~100 s to start: both in one call overran its budget. The client now starts once
     # per server (lab.serve_client): ~190 + ~210 s, then ~50 s offline.
     "serving": Call(
-        "optional, on a machine calls 1-3 staged (or carry the last part along): online serving (issue 24), "
+        "optional, on a machine calls 1-4 staged (or carry the last part along): online serving (issue 24), "
         "minisgl's server and then SGLang's under SGLang's bench_serving client at 8, 24, 48 requests/s and 512 "
         "at once, then the all-at-once requests through the offline engine (the server/offline ratio); last, the "
         "front alone on the machine's CPU (lab.checks.front: a fake engine, no GPU; cut first if time runs out)",
@@ -357,13 +364,13 @@ CALLS: dict[str, Call] = {
         steps=(Serving("serving", 460, ("serving.json", "serving_minisgl.jsonl", "serving_sglang.jsonl")),
                FrontCheck("front", 25, ("front.json",)))),
     "burst": Call(
-        "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's all-at-once load alone, "
+        "optional, on a machine calls 1-4 staged (or carry the last part along): issue 24's all-at-once load alone, "
         "both servers under SGLang's client, then the same requests offline; then the front alone (lab.checks.front)",
         carry=(KIT, f"{WHEEL_DIR}/serve"),
         steps=(Serving("burst", 250, ("burst.json", "burst_minisgl.jsonl", "burst_sglang.jsonl"), loads=("burst",)),
                FrontCheck("front", 25, ("front.json",)))),
     "settle24": Call(
-        "optional, on a machine calls 1-3 staged (or carry the last part along): issue 24's bars in one call: "
+        "optional, on a machine calls 1-4 staged (or carry the last part along): issue 24's bars in one call: "
         "minisgl's server at its defaults, SGLang's, then minisgl's with the burst's mixed steps eager (prefill "
         "graphs up to 4,096 tokens x 64 requests, the extend kernel's grid: the defaults before run25), each at "
         "24/s, 48/s and all at once under SGLang's client (minisgl's with its request log: where each request's "
@@ -474,7 +481,7 @@ CALLS: dict[str, Call] = {
         carry=(),
         steps=(Lab("fused_merge06", 120, ("fused_merge06.json",), ("fused_merge06",)),)),
     "mixes": Call(
-        "optional, on a machine calls 1-3 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
+        "optional, on a machine calls 1-4 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
         "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "
         "SGLang on the same requests",
         carry=(KIT,),
@@ -526,6 +533,21 @@ def carried_parts(root: Path = REPO) -> list[str]:
     return sorted(d.name for d in folder.iterdir() if (d / MANIFEST).is_file()) if folder.is_dir() else []
 
 
+def join_chunks(folder: Path) -> list[str]:
+    """The wheels split_wheels sent in pieces, joined again in `folder`; their names. The pieces stay (the
+    manifest names them: missing_parts reads it), and the kit unpacks only *.whl and *.tar.gz."""
+    groups: dict[str, list[tuple[int, Path]]] = {}
+    for f in folder.iterdir():
+        m = CHUNK.match(f.name)
+        if m:
+            groups.setdefault(m.group(1), []).append((int(m.group(2)), f))
+    for name, chunks in groups.items():
+        with open(folder / name, "wb") as out:
+            for _, f in sorted(chunks):
+                out.write(f.read_bytes())
+    return sorted(groups)
+
+
 def stage_wheels(part: str) -> str:
     """Copy the carried part into WHEELS; once every part of the manifest is there, unpack them with the kit."""
     src = REPO / WHEEL_DIR / part
@@ -539,6 +561,7 @@ def stage_wheels(part: str) -> str:
         return "SGLang's wheels were already unpacked on this machine"
     if missing_parts() != []:
         return f"staged part {part}; {wheels_missing()}"
+    join_chunks(WHEELS)
     rc = subprocess.run(["bash", str(REPO / KIT / "run_sglang.sh"), str(WHEELS), "--", "--help"],
                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT).returncode
     return f"staged part {part}; unpacked every wheel into {SITE} (kit's run_sglang.sh, rc {rc})"
@@ -969,31 +992,53 @@ def path_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
-def split_wheels(folder: Path, parts: tuple[str, ...] = ("a", "b", "c"), root: Path = REPO) -> dict[str, list[str]]:
+WHEEL_PARTS = ("a", "b", "c", "d")
+# A wheel larger than this travels in pieces (`<name>.chunk<k>`), joined on the machine once every part is there
+# (join_chunks): whole files, the largest 14.9 MiB, kept the parts at 16.3 MiB or more.
+CHUNK_BYTES = 8 << 20
+CHUNK = re.compile(r"(.+)\.chunk(\d+)$")
+
+
+def split_wheels(folder: Path, parts: tuple[str, ...] = WHEEL_PARTS, root: Path = REPO,
+                 chunk_bytes: int = CHUNK_BYTES) -> dict[str, list[str]]:
     """Copy the wheels at the top of `folder` (the kit's prepare_wheels.sh output) into folder/a, folder/b, ...,
-    largest first into the lightest part, and write the manifest (every part's names) into each part."""
+    a file over `chunk_bytes` in pieces, largest first into the lightest part, and write the manifest (every
+    part's names) into each part. Parts of an earlier split are removed first."""
     wheels = sorted((f for f in folder.iterdir() if f.is_file() and f.name != MANIFEST),
                     key=lambda f: -f.stat().st_size)
     if not wheels:
         raise SystemExit(f"no wheels at the top of {folder} (bash ../shared/sglang-kit/prepare_wheels.sh {folder})")
-    plan: dict[str, list[Path]] = {h: [] for h in parts}
+    pieces: list[tuple[Path, int, int, str]] = []  # (file, offset, bytes, name in its part)
     for f in wheels:
-        lightest = min(parts, key=lambda h: sum(x.stat().st_size for x in plan[h]))
-        plan[lightest].append(f)
-    manifest = {h: sorted(f.name for f in fs) for h, fs in plan.items()}
+        size = f.stat().st_size
+        if size <= chunk_bytes:
+            pieces.append((f, 0, size, f.name))
+        else:
+            pieces += [(f, off, min(chunk_bytes, size - off), f"{f.name}.chunk{k}")
+                       for k, off in enumerate(range(0, size, chunk_bytes))]
+    pieces.sort(key=lambda piece: -piece[2])
+    plan: dict[str, list[tuple[Path, int, int, str]]] = {h: [] for h in parts}
+    for piece in pieces:
+        lightest = min(parts, key=lambda h: sum(x[2] for x in plan[h]))
+        plan[lightest].append(piece)
+    manifest = {h: sorted(name for *_, name in ps) for h, ps in plan.items()}
     room = CARRY_LIMIT - tree_bytes(root) - path_bytes(root / KIT)
-    for h, fs in plan.items():
+    for d in folder.iterdir():
+        if d.is_dir() and (d / MANIFEST).is_file():
+            shutil.rmtree(d)
+    for h, ps in plan.items():
         d = folder / h
-        shutil.rmtree(d, ignore_errors=True)
         d.mkdir()
-        for f in fs:
-            if f.stat().st_dev == d.stat().st_dev:
-                os.link(f, d / f.name)  # no second copy of 25 MB on this disk
+        for f, off, size, name in ps:
+            if name == f.name and f.stat().st_dev == d.stat().st_dev:
+                os.link(f, d / name)  # no second copy of 25 MB on this disk
             else:
-                shutil.copy2(f, d / f.name)
+                with open(f, "rb") as src, open(d / name, "wb") as dst:
+                    src.seek(off)
+                    dst.write(src.read(size))
         (d / MANIFEST).write_text(json.dumps(manifest, indent=1))
         size = path_bytes(d)
-        print(f"{d}: {len(fs)} files, {size / 2**20:.1f} MiB ({'fits' if size <= room else 'DOES NOT FIT'} beside "
+        print(f"{d}: {len(ps)} files, {size / 2**20:.1f} MiB ({'fits' if size <= room else 'DOES NOT FIT'} beside "
               f"the tree: {room / 2**20:.1f} MiB of room)")
     return manifest
 
@@ -1014,7 +1059,7 @@ def plan() -> int:
         carried = base + sum(path_bytes(REPO / c) for c in call.carry)
         files = sum(len(s.files) for s in call.steps) + 1
         minutes = call.seconds / 60
-        total += call.seconds if name in ("call1", "call2", "call3") else 0
+        total += call.seconds if name in HEADLINE_CALLS else 0
         print(f"## {name}: {call.about}\n"
               f"run(command={json.dumps(command)}, carry={json.dumps(list(call.carry))}, timeout_s=540)\n"
               f"  ~{minutes:.1f} min ({', '.join(f'{s.name} ~{s.seconds} s' for s in call.steps)}); carries "
@@ -1036,8 +1081,8 @@ def plan() -> int:
             problems.append(f"{name} carries {carried / 2**20:.1f} MiB, over {CARRY_LIMIT >> 20} MiB")
         if call.seconds > call.budget_s or files > 8 or len(command) > 2000 or len(call.carry) > 8:
             problems.append(f"{name}: over a limit (seconds {call.seconds}, files {files})")
-    print(f"calls 1-3: ~{total / 60:.1f} min of commands, plus ~1.5 min for the machine's start; run them back to "
-          "back (a machine idle for 30 s is given back, and calls 2-3 need the wheels call 1 staged)")
+    print(f"calls 1-4: ~{total / 60:.1f} min of commands, plus ~1.5 min for the machine's start; run them back to "
+          "back (a machine idle for 30 s is given back, and call 4 needs the wheels calls 1-3 staged)")
     for p in problems:
         print("PROBLEM:", p)
     return 1 if problems else 0

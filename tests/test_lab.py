@@ -186,7 +186,7 @@ def test_lab_run_writes_each_section_as_it_ends(tmp_path, monkeypatch):
 
 def test_lease_plan_fits_the_device_limits():
     """Each call: its steps exist, it plans inside its budget (which ends before the 540 s timeout), brings back
-    at most 8 files, carries at most 8 paths; calls 1-3 fit a 27-minute lease with the machine's start (a session
+    at most 8 files, carries at most 8 paths; calls 1-4 fit a 27-minute lease with the machine's start (a session
     lends 30: run15 measured what they take on a fresh machine, and they take most of it)."""
     from lab import sglang
     for name, call in lease.CALLS.items():
@@ -201,8 +201,8 @@ def test_lease_plan_fits_the_device_limits():
             if isinstance(step, lease.Serving):
                 assert set(step.loads) <= set(lease.LOADS)
             assert len(" ".join(step.argv("/tmp/out"))) < 2000
-    assert sum(lease.CALLS[c].seconds for c in ("call1", "call2", "call3")) + 120 <= 27 * 60
-    planned = {s for c in ("call1", "call2", "call3") for st in lease.CALLS[c].steps
+    assert sum(lease.CALLS[c].seconds for c in lease.HEADLINE_CALLS) + 120 <= 27 * 60
+    planned = {s for c in lease.HEADLINE_CALLS for st in lease.CALLS[c].steps
                for s in getattr(st, "sections", ())}
     assert {"ceilings", "bench06", "bench8", "qwen35", "sweep06", "hf06", "hf8", "profile", "profile8"} <= planned
 
@@ -249,17 +249,25 @@ def test_lease_call_runs_steps_skips_and_stops_them_and_packs_the_logs(tmp_path,
 def test_wheel_parts_are_split_staged_and_unpacked_once_complete(tmp_path, monkeypatch):
     repo = tmp_path / "repo"
     (repo / lease.WHEEL_DIR).mkdir(parents=True)
-    for name, size in (("big.whl", 9000), ("mid.whl", 5000), ("small.tar.gz", 4000), ("tiny.whl", 100)):
-        (repo / lease.WHEEL_DIR / name).write_bytes(b"x" * size)
-    manifest = lease.split_wheels(repo / lease.WHEEL_DIR, root=REPO)
-    assert sorted(sum(manifest.values(), [])) == ["big.whl", "mid.whl", "small.tar.gz", "tiny.whl"]
+    contents = {name: bytes(range(256)) * (size // 256) + b"z" * (size % 256)
+                for name, size in (("big.whl", 9000), ("mid.whl", 5000), ("small.tar.gz", 4000), ("tiny.whl", 100))}
+    for name, data in contents.items():
+        (repo / lease.WHEEL_DIR / name).write_bytes(data)
+    (repo / lease.WHEEL_DIR / "old").mkdir()  # an earlier split's part: removed
+    (repo / lease.WHEEL_DIR / "old" / lease.MANIFEST).write_text("{}")
+    manifest = lease.split_wheels(repo / lease.WHEEL_DIR, root=REPO, chunk_bytes=4096)
+    assert not (repo / lease.WHEEL_DIR / "old").exists()
+    # big.whl and mid.whl in pieces of at most 4096 bytes: seven pieces (4096 x 3, 4000, 904, 808, 100), each,
+    # largest first, into the lightest of the four parts
+    assert sorted(sum(manifest.values(), [])) == ["big.whl.chunk0", "big.whl.chunk1", "big.whl.chunk2",
+                                                  "mid.whl.chunk0", "mid.whl.chunk1", "small.tar.gz", "tiny.whl"]
     sizes = {h: sum((repo / lease.WHEEL_DIR / h / n).stat().st_size for n in names) for h, names in manifest.items()}
-    assert sizes == {"a": 9000, "b": 5000, "c": 4100}  # largest first into the lightest part
+    assert sorted(sizes.values()) == [4096, 4096 + 100, 4096 + 808, 4000 + 904]
     assert json.loads((repo / lease.WHEEL_DIR / "b" / lease.MANIFEST).read_text()) == manifest
-    # the kit's installer, faked: it stamps /tmp/site once every wheel is there
+    # the kit's installer, faked: it stamps /tmp/site once every wheel is there, and records what it found
     kit = repo / lease.KIT
     kit.mkdir()
-    (kit / "run_sglang.sh").write_text('mkdir -p "$SITE" && touch "$SITE/.sglang-kit"\n')
+    (kit / "run_sglang.sh").write_text('mkdir -p "$SITE" && ls "$1" > "$SITE/seen" && touch "$SITE/.sglang-kit"\n')
     site = tmp_path / "site"
     monkeypatch.setenv("SITE", str(site))
     monkeypatch.setattr(lease, "REPO", repo)
@@ -267,11 +275,16 @@ def test_wheel_parts_are_split_staged_and_unpacked_once_complete(tmp_path, monke
     monkeypatch.setattr(lease, "SITE", site)
     step = lease.SGLang("s", 10, ("s.json",), "qwen3-0.6b", ("w1",))
     assert "no SGLang wheels" in step.ready()
-    assert "part b/c is not on this machine" in lease.stage_wheels("a")
-    assert "carry .sglang-whl/b, .sglang-whl/c" in step.ready()
-    assert "part c is not on this machine" in lease.stage_wheels("b")
-    assert "unpacked every wheel" in lease.stage_wheels("c")
+    assert "part b/c/d is not on this machine" in lease.stage_wheels("a")
+    assert "carry .sglang-whl/b, .sglang-whl/c, .sglang-whl/d" in step.ready()
+    assert "part c/d is not on this machine" in lease.stage_wheels("b")
+    assert not (tmp_path / "wheels" / "big.whl").exists()  # pieces are joined only once all are there
+    assert "part d is not on this machine" in lease.stage_wheels("c")
+    assert "unpacked every wheel" in lease.stage_wheels("d")
     assert step.ready() is None and (site / ".sglang-kit").is_file()
+    for name, data in contents.items():  # the pieces joined, byte for byte, before the kit ran
+        assert (tmp_path / "wheels" / name).read_bytes() == data
+        assert name in (site / "seen").read_text().split()
     assert "already unpacked" in lease.stage_wheels("a")
 
 

@@ -6,7 +6,7 @@
     python -m lab.report --draft                 # the newest result of each section across every lease: a layout
                                                  # review; the page says what it lacks instead of failing
 
-A full lease holds the headline (calls 1-3); a later folder with only optional calls (serving, checks, warm-up)
+A full lease holds the headline (calls 1-4); a later folder with only optional calls (serving, checks, warm-up)
 adds its sections to it, each still checked for freshness. A folder `invalid/` inside a lease holds files that are
 kept but not used (its README says why).
 
