@@ -178,15 +178,13 @@ class OwnClient(Step):
 
     def prepare(self) -> None:
         write_serve_model()
-        if (REPO / WHEEL_DIR / "serve").is_dir():
-            unzip_wheels(REPO / WHEEL_DIR / "serve", SERVE_SITE)
+        unpack_serve_part()
 
     def ready(self) -> str | None:
         # the device's python has no fastapi/uvicorn (run26: the server exited at once without them)
-        if not (SITE / ".sglang-kit").is_file():
-            return wheels_missing()
-        if not (SERVE_SITE / ".done").is_file():
-            return f"{WHEEL_DIR}/serve is not carried (minisgl's server takes its HTTP packages from it)"
+        missing = http_site_missing()
+        if missing:
+            return missing
         return None if (Path(SERVE_MODEL) / "config.json").is_file() else f"could not write {SERVE_MODEL}"
 
     def env(self) -> dict[str, str]:
@@ -217,9 +215,7 @@ class FrontCheck(Step):
     the wheels the serving step unpacks, so it runs after that step."""
 
     def ready(self) -> str | None:
-        if not (SITE / ".sglang-kit").is_file() or not (SERVE_SITE / ".done").is_file():
-            return "the wheels the serving step unpacks are not on this machine (run it after that step)"
-        return None
+        return http_site_missing()
 
     def env(self) -> dict[str, str]:
         return server_env("minisgl")
@@ -648,6 +644,22 @@ SERVERS = {
 }
 
 
+def unpack_serve_part() -> None:
+    """The `serve` part's wheels, where carried, unzipped into SERVE_SITE (once: the kit's serving.sh stamp)."""
+    if (REPO / WHEEL_DIR / "serve").is_dir():
+        unzip_wheels(REPO / WHEEL_DIR / "serve", SERVE_SITE)
+
+
+def http_site_missing() -> str | None:
+    """Why minisgl's server cannot start on this machine (its FastAPI and uvicorn come from SGLang's unpacked
+    wheels and the `serve` part), or None."""
+    if not (SITE / ".sglang-kit").is_file():
+        return wheels_missing()
+    if not (SERVE_SITE / ".done").is_file():
+        return f"{WHEEL_DIR}/serve is not carried or not unpacked (minisgl's server takes its HTTP packages from it)"
+    return None
+
+
 def server_env(server: str) -> dict[str, str]:
     """The device's python has no fastapi/uvicorn: minisgl's server takes them from SGLang's unpacked wheels and
     the serve half (SGLang's command sets its own path in serving.sh)."""
@@ -730,7 +742,7 @@ def serve_bench(out: str, loads: list[str], servers: list[str] = ("minisgl", "sg
     write_serve_model()
     # the kit's `serve` wheels, as its serving.sh unpacks them on first use (the same stamp): minisgl's server
     # takes fastapi/uvicorn from them, SGLang's client its aiohttp
-    unzip_wheels(REPO / WHEEL_DIR / "serve", SERVE_SITE)
+    unpack_serve_part()
     from minisgl.bench.runner import environment
     env = {**environment(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # the call's start
     # uvicorn's HTTP parser in both servers: httptools when the serve part brought it (serve_wheels), else h11

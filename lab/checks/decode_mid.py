@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from lab.models import model_path
+from lab.engines import with_engine
 
 BATCHES = (1, 4, 8, 16)
 PROMPT_LENS = (1024, 4096)
@@ -56,22 +56,20 @@ def decode_step_ms(llm, batch: int, prompt_len: int, steps: int = 100) -> tuple[
 
 
 def waves(model: str, rounds: int) -> dict:
-    from minisgl import LLM
-
     cells = [(b, n) for n in PROMPT_LENS for b in BATCHES]
     out: dict = {"model": model, "cells": [f"bs{b}_in{n}" for b, n in cells], "arms": {}}
     for rnd in range(rounds):
         for w in WAVES:
-            llm = LLM(model_path(model), load_format="dummy", dtype="bfloat16", decode_split_waves=w)
             arm = out["arms"].setdefault(f"waves{w}", {"step_ms": {}, "tokens": {}})
-            for b, n in cells:
-                ms, tokens = decode_step_ms(llm, b, n)
-                arm["step_ms"].setdefault(f"bs{b}_in{n}", []).append(round(ms, 4))
-                arm["tokens"][f"bs{b}_in{n}"] = tokens
+
+            def body(llm, arm=arm) -> None:
+                for b, n in cells:
+                    ms, tokens = decode_step_ms(llm, b, n)
+                    arm["step_ms"].setdefault(f"bs{b}_in{n}", []).append(round(ms, 4))
+                    arm["tokens"][f"bs{b}_in{n}"] = tokens
+
+            with_engine(model, body, kernel={"decode_split_waves": w})
             print(model, f"round {rnd} waves {w}", {c: v[-1] for c, v in arm["step_ms"].items()}, flush=True)
-            llm.close()
-            del llm
-            torch.cuda.empty_cache()
     base = out["arms"][f"waves{WAVES[0]}"]
     for arm in out["arms"].values():
         arm["same_tokens_as_default"] = {c: sum(x == y for x, y in zip(base["tokens"][c], arm["tokens"][c]))
@@ -86,19 +84,20 @@ def waves(model: str, rounds: int) -> dict:
 def profile(model: str) -> dict:
     """Where the decode step's time goes at 1, 4 and 16 requests of 1,024-token prompts, at the defaults:
     minisgl.bench.profile's slice (kernel time by kind and by name, GPU busy fraction, host phases)."""
-    from minisgl import LLM, SamplingParams
+    from minisgl import SamplingParams
     from minisgl.bench.profile import profile_slice
 
-    llm = LLM(model_path(model), load_format="dummy", dtype="bfloat16")
-    out = {}
-    for b in (1, 4, 16):
-        prompts = [[(89 * i + 13 * j) % 10000 for j in range(1024)] for i in range(b)]
-        params = [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)] * b
-        out[f"bs{b}"] = profile_slice(llm, prompts, params, warm_steps=12, steps=20, top=16)
-        print(model, f"bs{b}", {k: v for k, v in out[f"bs{b}"].items() if k in ("step_ms", "by_kind_per_step")},
-              flush=True)
-    llm.close()
-    return out
+    def body(llm) -> dict:
+        out = {}
+        for b in (1, 4, 16):
+            prompts = [[(89 * i + 13 * j) % 10000 for j in range(1024)] for i in range(b)]
+            params = [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)] * b
+            out[f"bs{b}"] = profile_slice(llm, prompts, params, warm_steps=12, steps=20, top=16)
+            print(model, f"bs{b}", {k: v for k, v in out[f"bs{b}"].items() if k in ("step_ms", "by_kind_per_step")},
+                  flush=True)
+        return out
+
+    return with_engine(model, body)
 
 
 def main() -> None:

@@ -39,11 +39,9 @@ def compare(hq: int, hkv: int, d: int, bs: int, num_splits: int, early_kv: bool,
             dev: str = "cuda", dtype: torch.dtype = torch.bfloat16, max_len: int = 2048) -> dict:
     """One decode launch each way on the same inputs (`dev`/`dtype` other than CUDA/bf16: a CPU smoke run under
     the Triton interpreter, with the kernel option triton_on_cpu in force)."""
-    import dataclasses
-
+    from lab.engines import kernel_options
     from minisgl.kernels import attention as ak
     from minisgl.kernels import elementwise as ew
-    from minisgl.kernels.options import current_options, use_options
 
     gen = torch.Generator(device=dev).manual_seed(seed)
     seq_lens = torch.randint(2, max_len, (bs,), generator=gen, device=dev, dtype=torch.int32)
@@ -64,7 +62,7 @@ def compare(hq: int, hkv: int, d: int, bs: int, num_splits: int, early_kv: bool,
     kw = (1 + 0.1 * torch.randn(d, generator=gen, device=dev)).to(dtype)
     scale = d ** -0.5
     res = {"hq": hq, "hkv": hkv, "d": d, "bs": bs, "num_splits": num_splits, "early_kv": early_kv}
-    with use_options(dataclasses.replace(current_options(), early_kv=early_kv)):
+    with kernel_options(early_kv=early_kv):
         outs, ks = [], []
         for fused in (True, False):
             k_buf, v_buf = k0.clone(), v0.clone()
