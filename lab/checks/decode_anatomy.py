@@ -1,0 +1,194 @@
+"""Where a batch-1 decode step's time goes, by taking parts out of it (issue 29: 0.6B at 0.86 ms against a 0.6 target).
+
+Under PDL a profiler's kernel times overlap (a kernel's span includes its wait for the one before), so they do not
+say what each part costs the step. Here the step's CUDA graph (bs 1, greedy: the forward, the argmax, the token
+write) is captured again with one part replaced by nothing (no kernel at all: the norms and the RoPE hand back
+their inputs, the attention its query, a matmul an uninitialised buffer of its output's shape), and replayed back to
+back on the live request's buffers (a 1,024-token context). `full - no_X` is what part X costs the step.
+Two more probes: PDL off, and the L2 prefetch on (kernel option gemv_prefetch_mb 16: run27 found W2 slower).
+
+Then chains: each matmul kind's GEMVs (the model's own weights, every layer's in turn) replayed as one graph with
+one input, so each weight comes from HBM once: per-launch time and the bandwidth it reaches; and a chain of
+RMSNorms on one row (the bare cost of a kernel boundary under PDL).
+
+    python -m lab.checks.decode_anatomy --out DIR [--models qwen3-0.6b,qwen3-8b]   # writes DIR/decode_anatomy.json
+
+The outputs of a step with a part taken out are garbage; only the times are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from lab.engines import with_engine
+from lab.timing import capture, time_replay_us
+
+PROMPT_LEN = 1024
+ITERS = 15
+PER = 10  # replays between a pair of events
+
+
+def _variants() -> dict:
+    """name -> (patches, kernel option changes)."""
+    from minisgl.kernels.gemv import GemvLinear, GemvMLP
+    from minisgl.models.layers import RMSNorm, RotaryEmbedding
+
+    def empty(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(rows, cols, dtype=like.dtype, device=like.device)  # no kernel
+
+    def no_norm(self, x, residual=None):
+        return x if residual is None else (x, residual)
+
+    def no_rope(self, q, k, positions, q_norm=None, k_norm=None):
+        return q, k
+
+    def no_linear(self, x):
+        return empty(x.shape[0], self.out_features, x)
+
+    def no_mlp(self, x):
+        return empty(x.shape[0], x.shape[1], x)
+
+    def no_lm_head(self, x):
+        if self.out_features > 100_000:
+            return empty(x.shape[0], self.out_features, x)
+        return real_linear(self, x)
+
+    real_linear = GemvLinear.forward
+    norm, rope = [(RMSNorm, "forward", no_norm)], [(RotaryEmbedding, "forward", no_rope)]
+    attention = [("attn", "forward", lambda q, k, v, layer_id: q)]
+    gemv = [(GemvLinear, "forward", no_linear), (GemvMLP, "forward", no_mlp)]
+    return {
+        "full": ([], {}),
+        "no_norm": (norm, {}),
+        "no_rope": (rope, {}),
+        "no_attention": (attention, {}),
+        "no_norm_rope": (norm + rope, {}),
+        "no_gemv": (gemv, {}),
+        "no_lm_head": ([(GemvLinear, "forward", no_lm_head)], {}),
+        "gemv_only": (norm + rope + attention, {}),
+        "no_pdl": ([], {"pdl": False}),
+        "prefetch16": ([], {"gemv_prefetch_mb": 16}),
+        "gemv_only_prefetch16": (norm + rope + attention, {"gemv_prefetch_mb": 16}),
+    }
+
+
+@contextlib.contextmanager
+def _patched(patches: list, attn) -> Iterator[None]:
+    saved = []
+    try:
+        for owner, name, fn in patches:
+            target = attn if owner == "attn" else owner
+            saved.append((target, name, target.__dict__.get(name, None), name in target.__dict__))
+            setattr(target, name, fn)
+        yield
+    finally:
+        for target, name, old, had in reversed(saved):
+            if had:
+                setattr(target, name, old)
+            else:
+                delattr(target, name)
+
+
+def step_anatomy(llm) -> dict:
+    """The batch-1 graph's replay time at the defaults and with each part taken out, on a live request."""
+    from minisgl import SamplingParams
+    from minisgl.engine.cuda_graph import CudaGraphRunner
+    from minisgl.kernels.options import use_options
+
+    engine, runner = llm.engine, llm.engine.runner
+    prompt = [(31 * j + 7) % 10000 for j in range(PROMPT_LEN)]
+    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))
+    while len(req.output_ids) < 8:
+        engine.step()
+    torch.cuda.synchronize()
+    live = runner.graph_runner
+    out: dict = {"context_tokens": PROMPT_LEN + len(req.output_ids), "replay_us": {}}
+    for round_ in range(2):
+        for name, (patches, kernel) in _variants().items():
+            options = dataclasses.replace(llm.config.kernels, **kernel)
+            with _patched(patches, runner.attn), use_options(options):
+                gr = CudaGraphRunner(runner, 1, batch_sizes=[1])
+            for buf in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "token_dst"):
+                getattr(gr, buf)[:1].copy_(getattr(live, buf)[:1])
+            runner.attn.prepare_for_replay(gr._meta(1))
+            us = time_replay_us(gr.graphs[1, "greedy"], iters=ITERS, warmups=3, per=PER)
+            out["replay_us"].setdefault(name, []).append(round(us, 2))
+            del gr
+            print(f"round {round_} {name}: {us:.1f} us", flush=True)
+    best = {name: min(v) for name, v in out["replay_us"].items()}
+    out["cost_us"] = {name[3:]: round(best["full"] - us, 2) for name, us in best.items() if name.startswith("no_")}
+    runner.attn.prepare_for_replay(live._meta(1))
+    return out
+
+
+def chains(llm) -> dict:
+    """Each GEMV kind's launches over every layer's weight as one graph (one input row): time a launch and the
+    bandwidth it reaches; and 256 RMSNorms of one row chained (a kernel boundary's bare cost under PDL)."""
+    from minisgl.kernels import elementwise as ew
+    from minisgl.kernels.gemv import GemvLinear, gemv
+    from minisgl.kernels.options import use_options
+
+    model = llm.engine.runner.model
+    out: dict = {}
+    with use_options(llm.config.kernels):
+        kinds: dict = {}
+        for name, m in model.named_modules():
+            if isinstance(m, GemvLinear):
+                kinds.setdefault(name.rsplit(".", 1)[-1], []).append(m)
+        for kind, mods in kinds.items():
+            k = mods[0].in_features
+            x = torch.randn(1, k, dtype=mods[0].weight.dtype, device=mods[0].weight.device)
+
+            def run(mods=mods, x=x):
+                return [gemv(x, m.weight, m.bias, tiles=m.tiles) for m in mods]
+
+            graph, _ = capture(run)
+            us = time_replay_us(graph, iters=ITERS, warmups=3) / len(mods)
+            nbytes = mods[0].weight.numel() * mods[0].weight.element_size()
+            out[kind] = {"launches": len(mods), "shape": list(mods[0].weight.shape), "tiles": list(mods[0].tiles),
+                         "us_per_launch": round(us, 2), "tb_per_s": round(nbytes / us / 1e6, 3)}
+            print("chain", kind, out[kind], flush=True)
+        w = torch.ones(model.cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+        x0 = torch.randn(1, model.cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+
+        def norms():
+            x = x0
+            for _ in range(256):
+                x = ew.rms_norm(x, w, 1e-6)
+            return x
+
+        graph, _ = capture(norms)
+        out["rms_norm_1row"] = {"launches": 256, "us_per_launch": round(time_replay_us(graph, iters=ITERS) / 256, 3)}
+        print("chain rms_norm", out["rms_norm_1row"], flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("decode_anatomy: no CUDA device, nothing to measure")
+        return
+    from minisgl.bench.runner import environment
+
+    res: dict = {"environment": environment(),
+                 "command": f"python -m lab.checks.decode_anatomy --models {a.models}", "models": {}}
+    path = Path(a.out) / "decode_anatomy.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for model in a.models.split(","):
+        res["models"][model] = with_engine(model, lambda llm: {"step": step_anatomy(llm), "chains": chains(llm)},
+                                           max_model_len=4096, kv_memory_fraction=0.3)
+        path.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
