@@ -435,10 +435,10 @@ CALLS: dict[str, Call] = {
     "anatomy": Call(
         "optional: issue 29, where a batch-1 decode step's time goes: its graph captured again with each part taken "
         "out (norms, RoPE, attention, GEMVs, lm_head), PDL off, the L2 prefetch on, replayed on a live request; "
-        "each GEMV kind chained over the layers (its bandwidth) and a chain of one-row RMSNorms; Qwen3-0.6B and "
-        "Qwen3-8B (lab.checks.decode_anatomy)",
+        "each GEMV kind chained over the layers (its bandwidth) and a chain of one-row RMSNorms; Qwen3-0.6B "
+        "(lab.checks.decode_anatomy)",
         carry=(),
-        steps=(Check("anatomy", 200, ("decode_anatomy.json",), module="decode_anatomy"),)),
+        steps=(Check("anatomy", 120, ("decode_anatomy.json",), module="decode_anatomy"),)),
     "rope_bits": Call(
         "optional: where the fused RoPE parts from the RoPE kernel on the GPU (its tokens differed in run25 and "
         "run26, equal under the CPU interpreter): one decode launch each way in bf16 at Qwen3's head shapes, which "

@@ -12,6 +12,7 @@ one input, so each weight comes from HBM once: per-launch time and the bandwidth
 RMSNorms on one row (the bare cost of a kernel boundary under PDL).
 
     python -m lab.checks.decode_anatomy --out DIR [--models qwen3-0.6b,qwen3-8b]   # writes DIR/decode_anatomy.json
+                                                                                   # (default: Qwen3-0.6B alone)
 
 The outputs of a step with a part taken out are garbage; only the times are read.
 """
@@ -173,7 +174,7 @@ def chains(llm) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
+    ap.add_argument("--models", default="qwen3-0.6b")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode_anatomy: no CUDA device, nothing to measure")
