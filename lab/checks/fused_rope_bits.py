@@ -8,7 +8,9 @@ bf16 at Qwen3's head shapes, one decode launch each way, and says which tensor d
 - `q`: the rotated queries (the fused kernel's own q tile is not visible; `q` compares the RoPE kernel's output
   with norm_and_rope_ref's, the torch reference, to see whether the RoPE kernel itself rounds as specified);
 - `k_stored`: the new key each path wrote into the cache (the fused kernel normalises and rotates it itself);
-- `out`: the attention output.
+- `out`: the attention output;
+- `out_identity_rope`: the fused path given the RoPE kernel's q and k and a rotation that changes nothing, against
+  the unfused output: equal means the fused path's difference is in its q values, unequal that it is elsewhere.
 
 Shapes: Qwen3-0.6B (16 q heads, 8 kv heads, d 128) and Qwen3-8B (32, 8, 128), batch 1 and 8, 1 and 4 splits,
 early keys on and off.
@@ -81,8 +83,17 @@ def compare(hq: int, hkv: int, d: int, bs: int, num_splits: int, early_kv: bool,
                                     num_splits=num_splits, new_kv=(kc, v, loc))
             outs.append(out)
             ks.append(k_buf[loc])
+        # the fused path fed the RoPE kernel's own q and k with a rotation that changes nothing (cos 1, sin 0, no
+        # norm): the same q values reach the kernel's dots, so a difference here is the kernel's, not q's
+        identity = torch.cat([torch.ones_like(cos_sin[:, : d // 2]), torch.zeros_like(cos_sin[:, : d // 2])], -1)
+        k_buf, v_buf = k0.clone(), v0.clone()
+        out = torch.empty(bs, hq, d, device=dev, dtype=dtype)
+        ak.decode_attention(qc, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
+                            num_splits=num_splits, new_kv=(kc, v, loc),
+                            rope=ak.DecodeRope(positions, identity, None, None, 1e-6))
     res["k_stored"] = diff(ks[0], ks[1])
     res["out"] = diff(outs[0], outs[1])
+    res["out_identity_rope"] = diff(out, outs[1])
     return res
 
 
@@ -100,7 +111,7 @@ def main() -> None:
         r = compare(hq, hkv, d, bs, splits, early, seed=len(cases))
         r["model"] = model
         cases.append(r)
-        print(model, bs, splits, early, {k: r[k] for k in ("q_kernel_vs_ref", "k_stored", "out")}, flush=True)
+        print(model, bs, splits, early, {k: r[k] for k in ("k_stored", "out", "out_identity_rope")}, flush=True)
     res = {"environment": environment(), "command": "python -m lab.checks.fused_rope_bits", "cases": cases,
            "all_equal": all(c["out"]["equal"] and c["k_stored"]["equal"] for c in cases)}
     path = Path(a.out) / "fused_rope_bits.json"
