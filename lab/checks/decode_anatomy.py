@@ -105,7 +105,7 @@ def step_anatomy(llm) -> dict:
 
     engine, runner = llm.engine, llm.engine.runner
     prompt = [(31 * j + 7) % 10000 for j in range(PROMPT_LEN)]
-    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))
+    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
     while len(req.output_ids) < 8:
         engine.step()
     torch.cuda.synchronize()
