@@ -10,7 +10,9 @@ bf16 at Qwen3's head shapes, one decode launch each way, and says which tensor d
 - `k_stored`: the new key each path wrote into the cache (the fused kernel normalises and rotates it itself);
 - `out`: the attention output;
 - `out_identity_rope`: the fused path given the RoPE kernel's q and k and a rotation that changes nothing, against
-  the unfused output: equal means the fused path's difference is in its q values, unequal that it is elsewhere.
+  the unfused output: equal means the fused path's difference is in its q values, unequal that it is elsewhere;
+- `out_unfused_again`, `out_store_first`: the unfused launch repeated (determinism), and with the new K/V stored
+  by its own launch first (the fused store's part), each against the unfused output.
 
 Shapes: Qwen3-0.6B (16 q heads, 8 kv heads, d 128) and Qwen3-8B (32, 8, 128), batch 1 and 8, 1 and 4 splits,
 early keys on and off.
@@ -91,9 +93,19 @@ def compare(hq: int, hkv: int, d: int, bs: int, num_splits: int, early_kv: bool,
         ak.decode_attention(qc, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
                             num_splits=num_splits, new_kv=(kc, v, loc),
                             rope=ak.DecodeRope(positions, identity, None, None, 1e-6))
+        res["out_identity_rope"] = diff(out, outs[1])
+        # the unfused call once more (is one launch deterministic?), and with the new K/V stored by a launch of
+        # its own before the attention (no fused store)
+        for label, fused_store in (("out_unfused_again", True), ("out_store_first", False)):
+            k_buf, v_buf = k0.clone(), v0.clone()
+            out = torch.empty(bs, hq, d, device=dev, dtype=dtype)
+            if not fused_store:
+                ew.store_kv(k_buf, v_buf, loc, kc, v)
+            ak.decode_attention(qc, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
+                                num_splits=num_splits, new_kv=(kc, v, loc) if fused_store else None)
+            res[label] = diff(out, outs[1])
     res["k_stored"] = diff(ks[0], ks[1])
     res["out"] = diff(outs[0], outs[1])
-    res["out_identity_rope"] = diff(out, outs[1])
     return res
 
 
@@ -111,7 +123,8 @@ def main() -> None:
         r = compare(hq, hkv, d, bs, splits, early, seed=len(cases))
         r["model"] = model
         cases.append(r)
-        print(model, bs, splits, early, {k: r[k] for k in ("k_stored", "out", "out_identity_rope")}, flush=True)
+        print(model, bs, splits, early, {k: r[k]["elements_differing"] for k in ("k_stored", "out", "out_identity_rope",
+                                                                "out_unfused_again", "out_store_first")}, flush=True)
     res = {"environment": environment(), "command": "python -m lab.checks.fused_rope_bits", "cases": cases,
            "all_equal": all(c["out"]["equal"] and c["k_stored"]["equal"] for c in cases)}
     path = Path(a.out) / "fused_rope_bits.json"
