@@ -15,7 +15,9 @@ cos/sin; with EARLY_KV, stage 1's first key tile too), compiled both ways, up to
 `*_kernel` of the four modules must take USE_PDL and be among the compiled ones (a new kernel left out of this
 check fails it). One rule of another kind rides along, since the PTX is at hand: the RoPE kernel and the decode
 kernel's fused RoPE sum a head's squares for Qwen3's q/k norm in fp64 (exact, whatever order each kernel's layout
-adds them in: on the H200 an fp32 sum made the two round apart, run25), so their PTX must hold fp64 adds.
+adds them in: on the H200 an fp32 sum made the two round apart, run25), so their PTX must hold fp64 adds; and every
+compiled variant of the decode kernel must give its dots the same operand kWidth (read from the TTGIR: the fused
+RoPE's q once came as a join of halves, kWidth 4 against 2, and summed q·k in another order, run27).
 
     python -m lab.checks.pdl_ptx [--json out.json]
 
@@ -74,6 +76,18 @@ def _arg_type(value) -> str:
 
 
 def compile_ptx(kernel, args: tuple, kw: dict, **constexpr_overrides) -> str:
+    """`compile_asm`'s PTX."""
+    return compile_asm(kernel, args, kw, **constexpr_overrides)["ptx"]
+
+
+def dot_kwidths(ttgir: str) -> list[int]:
+    """The operand kWidth of each tt.dot in a kernel's TTGIR, in order: the dots of the decode kernel must not
+    change it with the fused RoPE (a wider kWidth sums q·k's products in another order: run27's rope_bits)."""
+    return [int(m.group(1)) for line in ttgir.splitlines() if "tt.dot" in line
+            for m in [re.search(r"kWidth = (\d+)", line)] if m]
+
+
+def compile_asm(kernel, args: tuple, kw: dict, **constexpr_overrides) -> dict:
     """The sm_90 PTX of `kernel` for a recorded call, launch_pdl on and the given constexprs overridden. Compiled
     without a launch's divisibility specialisation (16-byte aligned pointers and strides), so no load is
     vectorised: a thread loads each element it holds with a load of its own, which makes the loads before the
@@ -92,7 +106,7 @@ def compile_ptx(kernel, args: tuple, kw: dict, **constexpr_overrides) -> str:
     options = {k: v for k, v in kw.items() if k in _COMPILE_OPTIONS}
     options["launch_pdl"] = True
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
 
 
 def _is_global_access(opcode: str) -> bool:
@@ -293,6 +307,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the per-kernel results here")
     args = parser.parse_args()
     results, seen = [], set()
+    stage1_kwidths: set[int] = set()  # one value if no switch (the fused RoPE) changes the dots' operand layout
     for kernel, a, kw in record_launches():
         variants = [{}]
         params = [p.name for p in kernel.params]
@@ -315,7 +330,10 @@ def main() -> int:
             if key in seen:
                 continue
             seen.add(key)
-            ptx = compile_ptx(kernel, a, kw, USE_PDL=True, **overrides)
+            asm = compile_asm(kernel, a, kw, USE_PDL=True, **overrides)
+            ptx = asm["ptx"]
+            if kernel.__name__ == "_decode_stage1_kernel":
+                stage1_kwidths.update(dot_kwidths(asm["ttgir"]))
             early = overrides.get("EARLY_W", 0) > 0 or overrides.get("EARLY_META", False)
             # the early metadata: a decode row's length, (stage 1) its table row, its new slot with the fused store
             # and its first key tile's slots (at most one load per slot: every thread may hold them all); RoPE's
@@ -345,6 +363,9 @@ def main() -> int:
                     bad_controls.append(f"{module.__name__}.{name} takes no USE_PDL")
                 elif name not in compiled:
                     bad_controls.append(f"{module.__name__}.{name} is not exercised by record_launches")
+    if len(stage1_kwidths) > 1:  # every switch of the decode kernel must keep its dots' summation order
+        bad_controls.append(f"_decode_stage1_kernel: the dots' operand kWidth differs between variants "
+                            f"{sorted(stage1_kwidths)}: their q·k sums would round apart (run27, rope_bits)")
     for failure in bad_controls:
         print("BAD ", failure)
     kernels = {r["kernel"] for r in results}

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minisgl.kernels.elementwise import _jit, apply_rope, norm_and_rope, norm_rope_halves  # _jit: triton.jit, if any
+from minisgl.kernels.elementwise import _jit, apply_rope, norm_and_rope, norm_rope_full  # _jit: triton.jit, if any
 from minisgl.kernels.options import current_options
 from minisgl.kernels.pdl import pdl_enter, pdl_launch, pdl_launch_dependents, pdl_wait
 
@@ -178,29 +178,30 @@ def _tile_accumulate(acc, alpha, p, v, IEEE_DOT: tl.constexpr):
 
 
 @_jit
-def _rope_cos_sin(Pos, CosSin, b, stride_cs, HALF: tl.constexpr):
-    """Row b's cos and sin [1, HALF] (fp32), from its position."""
+def _rope_cos_sin(Pos, CosSin, b, stride_cs, D: tl.constexpr):
+    """Row b's cos and sin [1, D] (fp32) from its position, each half table repeated over the whole head, and the
+    rotation's sign (-1 on the first half, +1 on the second): what norm_rope_full takes."""
     pos = tl.load(Pos + b).to(tl.int64)
-    offs = tl.arange(0, HALF)
+    offs = tl.arange(0, D) % (D // 2)
     cos = tl.load(CosSin + pos * stride_cs + offs).to(tl.float32)[None, :]
-    sin = tl.load(CosSin + pos * stride_cs + HALF + offs).to(tl.float32)[None, :]
-    return cos, sin
+    sin = tl.load(CosSin + pos * stride_cs + D // 2 + offs).to(tl.float32)[None, :]
+    sign = tl.where(tl.arange(0, D) < D // 2, -1.0, 1.0)[None, :]
+    return cos, sin, sign
 
 
 @_jit
-def _rope_heads_tile(X, stride_h, W, cos, sin, eps, H, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+def _rope_heads_tile(X, stride_h, W, cos, sin, sign, eps, H, BLOCK_H: tl.constexpr, D: tl.constexpr,
                      NORM: tl.constexpr):
     """The H heads at X (rows of a BLOCK_H tile; the rest zero) as the RoPE kernel leaves them (kernels/elementwise.py:
-    Qwen3's per-head norm first with NORM, then the rotation over the whole head), as a [BLOCK_H, 2 * HALF] tile."""
+    Qwen3's per-head norm first with NORM, then the rotation over the whole head), as a [BLOCK_H, D] tile."""
     offs_h = tl.arange(0, BLOCK_H)
-    offs = tl.arange(0, HALF)
+    offs = tl.arange(0, D)
+    partner = (offs + D // 2) % D
     mask = (offs_h < H)[:, None]
-    p = X + offs_h[:, None] * stride_h + offs[None, :]
-    x1 = tl.load(p, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p + HALF, mask=mask, other=0.0).to(tl.float32)
-    r1, r2 = norm_rope_halves(x1, x2, W, cos, sin, offs, offs < HALF, eps, X.dtype.element_ty, HALF, NORM, False)
-    # [BLOCK_H, HALF] twice -> [BLOCK_H, HALF, 2] -> [BLOCK_H, 2, HALF] -> [BLOCK_H, 2 * HALF]: the halves side by side
-    return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_H, 2 * HALF))
+    p = X + offs_h[:, None] * stride_h
+    x = tl.load(p + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(p + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return norm_rope_full(x, xp, W, offs, partner, cos, sin, sign, eps, X.dtype.element_ty, D, NORM)
 
 
 @_jit
@@ -243,11 +244,11 @@ def _decode_stage1_kernel(
             k0 = _load_kv(K, slots0, offs_n0 < end, kvh, stride_kn, stride_kh, offs_d, dmask)
             v0 = _load_kv(V, slots0, offs_n0 < end, kvh, stride_vn, stride_vh, offs_d, dmask)
         if ROPE:  # the token's position is the step's input, its cos/sin a constant table
-            cos, sin = _rope_cos_sin(Pos, CosSin, b, stride_cs, HEAD_DIM // 2)
+            cos, sin, sign = _rope_cos_sin(Pos, CosSin, b, stride_cs, HEAD_DIM)
         if USE_PDL:
             pdl_wait()
     elif ROPE:
-        cos, sin = _rope_cos_sin(Pos, CosSin, b, stride_cs, HEAD_DIM // 2)
+        cos, sin, sign = _rope_cos_sin(Pos, CosSin, b, stride_cs, HEAD_DIM)
 
     offs_g = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_g
@@ -271,7 +272,7 @@ def _decode_stage1_kernel(
                     slot = tl.load(OutLoc + b).to(tl.int64)
                 if ROPE:  # this kv head's new key, normalised and rotated as the RoPE kernel would have
                     kn = tl.reshape(_rope_heads_tile(KNew + b.to(tl.int64) * stride_knb + kvh * stride_knh, 0,
-                                                     WK, cos, sin, rope_eps, 1, 1, HEAD_DIM // 2, ROPE_NORM),
+                                                     WK, cos, sin, sign, rope_eps, 1, 1, HEAD_DIM, ROPE_NORM),
                                     (BLOCK_D,))
                 else:
                     kn = tl.load(KNew + b.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d, mask=dmask)
@@ -287,7 +288,7 @@ def _decode_stage1_kernel(
             row = tl.load(ReqPoolIdx + b).to(tl.int64)
         if ROPE:  # the group's q heads as they come from the projection: normalised and rotated here
             q = _rope_heads_tile(Q + b.to(tl.int64) * stride_qb + kvh * GROUP * stride_qh, stride_qh, WQ, cos, sin,
-                                 rope_eps, GROUP, BLOCK_H, HEAD_DIM // 2, ROPE_NORM)
+                                 sign, rope_eps, GROUP, BLOCK_H, HEAD_DIM, ROPE_NORM)
         else:
             q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
             q = tl.load(q_ptrs, mask=hmask[:, None] & dmask[None, :], other=0.0)
