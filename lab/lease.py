@@ -434,7 +434,7 @@ CALLS: dict[str, Call] = {
         steps=(Check("decode_mid", 150, ("decode_mid.json",), module="decode_mid"),)),  # run26: profile 25 s
     "anatomy": Call(
         "optional: issue 29, where a batch-1 decode step's time goes: its graph captured again with each part taken "
-        "out (norms, RoPE, attention, GEMVs, lm_head), PDL off, the L2 prefetch on, replayed on a live request; "
+        "out (norms, RoPE, attention, GEMVs, lm_head) and PDL off, replayed on a live request; "
         "each GEMV kind chained over the layers (its bandwidth) and a chain of one-row RMSNorms; Qwen3-0.6B "
         "(lab.checks.decode_anatomy)",
         carry=(),
@@ -445,15 +445,6 @@ CALLS: dict[str, Call] = {
         "of the stored key and the output differ and by how much (lab.checks.fused_rope_bits; ~40 s)",
         carry=(),
         steps=(Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits"),)),
-    "prefetch": Call(
-        "optional: issue 29, each decode GEMV prefetching the next matmul's weights into L2 while it runs (kernel "
-        "option gemv_prefetch_mb): tokens at 0, 4 and 16 MiB under CUDA graphs, then W2 at each, two rounds, "
-        "Qwen3-0.6B; then Qwen3.5-0.8B at 0 and 16 MiB, one round",
-        carry=(),
-        steps=(Lab("prefetch06", 260, ("prefetch06.json",), ("prefetch06",)),
-               Lab("prefetch35", 150, ("prefetch35.json",), ("prefetch35",)))),
-    "prefetch8": Call("optional: the same on Qwen3-8B at 0, 8 and 32 MiB, W2 in one round", carry=(),
-                      steps=(Lab("prefetch8", 420, ("prefetch8.json",), ("prefetch8",)),)),
     "fold": Call(
         "optional: issue 29, the RMSNorms folded into the decode GEMVs (kernel option gemv_norm_fold): tokens off "
         "and on (greedy and seeded sampling, batch 1 and 8, graphs and eager), then W2 off and on, two rounds; "

@@ -552,7 +552,6 @@ def pdl_tokens(model: str = "qwen3-0.6b") -> dict:
 
 
 FOLD_ABOUT = "RMSNorms folded into the GEMVs"
-PREFETCH_ABOUT = "each decode GEMV asks L2 for the first MiB of the next matmul's weights"
 EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot, and RoPE each token's position "
                     "and its cos/sin, before their PDL wait")
 FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"
@@ -579,18 +578,6 @@ def kernel_option_ab(model: str, options: dict[str, str], rounds: int = 2, each:
     runs = Bench(model, tuple(Arm(label, ("w2",), kernel=kernel, about=about)
                               for label, (kernel, about) in arms.items()), rounds)() if rounds else {}
     return {"tokens": tokens, "runs": runs, "ok": all(t["ok"] for t in tokens.values())}
-
-
-def option_values_ab(model: str, option: str, values: tuple, rounds: int = 2, about: str = "") -> dict:
-    """A kernel option that changes no arithmetic, at several values (the first is the reference): tokens under CUDA
-    graphs at each value against the first (they must be the same), then W2 at each value, interleaved `rounds`
-    times. Arms are named `<option>_<value>`."""
-    arms = {f"{option}_{value}": {option: value} for value in values}
-    reference = next(iter(arms))
-    tokens = same_tokens(model, {label: ({}, kernel) for label, kernel in arms.items()}, reference)
-    runs = Bench(model, tuple(Arm(label, ("w2",), kernel=kernel, about=about)
-                              for label, kernel in arms.items()), rounds)() if rounds else {}
-    return {"tokens": tokens, "runs": runs, "ok": tokens["ok"]}
 
 
 def pdl_check() -> dict:
@@ -752,15 +739,6 @@ SECTIONS: dict[str, Section] = {
                       "Qwen3-0.6B: tokens and W2 with the RMSNorms folded into the GEMVs, off and on"),
     "fold8": section(lambda: kernel_option_ab("qwen3-8b", {"gemv_norm_fold": FOLD_ABOUT}, rounds=1),
                      "the same on Qwen3-8B, one round"),
-    "prefetch06": section(lambda: option_values_ab("qwen3-0.6b", "gemv_prefetch_mb", (0, 4, 16), about=PREFETCH_ABOUT),
-                          "Qwen3-0.6B: tokens and W2 with each decode GEMV prefetching the next matmul's weights "
-                          "into L2 (0, 4, 16 MiB of them), two rounds"),
-    "prefetch35": section(lambda: option_values_ab("qwen3.5-0.8b", "gemv_prefetch_mb", (0, 16), rounds=1,
-                                                   about=PREFETCH_ABOUT), "the same on Qwen3.5-0.8B, 0 and 16 MiB, "
-                          "one round"),
-    "prefetch8": section(lambda: option_values_ab("qwen3-8b", "gemv_prefetch_mb", (0, 8, 32), rounds=1,
-                                                  about=PREFETCH_ABOUT), "the same on Qwen3-8B, 0, 8 and 32 MiB, "
-                         "one round"),
     "early_meta06": section(lambda: kernel_option_ab("qwen3-0.6b", {"early_metadata": EARLY_META_ABOUT}),
                             "Qwen3-0.6B: tokens and W2 with the decode kernels' and RoPE's metadata read before "
                             "their PDL wait, off and on"),

@@ -140,10 +140,6 @@ class KernelOptions:
                                     "(default: the GPU's table in kernels/gemv_tuned/, if any)")
     gemv_pdl_early_tiles: int = _opt(2, "--gemv-pdl-early-tiles",
                                      "weight tiles the GEMV loads before its PDL wait, 0-3 (kernels/gemv.py)")
-    gemv_prefetch_mb: int = _opt(0, "--gemv-prefetch-mb",
-                                 "MiB of the next matmul's weights (at most) each decode GEMV asks L2 for while it "
-                                 "runs, so the weight stream goes on through the kernels between matmuls; 0: "
-                                 "none (sm_90+; kernels/gemv.py, \"The L2 prefetch\")")
     decode_split_waves: int = _opt(2, "--decode-split-waves",
                                    "waves of SMs the decode attention's (request, kv head, split) programs fill, "
                                    "1-16: more waves, more splits of each request's keys (kernels/attention.py, "
@@ -165,8 +161,6 @@ class KernelOptions:
     def validate(self) -> None:
         if not 0 <= self.gemv_pdl_early_tiles <= 3:
             raise ValueError(f"gemv_pdl_early_tiles must be in 0..3, got {self.gemv_pdl_early_tiles}")
-        if not 0 <= self.gemv_prefetch_mb <= 1024:
-            raise ValueError(f"gemv_prefetch_mb must be in 0..1024, got {self.gemv_prefetch_mb}")
         if not 1 <= self.decode_split_waves <= 16:
             raise ValueError(f"decode_split_waves must be in 1..16, got {self.decode_split_waves}")
         if self.gdn.prefill not in ("chunked", "recurrent"):

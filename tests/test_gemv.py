@@ -120,7 +120,7 @@ def test_gemv_linear_routes_by_row_count(force_triton, monkeypatch):
     lin = gv.GemvLinear(nn.Linear(8, 4), max_rows=2)
     calls = []
     real = torch.nn.functional.linear
-    monkeypatch.setattr(gv, "gemv", lambda x, w, b=None, **kw: calls.append(x.shape[0]) or real(x, w, b))
+    monkeypatch.setattr(gv, "gemv", lambda x, w, b=None, tiles=None: calls.append(x.shape[0]) or real(x, w, b))
     lin(torch.randn(2, 8))
     lin(torch.randn(3, 8))
     lin(torch.randn(1, 2, 8))  # not 2-D: the plain path
@@ -149,7 +149,7 @@ def test_gemv_linear_keeps_the_measured_row_limit(force_triton, monkeypatch):
     lin = gv.GemvLinear(nn.Linear(8, 4), table={(4, 8): (1, 16, 1, 2)})
     calls = []
     real = torch.nn.functional.linear
-    monkeypatch.setattr(gv, "gemv", lambda x, w, b=None, **kw: calls.append(x.shape[0]) or real(x, w, b))
+    monkeypatch.setattr(gv, "gemv", lambda x, w, b=None, tiles=None: calls.append(x.shape[0]) or real(x, w, b))
     for rows in (1, 2, 3, 4):
         lin(torch.randn(rows, 8))
     assert calls == [1, 2]
@@ -299,58 +299,3 @@ def test_norm_fold_layer_matches_the_decoder_layer_to_the_bit(force_triton, arch
                 h, residual = layer(h, residual, positions, rotary, _Attn())
             outs.append((h, residual))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), rows
-
-
-@pytest.mark.parametrize("norm_fold", [False, True])
-def test_each_gemv_prefetches_the_matmul_that_runs_next(monkeypatch, norm_fold):
-    """link_prefetch (via use_gemv) gives every GemvLinear the weight of the matmul that a decode-sized forward runs
-    right after it (qkv, o, gate_up, down, the next layer's qkv, ..., lm_head), with and without the norm fold;
-    the last matmul (lm_head) prefetches nothing."""
-    from minisgl.models.config import ModelConfig
-    from minisgl.models.decoder import DecoderLayer, DecoderLM
-    from minisgl.models.layers import MLP
-
-    cfg = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
-                      num_q_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
-                      rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False,
-                      qk_norm=True)
-    model = DecoderLM(cfg)
-    gv.use_gemv(model, fold=(MLP,), norm_fold=(DecoderLayer,) if norm_fold else ())
-    ran = []  # the weights in the order the forward multiplies by them
-    for name in ("gemv", "gemv_rms_norm"):
-        real = getattr(gv, name)
-
-        def recorder(*args, _real=real, _name=name, **kw):
-            ran.append(args[4] if _name == "gemv_rms_norm" else args[1])
-            return _real(*args, **kw)
-        monkeypatch.setattr(gv, name, recorder)
-    model(torch.tensor([5]), torch.tensor([3]), _Attn())
-    assert len(ran) == 4 * cfg.num_layers + 1
-    owner = {m.weight.data_ptr(): m for m in model.modules() if isinstance(m, gv.GemvLinear)}
-    assert len(owner) == len(ran)
-    for cur, nxt in zip(ran, ran[1:]):
-        assert owner[cur.data_ptr()].prefetch is nxt
-    assert owner[ran[-1].data_ptr()].prefetch is None  # lm_head: nothing after it
-    assert "_next" not in dict(model.named_parameters())  # the link is no parameter
-
-
-def test_prefetch_plan_covers_the_first_megabytes(monkeypatch):
-    """The launch's prefetch: 16 KiB pieces covering the first gemv_prefetch_mb MiB of the next weight (the last
-    piece clamped to end there), enough pieces per program for the grid; nothing when the option is 0, the weight
-    smaller than a piece, or the device not sm_90+ (a CPU here)."""
-    if gv.triton is None:
-        pytest.skip("Triton is not installed")
-    nxt, weight = torch.empty(3000, 1024, dtype=torch.bfloat16), torch.empty(8, 8, dtype=torch.bfloat16)
-    with kernel_options(gemv_prefetch_mb=4):
-        assert gv._prefetch_plan(nxt, 100, weight)[2] == 0  # a CPU tensor: no bulk prefetch
-        monkeypatch.setattr(gv, "prefetch_supported", lambda device: True)
-        ptr, last, count, lanes, piece = gv._prefetch_plan(nxt, 100, weight)
-        assert ptr is nxt and piece * 2 == gv.PREFETCH_PIECE_BYTES
-        total = (4 << 20) // 2  # elements in 4 MiB
-        assert count == -(-total // piece) and last == total - piece and lanes * 100 >= count > (lanes // 2) * 100
-        small = torch.empty(10, 1024, dtype=torch.bfloat16)  # 20 KiB whole: one 16 KiB piece, clamped to its end
-        assert gv._prefetch_plan(small, 100, weight)[1:3] == (small.numel() - piece, 2)
-        assert gv._prefetch_plan(torch.empty(8, 8, dtype=torch.bfloat16), 100, weight)[2] == 0
-        assert gv._prefetch_plan(None, 100, weight)[2] == 0
-    with kernel_options(gemv_prefetch_mb=0):
-        assert gv._prefetch_plan(nxt, 100, weight)[2] == 0

@@ -5,7 +5,7 @@ say what each part costs the step. Here the step's CUDA graph (bs 1, greedy: the
 write) is captured again with one part replaced by nothing (no kernel at all: the norms and the RoPE hand back
 their inputs, the attention its query, a matmul an uninitialised buffer of its output's shape), and replayed back to
 back on the live request's buffers (a 1,024-token context). `full - no_X` is what part X costs the step.
-Two more probes: PDL off, and the L2 prefetch on (kernel option gemv_prefetch_mb 16: run27 found W2 slower).
+One more probe: PDL off. (run27 also took the L2 prefetch of commit 96611da, since removed.)
 
 Then chains: each matmul kind's GEMVs (the model's own weights, every layer's in turn) replayed as one graph with
 one input, so each weight comes from HBM once: per-launch time and the bandwidth it reaches; and a chain of
@@ -75,8 +75,6 @@ def _variants() -> dict:
         "no_lm_head": ([(GemvLinear, "forward", no_lm_head)], {}),
         "gemv_only": (norm + rope + attention, {}),
         "no_pdl": ([], {"pdl": False}),
-        "prefetch16": ([], {"gemv_prefetch_mb": 16}),
-        "gemv_only_prefetch16": (norm + rope + attention, {"gemv_prefetch_mb": 16}),
     }
 
 

@@ -117,14 +117,9 @@ def _is_global_access(opcode: str) -> bool:
     return not any(space in opcode for space in (".param", ".shared", ".local", ".const"))
 
 
-PREFETCH_L2 = "cp.async.bulk.prefetch.L2.global"
-
-
-def check_ptx(ptx: str, allow_loads_before_wait: bool = False, max_early_loads: int | None = None,
-              allow_prefetch_before_wait: bool = False) -> list[str]:
+def check_ptx(ptx: str, allow_loads_before_wait: bool = False, max_early_loads: int | None = None) -> list[str]:
     """Problems with the order of `griddepcontrol.wait` and global accesses in the kernel's PTX ([] if none).
-    `max_early_loads`: with loads allowed before the wait, at most this many (the early metadata's own).
-    `allow_prefetch_before_wait`: L2 prefetches (of weights, which no kernel writes) may come first too."""
+    `max_early_loads`: with loads allowed before the wait, at most this many (the early metadata's own)."""
     lines = ptx.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == "{") + 1
     before = []
@@ -149,8 +144,6 @@ def check_ptx(ptx: str, allow_loads_before_wait: bool = False, max_early_loads: 
     for opcode, s in before:
         if _is_global_access(opcode):
             if allow_loads_before_wait and opcode.startswith(("ld.global", "ldu.global")):
-                continue
-            if allow_prefetch_before_wait and opcode.startswith(PREFETCH_L2):
                 continue
             problems.append(f"global access before griddepcontrol.wait: {s}")
     early_loads = sum(op.startswith(("ld.global", "ldu.global")) for op, _ in before)
@@ -313,8 +306,6 @@ def main() -> int:
         params = [p.name for p in kernel.params]
         if "EARLY_W" in params:
             variants = [{"EARLY_W": 3}, {"EARLY_W": 1}, {"EARLY_W": 0}]
-            # the L2 prefetch of the next weight (PREFETCH, kernel option gemv_prefetch_mb): issued before the wait
-            variants += [dict(v, PREFETCH=True, PF_LANES=2, PF_PIECE=8192, PF_BYTES=16384) for v in variants[::2]]
         if "EARLY_META" in params:
             variants = [{"EARLY_META": True}, {"EARLY_META": False}]
         if "EARLY_KV" in params and kw.get("FUSED_STORE"):  # the early keys: with the early metadata only
@@ -343,10 +334,7 @@ def main() -> int:
                 stage1 += 2 * kw["BLOCK_N"] * kw["BLOCK_D"] // (32 * kw["num_warps"])
             metadata = ({"_decode_stage1_kernel": stage1, "_decode_stage2_kernel": 1,
                          "_rope_kernel": 3}[kernel.__name__] if overrides.get("EARLY_META") else None)
-            problems = check_ptx(ptx, allow_loads_before_wait=early, max_early_loads=metadata,
-                                 allow_prefetch_before_wait=overrides.get("PREFETCH", False))
-            if overrides.get("PREFETCH") and PREFETCH_L2 not in ptx:
-                problems.append(f"PREFETCH: no {PREFETCH_L2} in the PTX")
+            problems = check_ptx(ptx, allow_loads_before_wait=early, max_early_loads=metadata)
             if (kw.get("NORM") or kw.get("ROPE_NORM")) and not re.search(r"\b(?:add|fma)\.rn\.f64\b", ptx):
                 problems.append("no fp64 add: a q/k norm's head sum must be exact (sum_squares), or the fused RoPE "
                                 "and the RoPE kernel round apart (run25)")

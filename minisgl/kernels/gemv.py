@@ -22,13 +22,6 @@ RMSNorms run inside the GEMV after each (`gemv_rms_norm`: every program computes
 same outputs to the bit. Measured on an H100 it made batch-1 decode 0.6-1.1% slower (reports/h100/run22): the
 launch it saves costs less than reading the rows twice more in every program.
 
-The L2 prefetch (the kernel option `gemv_prefetch_mb`, 0 = off). At batch 1 the matmuls stream the weights only
-while they run: through the norms, the RoPE and the attention between them HBM idles, and each GEMV starts cold.
-`link_prefetch` gives every GemvLinear the weight of the matmul after it, and each launch asks L2 for the first
-`gemv_prefetch_mb` MiB of it (Hopper's `cp.async.bulk.prefetch.L2`, 16 KiB a request, spread over all programs:
-fire and forget, no registers), so the next GEMV finds its tiles in L2. Only where the bytes come from changes,
-never a sum: the tokens are the same on and off.
-
 With programmatic dependent launch (kernels/pdl.py) the GEMV may start while the kernel before it still runs. It
 waits for it before reading x or writing y, but it loads its first weight tiles *before* the wait (up to the kernel
 option `gemv_pdl_early_tiles` of them), so the weight stream overlaps the predecessor's tail: the weights are
@@ -50,7 +43,7 @@ from torch import nn
 
 from minisgl.kernels import elementwise as ew
 from minisgl.kernels.options import current_options
-from minisgl.kernels.pdl import gdc_launch_dependents, gdc_wait, hopper_or_newer, pdl_launch
+from minisgl.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 
 try:
     import triton
@@ -60,8 +53,7 @@ except ImportError:  # CPU-only installs: GemvLinear is plain F.linear
     tl = None
 
 __all__ = ["GEMV_MAX_ROWS", "GemvLinear", "GemvMLP", "GemvNormLayer", "device_table", "gemv", "gemv_config",
-           "gemv_max_rows", "gemv_rms_norm", "link_prefetch", "load_table", "prefetch_supported", "table_for",
-           "use_gemv"]
+           "gemv_max_rows", "gemv_rms_norm", "load_table", "table_for", "use_gemv"]
 
 # Rows (tokens) up to which the GEMV replaces cuBLAS; above it a GEMM's tiles reuse each weight load across rows.
 GEMV_MAX_ROWS = 4
@@ -123,15 +115,6 @@ def _load_w(w_ptr, offs_n, n_mask, k, k_mask, stride_wn):
 
 
 @_jit
-def _prefetch_l2(ptrs, nbytes, active):
-    """Ask L2 for `nbytes` from each address where `active` is non-zero (Hopper's bulk prefetch: the thread does
-    not wait for it, and nothing lands in registers)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [ptrs, nbytes, active], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@_jit
 def _x_tile(x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm, stride_rm,
             SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
     """The input rows' columns k [ROWS_PAD, BLOCK_K], in fp32, as the matmul sees them."""
@@ -184,17 +167,11 @@ def _norm_prologue(x_ptr, r_ptr, res_ptr, offs_m, m_mask, offs_k, K, stride_xm, 
 
 @_jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, N, K, stride_xm, stride_wn, stride_ym,
-                 stride_rm, stride_om, eps, pf_ptr, pf_last, pf_count,
+                 stride_rm, stride_om, eps,
                  ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                 USE_PDL: tl.constexpr, EARLY_W: tl.constexpr,
-                 PREFETCH: tl.constexpr, PF_LANES: tl.constexpr, PF_PIECE: tl.constexpr, PF_BYTES: tl.constexpr):
+                 USE_PDL: tl.constexpr, EARLY_W: tl.constexpr):
     pid = tl.program_id(0)
-    if PREFETCH:  # the next matmul's weights into L2, a share per program (weights: safe before any PDL wait)
-        piece = tl.arange(0, PF_LANES) * tl.num_programs(0) + pid
-        start = tl.minimum(piece.to(tl.int64) * PF_PIECE, pf_last)
-        nbytes = tl.full((PF_LANES,), PF_BYTES, tl.int32)
-        _prefetch_l2(pf_ptr + start, nbytes, (piece < pf_count).to(tl.int32))
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS_PAD)
     offs_k = tl.arange(0, BLOCK_K)
@@ -262,23 +239,19 @@ def gemv_max_rows(n: int, k: int, table: GemvTable = NO_TABLE) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         silu_mul: bool = False, tiles: tuple[int, int, int] | None = None,
-         prefetch: torch.Tensor | None = None) -> torch.Tensor:
+         silu_mul: bool = False, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for x `[rows, K]` (rows <= GEMV_MAX_ROWS) and weight `[N, K]`; fp32 accumulation.
     silu_mul=True: x is `[rows, 2K]` (gate | up) and the product is `silu_and_mul(x) @ weight.T`, the MLP's down
     projection with its activation folded in (one launch fewer per layer). `tiles`: (BLOCK_N, BLOCK_K, warps),
-    by default from `table_for(x.device)` (a GemvLinear passes the ones it resolved when it was swapped in).
-    `prefetch`: the next matmul's weight, whose first `gemv_prefetch_mb` MiB (a kernel option) the launch asks L2
-    for while it runs (see "The L2 prefetch" above; never written by a kernel, as `weight`)."""
+    by default from `table_for(x.device)` (a GemvLinear passes the ones it resolved when it was swapped in)."""
     if not ew.use_triton(x) or x.shape[0] == 0:
         return F.linear(ew.silu_and_mul(x) if silu_mul else x, weight, bias)
-    return _launch(x, weight, bias, tiles, silu_mul=silu_mul, prefetch=prefetch)[0]
+    return _launch(x, weight, bias, tiles, silu_mul=silu_mul)[0]
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tiles: tuple[int, int, int] | None = None,
-                  prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder layer's RMSNorm and the projection after it in one launch: `(rms_norm(x + residual) @ weight.T +
     bias, x + residual)`, to the bit what `ew.fused_add_rms_norm` then `gemv` return (residual None: `ew.rms_norm`
     then `gemv`, and the residual returned is x). Every program computes the rows' rstd itself (the rows are a few
@@ -292,12 +265,11 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     if norm_weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
         raise ValueError(f"gemv_rms_norm needs x, residual and norm weight in one dtype, got {x.dtype}, "
                          f"{None if residual is None else residual.dtype}, {norm_weight.dtype}")
-    return _launch(x, weight, bias, tiles, norm=(residual, norm_weight, eps), prefetch=prefetch)
+    return _launch(x, weight, bias, tiles, norm=(residual, norm_weight, eps))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None,
-            silu_mul: bool = False, norm: tuple | None = None,
-            prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            silu_mul: bool = False, norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, k = x.shape
     n = weight.shape[0]
     if silu_mul:
@@ -319,42 +291,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
     early = current_options().gemv_pdl_early_tiles
     early_tiles = min(early, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
     r = residual if residual is not None else x
-    grid = triton.cdiv(n, block_n)
-    pf_ptr, pf_last, pf_count, pf_lanes, pf_piece = _prefetch_plan(prefetch, grid, weight)
-    _gemv_kernel[(grid,)](
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, r, norm_weight, res_out, n, k, x.stride(0),
-        weight.stride(0), y.stride(0), r.stride(0), res_out.stride(0), eps, pf_ptr, pf_last, pf_count,
+        weight.stride(0), y.stride(0), r.stride(0), res_out.stride(0), eps,
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RES=residual is not None,
-        USE_PDL=bool(kw), EARLY_W=early_tiles, PREFETCH=pf_count > 0, PF_LANES=pf_lanes, PF_PIECE=pf_piece,
-        PF_BYTES=pf_piece * pf_ptr.element_size(), num_warps=warps, **kw)
+        USE_PDL=bool(kw), EARLY_W=early_tiles, num_warps=warps, **kw)
     return y, (res_out if norm is not None else None)
 
-
-# The L2 prefetch (kernel option gemv_prefetch_mb): each prefetch instruction asks for one piece this long
-PREFETCH_PIECE_BYTES = 16 << 10
-
-
-def prefetch_supported(device: torch.device) -> bool:
-    """Whether a GEMV on `device` can prefetch (Hopper's bulk L2 prefetch: a CUDA GPU of sm_90 or newer)."""
-    return device.type == "cuda" and hopper_or_newer(device)
-
-
-def _prefetch_plan(nxt: torch.Tensor | None, grid: int, weight: torch.Tensor) -> tuple:
-    """(pointer, last piece's first element, pieces, pieces per program (a power of two), elements a piece) of the
-    prefetch a GEMV launch of `grid` programs makes: the first `gemv_prefetch_mb` MiB of `nxt`, or nothing
-    (pieces 0; the pointer is then `weight`, never read)."""
-    cap = current_options().gemv_prefetch_mb << 20
-    none = (weight, 0, 0, 1, 1)
-    if not cap or nxt is None or not prefetch_supported(nxt.device) or not nxt.is_contiguous() \
-            or nxt.data_ptr() % 16:
-        return none
-    piece = PREFETCH_PIECE_BYTES // nxt.element_size()
-    total = min(nxt.numel(), cap // nxt.element_size())
-    if total < piece:
-        return none
-    count = triton.cdiv(total, piece)
-    return nxt, total - piece, count, triton.next_power_of_2(triton.cdiv(count, grid)), piece
 
 class GemvLinear(nn.Module):
     """An `nn.Linear` whose few-row calls take the GEMV. Holds the same parameters under the same names, and the
@@ -367,16 +311,10 @@ class GemvLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.max_rows = min(max_rows, gemv_max_rows(*linear.weight.shape, table))
         self.tiles = gemv_config(*linear.weight.shape, table) if triton is not None else None
-        self._next: tuple[torch.Tensor, ...] = ()  # the next matmul's weight (link_prefetch); a tuple, not a Parameter
-
-    @property
-    def prefetch(self) -> torch.Tensor | None:
-        """The weight this GEMV prefetches into L2 (the kernel option gemv_prefetch_mb), if link_prefetch set one."""
-        return self._next[0] if self._next else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
-            return gemv(x, self.weight, self.bias, tiles=self.tiles, prefetch=self.prefetch)
+            return gemv(x, self.weight, self.bias, tiles=self.tiles)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -400,8 +338,7 @@ class GemvMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
-            down = self.down_proj
-            return gemv(self.gate_up_proj(x), down.weight, silu_mul=True, tiles=down.tiles, prefetch=down.prefetch)
+            return gemv(self.gate_up_proj(x), self.down_proj.weight, silu_mul=True, tiles=self.down_proj.tiles)
         return self._mlp_forward(x)
 
 
@@ -426,7 +363,7 @@ class GemvNormLayer(nn.Module):
             return self._layer_forward(x, residual, positions, rotary, attn)
         norm = self.input_layernorm
         qkv, residual = gemv_rms_norm(x, residual, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias,
-                                      a.qkv_proj.tiles, a.qkv_proj.prefetch)
+                                      a.qkv_proj.tiles)
         # the rest of Attention.forward (models/decoder.py), after its projection
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         q = q.view(t, a.num_q_heads, a.head_dim)
@@ -436,10 +373,9 @@ class GemvNormLayer(nn.Module):
         h = a.o_proj(attn.forward(q, k, v, a.layer_id).reshape(t, a.q_size))
         norm = self.post_attention_layernorm
         if isinstance(mlp, GemvMLP) and _takes_gemv(mlp.gate_up_proj, t) and t <= mlp.max_rows:
-            up, down = mlp.gate_up_proj, mlp.down_proj
-            gate_up, residual = gemv_rms_norm(h, residual, norm.weight, norm.eps, up.weight, None, up.tiles,
-                                              up.prefetch)
-            return gemv(gate_up, down.weight, silu_mul=True, tiles=down.tiles, prefetch=down.prefetch), residual
+            gate_up, residual = gemv_rms_norm(h, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, None,
+                                              mlp.gate_up_proj.tiles)
+            return gemv(gate_up, mlp.down_proj.weight, silu_mul=True, tiles=mlp.down_proj.tiles), residual
         h, residual = norm(h, residual)
         return mlp(h), residual
 
@@ -463,22 +399,7 @@ def use_gemv(model: nn.Module, fold: tuple[type, ...] = (), max_rows: int = GEMV
     if table is None:
         weight = next(model.parameters(), None)
         table = table_for(weight.device) if weight is not None else NO_TABLE
-    swapped = _swap(model, fold, max_rows, table, norm_fold)
-    link_prefetch(model)
-    return swapped
-
-
-def link_prefetch(model: nn.Module) -> int:
-    """Give every GemvLinear under `model` the weight of the matmul after it (the next `nn.Linear` or GemvLinear in
-    the modules' order, which is a decoder's forward order: qkv, o, gate_up, down, the next layer's qkv, ...,
-    lm_head), for the L2 prefetch; returns how many got one. A wrong order would cost speed, never correctness."""
-    matmuls = [m for m in model.modules() if isinstance(m, (GemvLinear, nn.Linear))]
-    linked = 0
-    for cur, nxt in zip(matmuls, matmuls[1:]):
-        if isinstance(cur, GemvLinear):
-            cur._next = (nxt.weight,)
-            linked += 1
-    return linked
+    return _swap(model, fold, max_rows, table, norm_fold)
 
 
 def _swap(model: nn.Module, fold: tuple[type, ...], max_rows: int, table: GemvTable,

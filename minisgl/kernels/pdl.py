@@ -58,7 +58,7 @@ try:  # Triton >= 3.2 exposes grid dependency control; older versions simply nev
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["hopper_or_newer", "pdl_enter", "pdl_launch", "pdl_launch_dependents", "pdl_wait", "triton_supports_pdl"]
+__all__ = ["pdl_enter", "pdl_launch", "pdl_launch_dependents", "pdl_wait", "triton_supports_pdl"]
 
 
 def _detect_triton_pdl() -> bool:
@@ -82,8 +82,7 @@ def triton_supports_pdl() -> bool:
 _capable: dict[int, bool] = {}  # device index -> compute capability >= 9
 
 
-def hopper_or_newer(device: torch.device) -> bool:
-    """Whether the CUDA `device` is sm_90 or newer (Hopper's grid dependency control, bulk prefetch)."""
+def _device_capable(device: torch.device) -> bool:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _capable.get(idx)
     if ok is None:
@@ -97,7 +96,7 @@ def pdl_launch(t: torch.Tensor) -> dict:
     `USE_PDL=bool(kw), **kw`."""
     if not (_TRITON_PDL and t.is_cuda and current_options().pdl):
         return {}
-    return {"launch_pdl": True} if hopper_or_newer(t.device) else {}
+    return {"launch_pdl": True} if _device_capable(t.device) else {}
 
 
 def _jit(fn):
