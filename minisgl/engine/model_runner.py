@@ -38,6 +38,10 @@ from minisgl.loader import DTYPES, load_model
 from minisgl.models.registry import runtime_name
 from minisgl.scheduler import Batch
 
+# what a step's host arrays become on the device (ModelRunner._upload)
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                 np.dtype(np.float32): torch.float32}
+
 
 def cpu_threads(config: EngineConfig) -> int:
     """Torch threads for an engine on the CPU: `config.cpu_threads`, or for 0 (auto) one fewer than the cores
@@ -318,6 +322,20 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
+    def _upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """The arrays (int64, int32 or float32, any shape) on the device in one copy, as views of one buffer in
+        their own dtypes and shapes. Each starts on a 16-byte boundary: Triton compiles a kernel variant per
+        pointer alignment, and unaligned views would make the variant depend on the batch's sizes."""
+        parts = [np.ascontiguousarray(p) for p in parts]
+        padded = [p.nbytes + (-p.nbytes) % 16 for p in parts]
+        offsets = np.cumsum([0] + padded[:-1]).tolist()
+        host = np.zeros(sum(padded), dtype=np.uint8)
+        for part, off in zip(parts, offsets):
+            host[off:off + part.nbytes] = part.reshape(-1).view(np.uint8)
+        dev = self._to_device(host)
+        return [dev[off:off + p.nbytes].view(_TORCH_DTYPES[p.dtype]).view(p.shape)
+                for p, off in zip(parts, offsets)]
+
     def prepare(self, batch: Batch, pad_to: tuple[int, int] | None = None,
                 writes: tuple[np.ndarray, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, SamplingTensors, torch.Tensor]:
@@ -353,34 +371,28 @@ class ModelRunner:
         if pad_to is not None:  # prefill graph: padded on the host, so the one upload has the graph's shapes
             token_src, positions, loc, rows, prefix, extend, start, logit_idx = pad_extend_step(
                 pad_to, token_src, positions, loc, rows, prefix, extend, start, logit_idx)
-        parts = [token_src, positions, loc, rows, prefix + extend, prefix, extend, start, logit_idx, token_dst,
-                 seeds, steps, top_ks, writes.ravel(), *extra]  # all in one copy
-        # Each part starts on a 16-byte boundary: Triton compiles a kernel variant per pointer alignment, and
-        # unaligned views would make the variant depend on the batch's token count.
-        padded = [n + n % 2 for n in map(len, parts)]
-        ints = np.zeros(sum(padded), dtype=np.int64)
-        offsets = np.cumsum([0] + padded[:-1])
-        for part, off in zip(parts, offsets):
-            ints[off:off + len(part)] = part
         temps = [r.params.temperature for r in reqs]
         floats = np.zeros((3, s + (-s) % 4), dtype=np.float32)  # rows on 16-byte boundaries too
         floats[0, :s], floats[1, :s] = temps, [r.params.top_p for r in reqs]
         floats[2, :s] = [r.params.min_p for r in reqs]
-        dev_ints, dev_floats = self._to_device(ints), self._to_device(floats)
-        (src_d, pos, out_loc, rows_d, seq_lens, prefix_d, extend_d, start_d, logit_d, dst_d, seeds_d, steps_d,
-         topk_d, writes_d, *extra_d) = (chunk[:len(part)] for chunk, part in zip(dev_ints.split(padded), parts))
-        self.req_pool.apply_writes(writes_d.view(3, writes.shape[1]), n_slot_writes)
+        # the attention metadata's int32 arrays travel as int32: no conversion kernels on the device
+        lens32 = [a.astype(np.int32) for a in (prefix + extend, prefix, extend, start)]
+        (src_d, pos, out_loc, rows_d, logit_d, dst_d, seeds_d, steps_d, topk_d, writes_d, floats_d, seq_lens,
+         prefix_d, extend_d, start_d, *extra_d) = self._upload(
+            [token_src, positions, loc, rows, logit_idx, token_dst, seeds, steps, top_ks, writes, floats, *lens32,
+             *(np.asarray(a, dtype=np.int64) for a in extra)])
+        self.req_pool.apply_writes(writes_d, n_slot_writes)
         input_ids = self.req_pool.token_ids.view(-1)[src_d]
         meta = self.runtime.metadata_cls(
-            is_decode=batch.is_decode, req_pool_indices=rows_d, seq_lens=seq_lens.int(),
-            prefix_lens=prefix_d.int(), extend_lens=extend_d.int(), extend_start=start_d.int(),
+            is_decode=batch.is_decode, req_pool_indices=rows_d, seq_lens=seq_lens,
+            prefix_lens=prefix_d, extend_lens=extend_d, extend_start=start_d,
             out_cache_loc=out_loc, max_seq_len=int((prefix + extend).max()), max_extend_len=int(extend.max()),
             seq_lens_cpu=(prefix + extend).tolist(), prefix_lens_cpu=prefix.tolist(),
             extend_lens_cpu=extend.tolist())
         self.runtime.attach(meta, extra_d)
         sampling = SamplingTensors(
-            temperatures=dev_floats[0, :s], top_ps=dev_floats[1, :s], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
-            all_greedy=all(x == 0 for x in temps), min_ps=dev_floats[2, :s],
+            temperatures=floats_d[0, :s], top_ps=floats_d[1, :s], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
+            all_greedy=all(x == 0 for x in temps), min_ps=floats_d[2, :s],
             any_top_k_p=any(r.params.cuts(vocab) for r in reqs))
         return input_ids, pos, meta, logit_d, sampling, dst_d
 
