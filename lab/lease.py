@@ -434,11 +434,15 @@ CALLS: dict[str, Call] = {
         steps=(Check("decode_mid", 150, ("decode_mid.json",), module="decode_mid"),)),  # run26: profile 25 s
     "anatomy": Call(
         "optional: issue 29, where a batch-1 decode step's time goes: its graph captured again with each part taken "
-        "out (norms, RoPE, attention, GEMVs, lm_head) and PDL off, replayed on a live request; "
-        "each GEMV kind chained over the layers (its bandwidth) and a chain of one-row RMSNorms; Qwen3-0.6B "
-        "(lab.checks.decode_anatomy)",
+        "out (norms, RoPE, attention, GEMVs, lm_head) and with each launch-time kernel option moved (PDL, split "
+        "waves, fused merge, early keys and metadata, the GEMV's early tiles), replayed on a live request; each "
+        "GEMV kind chained over the layers (its bandwidth) and a chain of one-row RMSNorms; Qwen3-0.6B "
+        "(lab.checks.decode_anatomy; run27 on an H100: ~36 s)",
         carry=(),
         steps=(Check("anatomy", 120, ("decode_anatomy.json",), module="decode_anatomy"),)),
+    "anatomy8": Call("optional: the same on Qwen3-8B", carry=(),
+                     steps=(Check("anatomy8", 200, ("decode_anatomy.json",), module="decode_anatomy",
+                                  args=("--models", "qwen3-8b")),)),
     "rope_bits": Call(
         "optional: where the fused RoPE parts from the RoPE kernel on the GPU (its tokens differed in run25 and "
         "run26, equal under the CPU interpreter): one decode launch each way in bf16 at Qwen3's head shapes, which "
