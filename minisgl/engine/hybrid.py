@@ -153,10 +153,10 @@ class LinearStateRuntime(ModelRuntime):
         state_slots, cu_seqlens = rows, np.append(start, num_tokens)  # slot = row
         if pad_to is not None:  # padded requests: the dummy slot, empty
             state_slots, cu_seqlens = pad_state_step(pad_to, state_slots, cu_seqlens, self.state_pool.dummy_slot)
-        return [state_slots, cu_seqlens]
+        return [state_slots, cu_seqlens.astype(np.int32)]  # the bounds as the kernels read them: no conversion
 
     def attach(self, meta: HybridAttentionMetadata, arrays: list[torch.Tensor]) -> None:
-        meta.state_slots, meta.cu_seqlens = arrays[0], arrays[1].int()
+        meta.state_slots, meta.cu_seqlens = arrays
 
     def before_step(self, batch: Batch) -> None:
         self.state_pool.start(batch.state_inits)  # admitted requests start from zeros or a prefix snapshot

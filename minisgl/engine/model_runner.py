@@ -380,7 +380,7 @@ class ModelRunner:
         (src_d, pos, out_loc, rows_d, logit_d, dst_d, seeds_d, steps_d, topk_d, writes_d, floats_d, seq_lens,
          prefix_d, extend_d, start_d, *extra_d) = self._upload(
             [token_src, positions, loc, rows, logit_idx, token_dst, seeds, steps, top_ks, writes, floats, *lens32,
-             *(np.asarray(a, dtype=np.int64) for a in extra)])
+             *extra])
         self.req_pool.apply_writes(writes_d, n_slot_writes)
         input_ids = self.req_pool.token_ids.view(-1)[src_d]
         meta = self.runtime.metadata_cls(

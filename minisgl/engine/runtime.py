@@ -76,8 +76,9 @@ class ModelRuntime:
     # --- each step -----------------------------------------------------------------------------------------
     def step_arrays(self, rows: np.ndarray, start: np.ndarray, num_tokens: int,
                     pad_to: tuple[int, int] | None) -> list[np.ndarray]:
-        """Extra int64 arrays of a step (its request rows, each request's first token, the token count), padded
-        to a prefill graph's shape when given; they travel to the device with the step's other inputs."""
+        """Extra int64 or int32 arrays of a step (its request rows, each request's first token, the token count),
+        padded to a prefill graph's shape when given; they travel to the device with the step's other inputs, in
+        their own dtypes."""
         return []
 
     def attach(self, meta: AttentionMetadata, arrays: list[torch.Tensor]) -> None:
