@@ -286,7 +286,7 @@ def norm_rope_halves(x1, x2, W, cos, sin, offs_d, dmask, eps, dt, HALF: tl.const
                      ZERO_CENTRED: tl.constexpr):
     """A whole-head rotary (no REST dims) of the halves x1, x2 [heads, HALF] (fp32): with NORM, RMSNorm each head
     first (Qwen3's q/k norms), then rotate; both halves rounded to dt. The decode kernel's fused RoPE
-    (kernels/attention.py) calls it too: the same operations as the RoPE kernel, in the same order."""
+    (kernels/attention.py) does the same operations on whole heads (`norm_rope_full`)."""
     if NORM:
         # exact sums (sum_squares): a head's rstd must not depend on how a kernel's layout orders the terms
         rstd = tl.rsqrt((sum_squares(x1, 1) + sum_squares(x2, 1)).to(tl.float32) / (2 * HALF) + eps)[:, None]
