@@ -443,6 +443,12 @@ CALLS: dict[str, Call] = {
     "anatomy8": Call("optional: the same on Qwen3-8B", carry=(),
                      steps=(Check("anatomy8", 200, ("decode_anatomy.json",), module="decode_anatomy",
                                   args=("--models", "qwen3-8b")),)),
+    "barrier": Call(
+        "optional: issue 29, a dependent phase's cost as a PDL kernel boundary (bare, and with a GEMV's 8 KB of "
+        "early-loaded weights a program) against a grid barrier inside one persistent kernel, 132-1,056 programs "
+        "(lab.checks.grid_barrier; the case for a persistent decode-layer kernel)",
+        carry=(),
+        steps=(Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier"),)),
     "rope_bits": Call(
         "optional: where the fused RoPE parts from the RoPE kernel on the GPU (its tokens differed in run25 and "
         "run26, equal under the CPU interpreter): one decode launch each way in bf16 at Qwen3's head shapes, which "
