@@ -5,10 +5,11 @@ say what each part costs the step. Here the step's CUDA graph (bs 1, greedy: the
 write) is captured again with one part replaced by nothing (no kernel at all: the norms and the RoPE hand back
 their inputs, the attention its query, a matmul an uninitialised buffer of its output's shape), and replayed back to
 back on the live request's buffers (a 1,024-token context). `full - no_X` is what part X costs the step.
-More probes, kernel options a launch reads (each captured graph keeps its own): PDL off, the decode splits at one
-wave of SMs, the splits merged in the first launch, the early keys and the early metadata off, the GEMV's early
-weight tiles at 0 and 3. `option_us` gives each against `full` (negative: faster). (run27 also took the L2
-prefetch of commit 96611da, since removed.)
+More probes: the decode attention in one split (a program per kv head over the whole context, no merge
+launch); kernel options a launch reads (each captured graph keeps its own): PDL off, the decode splits at one wave
+of SMs, the splits merged in the first launch, the early keys and the early metadata off, the GEMV's early weight
+tiles at 0 and 3. `option_us` gives each against `full` (negative: faster). (run27 also took the L2 prefetch of
+commit 96611da, since removed.)
 
 Then chains: each matmul kind's GEMVs (the model's own weights, every layer's in turn) replayed as one graph with
 one input, so each weight comes from HBM once: per-launch time and the bandwidth it reaches; and a chain of
@@ -77,6 +78,7 @@ def _variants() -> dict:
         "no_gemv": (gemv, {}),
         "no_lm_head": ([(GemvLinear, "forward", no_lm_head)], {}),
         "gemv_only": (norm + rope + attention, {}),
+        "one_split": ([("attn", "_num_splits", lambda bs: 1)], {}),  # one program per kv head, no merge launch
         "no_pdl": ([], {"pdl": False}),
         # kernel options a launch reads (so each captured graph keeps its own): the step with each lever moved
         "waves1": ([], {"decode_split_waves": 1}),
@@ -134,7 +136,8 @@ def step_anatomy(llm) -> dict:
     best = {name: min(v) for name, v in out["replay_us"].items()}
     out["cost_us"] = {name[3:]: round(best["full"] - us, 2) for name, us in best.items()
                       if name.startswith("no_") and not _variants()[name][1]}
-    out["option_us"] = {name: round(us - best["full"], 2) for name, us in best.items() if _variants()[name][1]}
+    out["option_us"] = {name: round(us - best["full"], 2) for name, us in best.items()
+                        if _variants()[name][1] or not name.startswith(("no_", "full", "gemv_only"))}
     runner.attn.prepare_for_replay(live._meta(1))
     return out
 
