@@ -443,6 +443,15 @@ CALLS: dict[str, Call] = {
     "anatomy8": Call("optional: the same on Qwen3-8B", carry=(),
                      steps=(Check("anatomy8", 200, ("decode_anatomy.json",), module="decode_anatomy",
                                   args=("--models", "qwen3-8b")),)),
+    "probes": Call(
+        "optional, a session's first call: issue 29's quick probes in one call: the fused RoPE against the RoPE "
+        "kernel bit by bit (rope_bits) and in the engine's tokens (rope_tokens06), the batch-1 step's anatomy, the "
+        "grid barrier against a kernel boundary",
+        carry=(),
+        steps=(Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits"),
+               Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",)),
+               Check("anatomy", 120, ("decode_anatomy.json",), module="decode_anatomy"),
+               Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier"))),
     "barrier": Call(
         "optional: issue 29, a dependent phase's cost as a PDL kernel boundary (bare, and with a GEMV's 8 KB of "
         "early-loaded weights a program) against a grid barrier inside one persistent kernel, 132-1,056 programs "
