@@ -326,15 +326,21 @@ class ModelRunner:
         """The arrays (int64, int32 or float32, any shape) on the device in one copy, as views of one buffer in
         their own dtypes and shapes. Each starts on a 16-byte boundary: Triton compiles a kernel variant per
         pointer alignment, and unaligned views would make the variant depend on the batch's sizes."""
-        parts = [np.ascontiguousarray(p) for p in parts]
-        padded = [p.nbytes + (-p.nbytes) % 16 for p in parts]
-        offsets = np.cumsum([0] + padded[:-1]).tolist()
-        host = np.zeros(sum(padded), dtype=np.uint8)
-        for part, off in zip(parts, offsets):
-            host[off:off + part.nbytes] = part.reshape(-1).view(np.uint8)
+        offsets, end = [], 0
+        for p in parts:
+            offsets.append(end)
+            end += p.nbytes + (-p.nbytes) % 16
+        host = np.zeros(end, dtype=np.uint8)
+        for p, off in zip(parts, offsets):
+            host[off:off + p.nbytes] = p.reshape(-1).view(np.uint8)  # reshape copies a strided array
         dev = self._to_device(host)
-        return [dev[off:off + p.nbytes].view(_TORCH_DTYPES[p.dtype]).view(p.shape)
-                for p, off in zip(parts, offsets)]
+        typed = {dt: dev.view(tt) for dt, tt in _TORCH_DTYPES.items()}  # the whole buffer in each dtype, once
+        out = []
+        for p, off in zip(parts, offsets):
+            start = off // p.itemsize
+            view = typed[p.dtype][start:start + p.size]
+            out.append(view if p.ndim == 1 else view.view(p.shape))
+        return out
 
     def prepare(self, batch: Batch, pad_to: tuple[int, int] | None = None,
                 writes: tuple[np.ndarray, int] | None = None
