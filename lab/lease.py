@@ -319,6 +319,11 @@ class Call:
 # four are on the machine.
 # issue 29's sweep in a fresh process: a call of its own, and the first step of `gemv`
 WARMUP_SWEEP = Lab("warmup_sweep", 170, ("warmup_sweep.json",), ("warmup_sweep",))
+# issue 29's quick probes: each a call of its own, and together the `probes` call
+ROPE_BITS = Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits")
+ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",))
+ANATOMY = Check("anatomy", 120, ("decode_anatomy.json",), module="decode_anatomy")
+BARRIER = Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier")
 # the full lease: the headline, its diagnoses and SGLang beside it
 HEADLINE_CALLS = ("call1", "call2", "call3", "call4")
 CALLS: dict[str, Call] = {
@@ -439,7 +444,7 @@ CALLS: dict[str, Call] = {
         "GEMV kind chained over the layers (its bandwidth) and a chain of one-row RMSNorms; Qwen3-0.6B "
         "(lab.checks.decode_anatomy; run27 on an H100: ~36 s)",
         carry=(),
-        steps=(Check("anatomy", 120, ("decode_anatomy.json",), module="decode_anatomy"),)),
+        steps=(ANATOMY,)),
     "anatomy8": Call("optional: the same on Qwen3-8B", carry=(),
                      steps=(Check("anatomy8", 200, ("decode_anatomy.json",), module="decode_anatomy",
                                   args=("--models", "qwen3-8b")),)),
@@ -448,22 +453,19 @@ CALLS: dict[str, Call] = {
         "kernel bit by bit (rope_bits) and in the engine's tokens (rope_tokens06), the batch-1 step's anatomy, the "
         "grid barrier against a kernel boundary",
         carry=(),
-        steps=(Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits"),
-               Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",)),
-               Check("anatomy", 120, ("decode_anatomy.json",), module="decode_anatomy"),
-               Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier"))),
+        steps=(ROPE_BITS, ROPE_TOKENS, ANATOMY, BARRIER)),
     "barrier": Call(
         "optional: issue 29, a dependent phase's cost as a PDL kernel boundary (bare, and with a GEMV's 8 KB of "
         "early-loaded weights a program) against a grid barrier inside one persistent kernel, 132-1,056 programs "
         "(lab.checks.grid_barrier; the case for a persistent decode-layer kernel)",
         carry=(),
-        steps=(Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier"),)),
+        steps=(BARRIER,)),
     "rope_bits": Call(
         "optional: where the fused RoPE parts from the RoPE kernel on the GPU (its tokens differed in run25 and "
         "run26, equal under the CPU interpreter): one decode launch each way in bf16 at Qwen3's head shapes, which "
         "of the stored key and the output differ and by how much (lab.checks.fused_rope_bits; ~40 s)",
         carry=(),
-        steps=(Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits"),)),
+        steps=(ROPE_BITS,)),
     "fold": Call(
         "optional: issue 29, the RMSNorms folded into the decode GEMVs (kernel option gemv_norm_fold): tokens off "
         "and on (greedy and seeded sampling, batch 1 and 8, graphs and eager), then W2 off and on, two rounds; "
@@ -493,7 +495,7 @@ CALLS: dict[str, Call] = {
                          Lab("early_kv35", 120, ("early_kv35.json",), ("early_kv35",)))),
     "rope_tokens": Call("optional: the fused RoPE's tokens off and on alone (Qwen3-0.6B, graphs and eager), for a "
                         "lease's last minutes", carry=(),
-                        steps=(Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",)),)),
+                        steps=(ROPE_TOKENS,)),
     "fused_rope8": Call("optional: the same on Qwen3-8B, W2 in one round", carry=(),
                         steps=(Lab("fused_rope8", 480, ("fused_rope8.json",), ("fused_rope8",)),)),
     "fused_merge": Call(

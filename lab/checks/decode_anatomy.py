@@ -121,8 +121,9 @@ def step_anatomy(llm) -> dict:
     torch.cuda.synchronize()
     live = runner.graph_runner
     out: dict = {"context_tokens": PROMPT_LEN + len(req.output_ids), "replay_us": {}}
+    variants = _variants()
     for round_ in range(2):
-        for name, (patches, kernel) in _variants().items():
+        for name, (patches, kernel) in variants.items():
             options = dataclasses.replace(llm.config.kernels, **kernel)
             with _patched(patches, runner.attn), use_options(options):
                 gr = CudaGraphRunner(runner, 1, batch_sizes=[1])
@@ -134,10 +135,11 @@ def step_anatomy(llm) -> dict:
             del gr
             print(f"round {round_} {name}: {us:.1f} us", flush=True)
     best = {name: min(v) for name, v in out["replay_us"].items()}
-    out["cost_us"] = {name[3:]: round(best["full"] - us, 2) for name, us in best.items()
-                      if name.startswith("no_") and not _variants()[name][1]}
+    # a part taken out (no kernel option moved): what it costs; every other probe but the baselines: its change
+    removed = {name for name, (_, kernel) in variants.items() if name.startswith("no_") and not kernel}
+    out["cost_us"] = {name[3:]: round(best["full"] - best[name], 2) for name in removed}
     out["option_us"] = {name: round(us - best["full"], 2) for name, us in best.items()
-                        if _variants()[name][1] or not name.startswith(("no_", "full", "gemv_only"))}
+                        if name not in removed and name not in ("full", "gemv_only")}
     runner.attn.prepare_for_replay(live._meta(1))
     return out
 

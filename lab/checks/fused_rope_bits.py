@@ -66,46 +66,35 @@ def compare(hq: int, hkv: int, d: int, bs: int, num_splits: int, early_kv: bool,
     kw = (1 + 0.1 * torch.randn(d, generator=gen, device=dev)).to(dtype)
     scale = d ** -0.5
     res = {"hq": hq, "hkv": hkv, "d": d, "bs": bs, "num_splits": num_splits, "early_kv": early_kv}
+
+    def attend(qx, new_kv, rope=None):
+        """One decode launch on fresh copies of the cache: (its output, the cache's keys after it)."""
+        k_buf, v_buf = k0.clone(), v0.clone()
+        if new_kv is None:  # the new K/V stored by a launch of its own first (no fused store)
+            ew.store_kv(k_buf, v_buf, loc, kc, v)
+        out = torch.empty(bs, hq, d, device=dev, dtype=dtype)
+        ak.decode_attention(qx, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
+                            num_splits=num_splits, new_kv=new_kv, rope=rope)
+        return out, k_buf
+
     with kernel_options(early_kv=early_kv):
-        outs, ks = [], []
-        for fused in (True, False):
-            k_buf, v_buf = k0.clone(), v0.clone()
-            out = torch.empty(bs, hq, d, device=dev, dtype=dtype)
-            if fused:
-                rope = ak.DecodeRope(positions, cos_sin, qw, kw, 1e-6)
-                ak.decode_attention(q, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
-                                    num_splits=num_splits, new_kv=(k, v, loc), rope=rope)
-            else:
-                qc, kc = q.clone(), k.clone()
-                ew.norm_and_rope(qc, kc, positions, cos_sin, qw, kw, 1e-6)
-                qr, kr = ew.norm_and_rope_ref(q.clone(), k.clone(), positions, cos_sin, qw, kw, 1e-6)
-                res["q_kernel_vs_ref"] = diff(qc, qr)
-                res["k_kernel_vs_ref"] = diff(kc, kr)
-                ak.decode_attention(qc, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
-                                    num_splits=num_splits, new_kv=(kc, v, loc))
-            outs.append(out)
-            ks.append(k_buf[loc])
+        out_fused, k_fused = attend(q, (k, v, loc), ak.DecodeRope(positions, cos_sin, qw, kw, 1e-6))
+        qc, kc = q.clone(), k.clone()
+        ew.norm_and_rope(qc, kc, positions, cos_sin, qw, kw, 1e-6)
+        qr, kr = ew.norm_and_rope_ref(q.clone(), k.clone(), positions, cos_sin, qw, kw, 1e-6)
+        res["q_kernel_vs_ref"] = diff(qc, qr)
+        res["k_kernel_vs_ref"] = diff(kc, kr)
+        out_unfused, k_unfused = attend(qc, (kc, v, loc))
         # the fused path fed the RoPE kernel's own q and k with a rotation that changes nothing (cos 1, sin 0, no
         # norm): the same q values reach the kernel's dots, so a difference here is the kernel's, not q's
         identity = torch.cat([torch.ones_like(cos_sin[:, : d // 2]), torch.zeros_like(cos_sin[:, : d // 2])], -1)
-        k_buf, v_buf = k0.clone(), v0.clone()
-        out = torch.empty(bs, hq, d, device=dev, dtype=dtype)
-        ak.decode_attention(qc, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
-                            num_splits=num_splits, new_kv=(kc, v, loc),
-                            rope=ak.DecodeRope(positions, identity, None, None, 1e-6))
-        res["out_identity_rope"] = diff(out, outs[1])
-        # the unfused call once more (is one launch deterministic?), and with the new K/V stored by a launch of
-        # its own before the attention (no fused store)
-        for label, fused_store in (("out_unfused_again", True), ("out_store_first", False)):
-            k_buf, v_buf = k0.clone(), v0.clone()
-            out = torch.empty(bs, hq, d, device=dev, dtype=dtype)
-            if not fused_store:
-                ew.store_kv(k_buf, v_buf, loc, kc, v)
-            ak.decode_attention(qc, k_buf, v_buf, r2t, rows, seq_lens, out, scale, max_seq_len=max_len,
-                                num_splits=num_splits, new_kv=(kc, v, loc) if fused_store else None)
-            res[label] = diff(out, outs[1])
-    res["k_stored"] = diff(ks[0], ks[1])
-    res["out"] = diff(outs[0], outs[1])
+        res["out_identity_rope"] = diff(attend(qc, (kc, v, loc), ak.DecodeRope(positions, identity, None, None,
+                                                                               1e-6))[0], out_unfused)
+        # the unfused call once more (is one launch deterministic?), and with the new K/V stored first
+        res["out_unfused_again"] = diff(attend(qc, (kc, v, loc))[0], out_unfused)
+        res["out_store_first"] = diff(attend(qc, None)[0], out_unfused)
+    res["k_stored"] = diff(k_fused[loc], k_unfused[loc])
+    res["out"] = diff(out_fused, out_unfused)
     return res
 
 

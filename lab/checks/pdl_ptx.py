@@ -88,10 +88,11 @@ def dot_kwidths(ttgir: str) -> list[int]:
 
 
 def compile_asm(kernel, args: tuple, kw: dict, **constexpr_overrides) -> dict:
-    """The sm_90 PTX of `kernel` for a recorded call, launch_pdl on and the given constexprs overridden. Compiled
-    without a launch's divisibility specialisation (16-byte aligned pointers and strides), so no load is
-    vectorised: a thread loads each element it holds with a load of its own, which makes the loads before the
-    wait countable exactly (the bounds in `main`). The order of loads and the wait is the launched kernel's."""
+    """The sm_90 compilation stages of `kernel` (`ttgir`, `ptx`, ...) for a recorded call, launch_pdl on and the
+    given constexprs overridden. Compiled without a launch's divisibility specialisation (16-byte aligned pointers
+    and strides), so no load is vectorised: a thread loads each element it holds with a load of its own, which
+    makes the loads before the wait countable exactly (the bounds in `main`). The order of loads and the wait is
+    the launched kernel's."""
     names = [p.name for p in kernel.params]
     values = dict(zip(names, args))
     values.update({k: v for k, v in kw.items() if k in names})
