@@ -40,6 +40,8 @@ def test_serving_benchmark_smoke(tmp_path_factory, tmp_path):
         for metric in ("ttft", "tpot", "itl", "e2e"):
             assert 0 < r[metric]["median_ms"] <= r[metric]["p99_ms"], (metric, r[metric])
         assert r["e2e"]["median_ms"] >= r["ttft"]["median_ms"]
-        assert r["front_cpu_s"] > 0 and r["engine_cpu_s"] > 0
+        # /proc counts CPU time in clock ticks (10 ms): the front's share of a handful of tiny requests can
+        # round to zero, the engine's model steps cannot.
+        assert r["front_cpu_s"] >= 0 and r["engine_cpu_s"] > 0
     assert data["offline"]["output_tokens"] == data["results"]["all_at_once"]["output_tokens"]
     assert data["server_over_offline"] > 0
