@@ -324,6 +324,7 @@ ROPE_BITS = Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope
 ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",))
 ANATOMY = Check("anatomy", 120, ("decode_anatomy.json",), module="decode_anatomy")
 BARRIER = Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier")
+PERSISTENT = Check("persistent", 90, ("persistent_gemv.json",), module="persistent_gemv")
 # the full lease: the headline, its diagnoses and SGLang beside it
 HEADLINE_CALLS = ("call1", "call2", "call3", "call4")
 CALLS: dict[str, Call] = {
@@ -451,9 +452,17 @@ CALLS: dict[str, Call] = {
     "probes": Call(
         "optional, a session's first call: issue 29's quick probes in one call: the fused RoPE against the RoPE "
         "kernel bit by bit (rope_bits) and in the engine's tokens (rope_tokens06), the batch-1 step's anatomy, the "
-        "grid barrier against a kernel boundary",
+        "grid barrier against a kernel boundary, Qwen3-0.6B's GEMV chain in one persistent kernel against the "
+        "engine's launches",
         carry=(),
-        steps=(ROPE_BITS, ROPE_TOKENS, ANATOMY, BARRIER)),
+        steps=(ROPE_BITS, ROPE_TOKENS, ANATOMY, BARRIER, PERSISTENT)),
+    "persistent": Call(
+        "optional: issue 29, a model's batch-1 GEMV chain (every layer's qkv, o, gate_up, down) in one persistent "
+        "kernel with grid barriers, its next weights loaded before each barrier, against the engine's PDL-chained "
+        "gemv() launches; tiles and programs per SM swept; Qwen3-0.6B and Qwen3-8B (lab.checks.persistent_gemv)",
+        carry=(),
+        steps=(Check("persistent2", 200, ("persistent_gemv.json",), module="persistent_gemv",
+                     args=("--models", "qwen3-0.6b,qwen3-8b")),)),
     "barrier": Call(
         "optional: issue 29, a dependent phase's cost as a PDL kernel boundary (bare, and with a GEMV's 8 KB of "
         "early-loaded weights a program) against a grid barrier inside one persistent kernel, 132-1,056 programs "
