@@ -456,6 +456,13 @@ CALLS: dict[str, Call] = {
         "engine's launches",
         carry=(),
         steps=(ROPE_BITS, ROPE_TOKENS, ANATOMY, BARRIER, PERSISTENT)),
+    "megakernel": Call(
+        "optional: issue 29, every decoder layer of a batch-1 step in one persistent kernel (six phases a layer, grid "
+        "barriers between: norm+qkv, attention splits with the fused RoPE and store, merge, o, norm+gate_up, down), "
+        "on a live Qwen3-0.6B request: the same bits as the engine's forward? its time against the engine's layers "
+        "and step (lab.checks.decode_megakernel)",
+        carry=(),
+        steps=(Check("megakernel", 150, ("decode_megakernel.json",), module="decode_megakernel"),)),
     "persistent": Call(
         "optional: issue 29, a model's batch-1 GEMV chain (every layer's qkv, o, gate_up, down) in one persistent "
         "kernel with grid barriers, its next weights loaded before each barrier, against the engine's PDL-chained "

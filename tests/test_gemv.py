@@ -300,18 +300,3 @@ def test_norm_fold_layer_matches_the_decoder_layer_to_the_bit(force_triton, arch
             outs.append((h, residual))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), rows
 
-
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_the_persistent_chain_of_the_lab_is_the_engines_chain(force_triton, prefetch):
-    """lab.checks.persistent_gemv's kernel (every matmul of every layer in one launch, grid barriers between) with
-    one program, since the interpreter runs programs one after another and a barrier can only pass with one: the
-    same vector to the bit as the engine's gemv() launches, partial tiles and several K blocks included."""
-    from lab.checks import persistent_gemv as pg
-
-    shapes = {"layers": 2, "qkv": (90, 32), "o": (32, 64), "gate_up": (80, 32), "down": (32, 40)}
-    tiles = {"qkv": (4, 16, 4), "o": (1, 32, 4), "gate_up": (8, 32, 4), "down": (2, 16, 4)}
-    ws = pg.make_weights(shapes, device="cpu")
-    h0 = torch.randn(32, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    want = pg.gemv_chain(ws, h0, tiles)
-    got = pg.PersistentChain(ws, h0, tiles, programs=1, prefetch=prefetch).run()
-    assert want.abs().sum() > 0 and torch.equal(got, want)

@@ -43,7 +43,7 @@ try:
     import triton
     import triton.language as tl
 
-    from minisgl.kernels.gemv import _gemv_tile, _load_w
+    from minisgl.kernels.gemv import _gemv_tile, _load_w, _norm_prologue
 except ImportError:  # a CPU install: main() says so
     triton = None
 
@@ -57,34 +57,41 @@ if triton is not None:
         return _load_w(W, offs_n, offs_n < N, offs_k, offs_k < K, K)
 
     @triton.jit
-    def _tile(W, X, Y, N, K, t, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-              HAS_W0: tl.constexpr):
-        """Y[tile t] = X @ W[tile t].T for one row, the engine's GEMV arithmetic; w0 is the tile's first weight
-        block when HAS_W0 (loaded earlier)."""
+    def _tile(W, X, R, NW, rstd, Y, N, K, t, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+              NORM: tl.constexpr, HAS_W0: tl.constexpr):
+        """Y[tile t] = X @ W[tile t].T for one row, the engine's GEMV arithmetic (with NORM, X is first added to the
+        residual R and RMS-normed with weight NW and the row's rstd, as the GEMV's folded norm does); w0 is the
+        tile's first weight block when HAS_W0 (loaded earlier)."""
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         offs_m = tl.arange(0, 1)
         m_mask = offs_m < 1
         offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-        rstd = tl.zeros((1,), dtype=tl.float32)  # no norm folded in: unused
         if HAS_W0:
-            acc = _gemv_tile(acc, w0, X, X, X, rstd, offs_m, m_mask, offs_k, offs_k < K, K, 0, 0, SILU, False, False)
+            acc = _gemv_tile(acc, w0, X, R, NW, rstd, offs_m, m_mask, offs_k, offs_k < K, K, 0, 0, SILU, NORM, NORM)
         for k0 in range(BLOCK_K if HAS_W0 else 0, K, BLOCK_K):
             k = k0 + offs_k
             w = _load_w(W, offs_n, n_mask, k, k < K, K)
-            acc = _gemv_tile(acc, w, X, X, X, rstd, offs_m, m_mask, k, k < K, K, 0, 0, SILU, False, False)
+            acc = _gemv_tile(acc, w, X, R, NW, rstd, offs_m, m_mask, k, k < K, K, 0, 0, SILU, NORM, NORM)
         tl.store(Y + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=n_mask[None, :])
 
     @triton.jit
     def _matmul(W, X, Y, N, K, pid, P, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                PREFETCH: tl.constexpr):
-        """This program's share of one matmul: tiles pid, pid + P, ...; the first with its preloaded block."""
+                PREFETCH: tl.constexpr, R=None, NW=None, RES_OUT=None, eps=0.0, NORM: tl.constexpr = False):
+        """This program's share of one matmul: tiles pid, pid + P, ...; the first with its preloaded block. With
+        NORM, the input is rms_norm(X + R) * NW, computed in every program from the row's exact sum of squares
+        (the GEMV's folded norm, kernels/gemv.py), and program 0 writes X + R to RES_OUT."""
         n_tiles = tl.cdiv(N, BLOCK_N)
         if pid < n_tiles:
-            _tile(W, X, Y, N, K, pid, w0, BLOCK_N, BLOCK_K, SILU, PREFETCH)
-        for t in range(pid + P, n_tiles, P):
-            _tile(W, X, Y, N, K, t, w0, BLOCK_N, BLOCK_K, SILU, False)
+            rstd = tl.zeros((1,), dtype=tl.float32)
+            if NORM:
+                offs_m = tl.arange(0, 1)
+                rstd = _norm_prologue(X, R, RES_OUT, offs_m, offs_m < 1, tl.arange(0, BLOCK_K), K, 0, 0, 0, eps, 1,
+                                      BLOCK_K, True)
+            _tile(W, X, R, NW, rstd, Y, N, K, pid, w0, BLOCK_N, BLOCK_K, SILU, NORM, PREFETCH)
+            for t in range(pid + P, n_tiles, P):
+                _tile(W, X, R, NW, rstd, Y, N, K, t, w0, BLOCK_N, BLOCK_K, SILU, NORM, False)
 
     @triton.jit
     def _grid_barrier(Counter, target, SPIN: tl.constexpr):

@@ -1,0 +1,107 @@
+"""The lab's persistent-kernel prototypes of issue 29 (lab/checks/persistent_gemv.py, decode_megakernel.py) under
+the Triton interpreter, against the engine's own kernels launched one by one.
+
+The interpreter runs a grid's programs one after another, so a grid barrier can only pass with a single program:
+these tests run one program, which then does every phase's work items itself, in order. What they check is the
+arithmetic (the same bits as the engine's launches) and the hand-offs between phases (buffers, the residual's
+alternation, the weights loaded before a barrier); the barrier itself, and several programs, only a GPU can run
+(the lab checks compare against the engine there before timing anything)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton (and any kernel module) is imported
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed (the GPU kernels are optional)")
+
+from helpers import kernel_options, use_triton_interpreter  # noqa: E402
+
+use_triton_interpreter("minisgl.kernels.gemv", "minisgl.kernels.elementwise", "minisgl.kernels.attention")
+
+from lab.checks import decode_megakernel as mk  # noqa: E402
+from lab.checks import persistent_gemv as pg  # noqa: E402
+
+
+@pytest.fixture
+def force_triton():
+    with kernel_options(triton_on_cpu=True):
+        yield
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_the_persistent_gemv_chain_is_the_engines_chain(force_triton, prefetch):
+    """Every matmul of every layer in one launch: the same vector to the bit as the engine's gemv() launches,
+    partial tiles and several K blocks included."""
+    shapes = {"layers": 2, "qkv": (90, 32), "o": (32, 64), "gate_up": (80, 32), "down": (32, 40)}
+    tiles = {"qkv": (4, 16, 4), "o": (1, 32, 4), "gate_up": (8, 32, 4), "down": (2, 16, 4)}
+    ws = pg.make_weights(shapes, device="cpu")
+    h0 = torch.randn(32, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    want = pg.gemv_chain(ws, h0, tiles)
+    got = pg.PersistentChain(ws, h0, tiles, programs=1, prefetch=prefetch).run()
+    assert want.abs().sum() > 0 and torch.equal(got, want)
+
+
+def _layers_and_step(dtype: torch.dtype, num_splits: int, seq_len: int):
+    """Two random Qwen3-shaped layers (4 q heads, 2 kv heads of 16) and a request of seq_len tokens whose last is
+    this step's, its keys scattered over a pool of 512 slots."""
+    gen = torch.Generator().manual_seed(0)
+    L, hidden, hq, hkv, d, inter = 2, 64, 4, 2, 16, 48
+
+    def rnd(*shape, scale=1.0, plus=0.0):
+        return (torch.randn(*shape, generator=gen) * scale + plus).to(dtype)
+
+    w = mk.StackedLayers(
+        ln1=rnd(L, hidden, scale=0.1, plus=1.0), qkv=rnd(L, (hq + 2 * hkv) * d, hidden, scale=hidden ** -0.5),
+        q_norm=rnd(L, d, scale=0.1, plus=1.0), k_norm=rnd(L, d, scale=0.1, plus=1.0),
+        o=rnd(L, hidden, hq * d, scale=(hq * d) ** -0.5), ln2=rnd(L, hidden, scale=0.1, plus=1.0),
+        gate_up=rnd(L, 2 * inter, hidden, scale=hidden ** -0.5), down=rnd(L, hidden, inter, scale=inter ** -0.5),
+        eps=1e-6, qk_eps=1e-6, num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+    pool = torch.randn(2, L, 512, hkv, d, generator=gen).to(dtype)  # the KV pool's one tensor: [K|V, layer, slot]
+    slots = torch.randperm(511, generator=gen)[:seq_len] + 1
+    req_to_token = torch.zeros(4, 512, dtype=torch.int32)
+    req_to_token[2, :seq_len] = slots.int()
+    angles = torch.arange(1024).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None]
+    step = mk.StepInputs(
+        k_buffers=[pool[0, i] for i in range(L)], v_buffers=[pool[1, i] for i in range(L)],
+        req_to_token=req_to_token, req_pool_indices=torch.tensor([2]),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32), out_cache_loc=slots[seq_len - 1:],
+        positions=torch.tensor([seq_len - 1]), cos_sin=torch.cat([angles.cos(), angles.sin()], -1).contiguous(),
+        scale=d ** -0.5, num_splits=num_splits)
+    tiles = {"qkv": (4, 32, 4), "o": (2, 32, 4), "gate_up": (4, 64, 4), "down": (2, 16, 4)}
+    return w, step, pool, tiles, rnd(hidden)
+
+
+# fp16, not bf16: the interpreter's bf16 dots are wrong (numpy has no bf16), the engine's decode kernel's too
+@pytest.mark.parametrize("dtype,num_splits,seq_len,prefetch", [
+    (torch.float16, 3, 200, True),  # the new token in the second split, the third empty
+    (torch.float32, 1, 70, False),  # one split (the merge of one), fp32 dots
+])
+def test_the_megakernel_is_the_engines_layers_to_the_bit(force_triton, dtype, num_splits, seq_len, prefetch):
+    """Every layer of a decode step in one launch: the hidden state, the residual and the K/V it stores equal the
+    engine's kernels' (norm, qkv GEMV, q/k norm + RoPE, decode attention with the fused store, o GEMV, norm,
+    gate_up GEMV, down GEMV) to the bit."""
+    w, step, pool, tiles, x = _layers_and_step(dtype, num_splits, seq_len)
+    before = pool.clone()
+    want_h, want_r = mk.engine_layers(w, step, x, tiles)
+    want_pool = pool.clone()
+    assert not torch.equal(want_pool, before)  # the step's K/V went into the pool
+    pool.copy_(before)
+    got_h, got_r = mk.Megakernel(w, step, tiles, programs=1, prefetch=prefetch).run(x)
+    assert torch.isfinite(want_h.float()).all() and want_h.abs().sum() > 0
+    assert torch.equal(got_h, want_h) and torch.equal(got_r, want_r)
+    assert torch.equal(pool, want_pool)
+
+
+def test_the_megakernel_reads_the_key_it_stored(force_triton):
+    """The attention phase reads the new token's key from the pool after storing it: a stale key there (the
+    engine's forward never ran) must not change the result."""
+    w, step, pool, tiles, x = _layers_and_step(torch.float16, 3, 200)
+    want_h, _ = mk.engine_layers(w, step, x, tiles)
+    slot = int(step.out_cache_loc)
+    pool[:, :, slot] = 100.0  # what a stale slot would hold
+    got_h, _ = mk.Megakernel(w, step, tiles, programs=1).run(x)
+    assert torch.equal(got_h, want_h)
