@@ -54,3 +54,14 @@ def time_graph(fn: Callable, iters: int = 50, warmups: int = 1) -> float:
     """Median microseconds of one replay of fn captured in a CUDA graph (fn run `warmups` times first)."""
     graph, _ = capture(fn, warmups)
     return time_replay_us(graph, iters=iters, warmups=0)
+
+
+def time_graph_or_eager(fn: Callable, iters: int = 50, per: int = 1) -> tuple[float, str]:
+    """Median microseconds of fn captured in a CUDA graph, or, where it cannot be captured (e.g. a cooperative
+    launch on a driver that refuses one in a graph), of fn called eagerly: (us, "graph" or "eager: <why>")."""
+    try:
+        graph, _ = capture(fn)
+    except RuntimeError as e:
+        torch.cuda.synchronize()
+        return time_us(fn, iters=iters, per=per), f"eager: {str(e).splitlines()[0][:200]}"
+    return time_replay_us(graph, iters=iters, per=per), "graph"
