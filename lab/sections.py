@@ -99,7 +99,8 @@ def run_arm(model: str, arm: Arm) -> dict:
         runner = llm.engine.runner
         out = {"settings": arm.settings, "kernel": arm.kernel, "startup_s": time.perf_counter() - t0,
                "kv_pool_tokens": runner.kv_capacity_tokens, "kernel_options": kernel_record(llm),
-               "gemv_linears": getattr(runner, "gemv_linears", None)}
+               "gemv_linears": getattr(runner, "gemv_linears", None),
+               "decode_megakernel": getattr(runner, "decode_megakernel", None)}
         vocab = llm.engine.model_config.vocab_size
         for name in arm.workloads:
             out[name] = RUNNERS[name](llm, workload(name, vocab, arm.requests.get(name)))
@@ -555,6 +556,7 @@ FOLD_ABOUT = "RMSNorms folded into the GEMVs"
 EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot, and RoPE each token's position "
                     "and its cos/sin, before their PDL wait")
 FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"
+MEGAKERNEL_ABOUT = "a one-row decode step's decoder layers in one persistent kernel (kernels/decode_layers.py)"
 # issue 29's next links of a batch-1 decode step's chain (kernels/attention.py)
 DECODE_LINKS = {"decode_fused_rope": "the decode step's RoPE and q/k norms inside the decode attention kernel",
                 "early_kv": "the decode kernel's first key tile read before its PDL wait"}
@@ -754,6 +756,11 @@ SECTIONS: dict[str, Section] = {
                        "Qwen3-0.6B: fused_rope06's arms both off and both on only"),
     "fused_rope8": section(lambda: kernel_option_ab("qwen3-8b", DECODE_LINKS, rounds=1),
                            "the same on Qwen3-8B, one round"),
+    "megakernel06": section(lambda: kernel_option_ab("qwen3-0.6b", {"decode_megakernel": MEGAKERNEL_ABOUT}),
+                            "Qwen3-0.6B: tokens and W2 with a one-row decode step's layers in one persistent "
+                            "kernel, off and on"),
+    "megakernel8": section(lambda: kernel_option_ab("qwen3-8b", {"decode_megakernel": MEGAKERNEL_ABOUT},
+                                                    rounds=1), "the same on Qwen3-8B, one round"),
     "rope_tokens06": section(lambda: kernel_option_ab("qwen3-0.6b", {"decode_fused_rope":
                                                                      DECODE_LINKS["decode_fused_rope"]}, rounds=0),
                              "Qwen3-0.6B: tokens with the fused RoPE off and on, under CUDA graphs and eagerly "

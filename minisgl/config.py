@@ -128,6 +128,11 @@ class KernelOptions:
                                    "attention kernel instead of a launch of their own before it (one launch a layer "
                                    "fewer; attention/fused_rope.py; the Triton backend, whole-head rotary)",
                                    enable=True)
+    decode_megakernel: bool = _opt(False, "--enable-decode-megakernel",
+                                   "a one-row decode step runs every decoder layer in one persistent kernel, six "
+                                   "phases a layer with grid barriers between, instead of ~9 launches a layer "
+                                   "(kernels/decode_layers.py; Qwen3-style dense models, one GPU, the Triton "
+                                   "backend; the same outputs to the bit; not yet measured on a GPU)", enable=True)
     extend_tiles: bool = _opt(True, "--disable-extend-tiles",
                               "the extend attention kernel runs a grid over every request and the longest extend "
                               "(a prefill graph's: its buckets') instead of one program per real block of new "

@@ -1,5 +1,6 @@
-"""The lab's persistent-kernel prototypes of issue 29 (lab/checks/persistent_gemv.py, decode_megakernel.py) under
-the Triton interpreter, against the engine's own kernels launched one by one.
+"""Persistent kernels under the Triton interpreter, against the engine's own kernels launched one by one: the
+decode-layers kernel (minisgl/kernels/decode_layers.py, kernel option decode_megakernel) and the lab's GEMV chain
+(lab/checks/persistent_gemv.py).
 
 The interpreter runs a grid's programs one after another, so a grid barrier can only pass with a single program:
 these tests run one program, which then does every phase's work items itself, in order. What they check is the
@@ -20,10 +21,13 @@ pytest.importorskip("triton", reason="Triton is not installed (the GPU kernels a
 
 from helpers import kernel_options, use_triton_interpreter  # noqa: E402
 
-use_triton_interpreter("minisgl.kernels.gemv", "minisgl.kernels.elementwise", "minisgl.kernels.attention")
+use_triton_interpreter("minisgl.kernels.gemv", "minisgl.kernels.elementwise", "minisgl.kernels.attention",
+                       "minisgl.kernels.decode_layers", "lab.checks.persistent_gemv")
 
-from lab.checks import decode_megakernel as mk  # noqa: E402
 from lab.checks import persistent_gemv as pg  # noqa: E402
+from lab.checks.decode_megakernel import engine_layers  # noqa: E402
+from minisgl.engine.decode_layers import DecodeLayers  # noqa: E402
+from minisgl.kernels import decode_layers as dl  # noqa: E402
 
 
 @pytest.fixture
@@ -54,7 +58,7 @@ def _layers_and_step(dtype: torch.dtype, num_splits: int, seq_len: int):
     def rnd(*shape, scale=1.0, plus=0.0):
         return (torch.randn(*shape, generator=gen) * scale + plus).to(dtype)
 
-    w = mk.StackedLayers(
+    w = dl.LayerStack(
         ln1=rnd(L, hidden, scale=0.1, plus=1.0), qkv=rnd(L, (hq + 2 * hkv) * d, hidden, scale=hidden ** -0.5),
         q_norm=rnd(L, d, scale=0.1, plus=1.0), k_norm=rnd(L, d, scale=0.1, plus=1.0),
         o=rnd(L, hidden, hq * d, scale=(hq * d) ** -0.5), ln2=rnd(L, hidden, scale=0.1, plus=1.0),
@@ -65,7 +69,7 @@ def _layers_and_step(dtype: torch.dtype, num_splits: int, seq_len: int):
     req_to_token = torch.zeros(4, 512, dtype=torch.int32)
     req_to_token[2, :seq_len] = slots.int()
     angles = torch.arange(1024).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None]
-    step = mk.StepInputs(
+    step = dl.DecodeStep(
         k_buffers=[pool[0, i] for i in range(L)], v_buffers=[pool[1, i] for i in range(L)],
         req_to_token=req_to_token, req_pool_indices=torch.tensor([2]),
         seq_lens=torch.tensor([seq_len], dtype=torch.int32), out_cache_loc=slots[seq_len - 1:],
@@ -86,11 +90,11 @@ def test_the_megakernel_is_the_engines_layers_to_the_bit(force_triton, dtype, nu
     gate_up GEMV, down GEMV) to the bit."""
     w, step, pool, tiles, x = _layers_and_step(dtype, num_splits, seq_len)
     before = pool.clone()
-    want_h, want_r = mk.engine_layers(w, step, x, tiles)
+    want_h, want_r = engine_layers(w, step, x, tiles)
     want_pool = pool.clone()
     assert not torch.equal(want_pool, before)  # the step's K/V went into the pool
     pool.copy_(before)
-    got_h, got_r = mk.Megakernel(w, step, tiles, programs=1, prefetch=prefetch).run(x)
+    got_h, got_r = dl.DecodeLayersKernel(w, step, tiles, programs=1, prefetch=prefetch).run(x)
     assert torch.isfinite(want_h.float()).all() and want_h.abs().sum() > 0
     assert torch.equal(got_h, want_h) and torch.equal(got_r, want_r)
     assert torch.equal(pool, want_pool)
@@ -100,8 +104,46 @@ def test_the_megakernel_reads_the_key_it_stored(force_triton):
     """The attention phase reads the new token's key from the pool after storing it: a stale key there (the
     engine's forward never ran) must not change the result."""
     w, step, pool, tiles, x = _layers_and_step(torch.float16, 3, 200)
-    want_h, _ = mk.engine_layers(w, step, x, tiles)
+    want_h, _ = engine_layers(w, step, x, tiles)
     slot = int(step.out_cache_loc)
     pool[:, :, slot] = 100.0  # what a stale slot would hold
-    got_h, _ = mk.Megakernel(w, step, tiles, programs=1).run(x)
+    got_h, _ = dl.DecodeLayersKernel(w, step, tiles, programs=1).run(x)
     assert torch.equal(got_h, want_h)
+
+
+def test_the_engine_runs_one_row_decode_steps_through_the_kernel(qwen3_path, llama_path, make_llm, monkeypatch):
+    """The kernel option decode_megakernel: a tiny Qwen3 (fp32) on the Triton backend under the interpreter takes
+    the kernel for its one-row decode steps only (prefills and two-row steps run the layers one by one), with the
+    layers' weights held once (views of the stacks), and its greedy tokens equal Hugging Face's and the engine's
+    without the option. A model the kernel does not fit (Llama: no q/k norms) keeps its layers and says why."""
+    from helpers import assert_parity, hf_greedy
+
+    from minisgl import SamplingParams
+
+    runs = []
+    run = dl.DecodeLayersKernel.run
+
+    def recorded(self, x):
+        runs.append(x.shape)
+        return run(self, x)
+
+    monkeypatch.setattr(dl.DecodeLayersKernel, "run", recorded)
+    common = dict(dtype="float32", attention_backend="triton", page_size=4, triton_on_cpu=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [[5, 9, 17, 3, 44, 8, 21, 60, 2, 7, 11]]
+    llm = make_llm(qwen3_path, decode_megakernel=True, **common)
+    runner = llm.engine.runner
+    assert runner.decode_megakernel == "on" and isinstance(runner.model.layers[0], DecodeLayers)
+    inner = runner.model.layers[0].layers
+    assert inner[1].self_attn.qkv_proj.weight.data_ptr() - inner[0].self_attn.qkv_proj.weight.data_ptr() == (
+        inner[0].self_attn.qkv_proj.weight.numel() * 4)  # consecutive slices of one stack
+    one = llm.generate(prompts, params)
+    assert len(runs) == 3  # the three decode steps after the prefill
+    two = llm.generate(prompts + [[100, 4, 4, 4, 33]], params)  # two rows a step: the layers one by one
+    assert len(runs) == 3
+    assert_parity(one, hf_greedy(qwen3_path, prompts, max_new_tokens=4), prompts)
+    plain = make_llm(qwen3_path, **common)
+    assert [o.token_ids for o in one + two] == [o.token_ids for o in plain.generate(prompts, params)
+                                                 + plain.generate(prompts + [[100, 4, 4, 4, 33]], params)]
+    llama = make_llm(llama_path, decode_megakernel=True, **common)
+    assert llama.engine.runner.decode_megakernel == "its attention has no per-head q/k norms (Qwen3's)"

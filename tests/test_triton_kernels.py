@@ -639,7 +639,7 @@ def test_triton_backend_decode_workspaces_across_batch_sizes():
     scale = d ** -0.5
     ref_be = TorchAttentionBackend(caches[0], r2t, hq, hkv, d, scale)
     tri = TritonAttentionBackend(caches[1], r2t, hq, hkv, d, scale, max_context_len=max_len)
-    assert tri._num_splits(1) > 1 and tri._num_splits(rows_total) > 1  # every step here merges splits
+    assert tri.num_splits_for(1) > 1 and tri.num_splits_for(rows_total) > 1  # every step here merges splits
     tri.init_cuda_graph_state(max_bs=4)
     for buf in caches:  # every key the steps read is defined (the steps store only the new token's K/V)
         buf.buffer.copy_(torch.randn(buf.buffer.shape, generator=torch.Generator().manual_seed(1)))

@@ -78,7 +78,7 @@ def _variants() -> dict:
         "no_gemv": (gemv, {}),
         "no_lm_head": ([(GemvLinear, "forward", no_lm_head)], {}),
         "gemv_only": (norm + rope + attention, {}),
-        "one_split": ([("attn", "_num_splits", lambda bs: 1)], {}),  # one program per kv head, no merge launch
+        "one_split": ([("attn", "num_splits_for", lambda bs: 1)], {}),  # one program per kv head, no merge launch
         "no_pdl": ([], {"pdl": False}),
         # kernel options a launch reads (so each captured graph keeps its own): the step with each lever moved
         "waves1": ([], {"decode_split_waves": 1}),

@@ -36,75 +36,18 @@ import torch
 
 from lab.models import text_config
 
-SPIN_LIMIT = 1 << 16  # tries: ms at worst per barrier, where a legitimate wait is microseconds
 ITERS = 20
 
 try:
     import triton
     import triton.language as tl
 
-    from minisgl.kernels.gemv import _gemv_tile, _load_w, _norm_prologue
+    from minisgl.kernels.decode_layers import SPIN_LIMIT, _first_w, _grid_barrier, _matmul, resident_per_sm
 except ImportError:  # a CPU install: main() says so
     triton = None
 
 
 if triton is not None:
-    @triton.jit
-    def _first_w(W, t, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Weight block (tile t, k 0) of W [N, K]: masked to zeros when t is past the last tile."""
-        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        return _load_w(W, offs_n, offs_n < N, offs_k, offs_k < K, K)
-
-    @triton.jit
-    def _tile(W, X, R, NW, rstd, Y, N, K, t, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-              NORM: tl.constexpr, HAS_W0: tl.constexpr):
-        """Y[tile t] = X @ W[tile t].T for one row, the engine's GEMV arithmetic (with NORM, X is first added to the
-        residual R and RMS-normed with weight NW and the row's rstd, as the GEMV's folded norm does); w0 is the
-        tile's first weight block when HAS_W0 (loaded earlier)."""
-        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        offs_m = tl.arange(0, 1)
-        m_mask = offs_m < 1
-        offs_k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-        if HAS_W0:
-            acc = _gemv_tile(acc, w0, X, R, NW, rstd, offs_m, m_mask, offs_k, offs_k < K, K, 0, 0, SILU, NORM, NORM)
-        for k0 in range(BLOCK_K if HAS_W0 else 0, K, BLOCK_K):
-            k = k0 + offs_k
-            w = _load_w(W, offs_n, n_mask, k, k < K, K)
-            acc = _gemv_tile(acc, w, X, R, NW, rstd, offs_m, m_mask, k, k < K, K, 0, 0, SILU, NORM, NORM)
-        tl.store(Y + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=n_mask[None, :])
-
-    @triton.jit
-    def _matmul(W, X, Y, N, K, pid, P, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                PREFETCH: tl.constexpr, R=None, NW=None, RES_OUT=None, eps=0.0, NORM: tl.constexpr = False):
-        """This program's share of one matmul: tiles pid, pid + P, ...; the first with its preloaded block. With
-        NORM, the input is rms_norm(X + R) * NW, computed in every program from the row's exact sum of squares
-        (the GEMV's folded norm, kernels/gemv.py), and program 0 writes X + R to RES_OUT."""
-        n_tiles = tl.cdiv(N, BLOCK_N)
-        if pid < n_tiles:
-            rstd = tl.zeros((1,), dtype=tl.float32)
-            if NORM:
-                offs_m = tl.arange(0, 1)
-                rstd = _norm_prologue(X, R, RES_OUT, offs_m, offs_m < 1, tl.arange(0, BLOCK_K), K, 0, 0, 0, eps, 1,
-                                      BLOCK_K, True)
-            _tile(W, X, R, NW, rstd, Y, N, K, pid, w0, BLOCK_N, BLOCK_K, SILU, NORM, PREFETCH)
-            for t in range(pid + P, n_tiles, P):
-                _tile(W, X, R, NW, rstd, Y, N, K, t, w0, BLOCK_N, BLOCK_K, SILU, NORM, False)
-
-    @triton.jit
-    def _grid_barrier(Counter, target, SPIN: tl.constexpr):
-        # every thread's stores before thread 0's release; its acquire before every thread's loads after
-        tl.debug_barrier()
-        tl.atomic_add(Counter, 1, sem="release", scope="gpu")
-        seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
-        tries = 0
-        while (seen < target) & (tries < SPIN):  # a program never resident would hang it
-            seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
-            tries += 1
-        tl.debug_barrier()
-
     @triton.jit
     def _chain_kernel(Wqkv, Wo, Wgu, Wd, H, QKV, OUT_O, GU, Counter, layers,
                       N_QKV, K_QKV, N_O, K_O, N_GU, K_GU, N_D, K_D,
@@ -212,18 +155,6 @@ class PersistentChain:
         self.counter.zero_()
         self._launch()
         return self.h
-
-
-def resident_per_sm(kernel) -> int:
-    """How many programs of the compiled kernel one SM holds at once (registers, shared memory, 32 blocks)."""
-    props = torch.cuda.get_device_properties(0)
-    threads = kernel.metadata.num_warps * 32
-    regs = -(-max(1, kernel.n_regs) // 8) * 8 * threads  # registers are allocated 8 a thread at a time
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // regs
-    smem = kernel.metadata.shared
-    by_smem = getattr(props, "shared_memory_per_multiprocessor", 228 << 10) // smem if smem else 32
-    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
-    return max(0, min(by_regs, by_smem, by_threads, 32))
 
 
 def measure(name: str) -> dict:

@@ -89,16 +89,17 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph_decode_lens: torch.Tensor | None = None  # this graph's slice of it, when its decode rows split
         self._rope: DecodeRope | None = None  # the rotation the next forward applies (defer_rope)
 
-    def _num_splits(self, bs: int) -> int:
+    def num_splits_for(self, bs: int) -> int:
+        """Splits of each request's keys in a decode batch of bs rows (host values only: a graph's grid)."""
         return decode_num_splits(bs, self.num_kv_heads, self.max_context_len, self._num_sms)
 
     def _workspace_numel(self, max_bs: int) -> int:
         """Elements of a workspace shared by decode batches of 1..max_bs."""
         return decode_shared_workspace_numel(range(1, max_bs + 1), self.num_q_heads, self.num_kv_heads,
-                                             self.head_dim, self._num_splits)
+                                             self.head_dim, self.num_splits_for)
 
     def _workspace(self, bs: int, device: torch.device) -> torch.Tensor | None:
-        if self._num_splits(bs) <= 1:
+        if self.num_splits_for(bs) <= 1:
             return None
         if self._graph_workspace is not None and bs <= self._graph_ws_bs:
             return self._graph_workspace
@@ -150,7 +151,7 @@ class TritonAttentionBackend(AttentionBackend):
         workspace may be reallocated under a captured graph)."""
         as_bs = self._as_batch_size(reqs)
         return (current_options().mixed_decode_split and self._graph_decode is not None
-                and (self._num_splits(as_bs) <= 1 or as_bs <= self._graph_ws_bs))
+                and (self.num_splits_for(as_bs) <= 1 or as_bs <= self._graph_ws_bs))
 
     def init_prefill_graph_state(self, max_tokens: int, max_reqs: int) -> None:
         """The fixed inputs every prefill graph reads, refilled before each replay by load_graph_step: the extend
@@ -213,7 +214,7 @@ class TritonAttentionBackend(AttentionBackend):
             # step has one new token per row, so out_cache_loc is per row)
             decode_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.seq_lens, out,
                              self.scale, max_seq_len=self.max_context_len,
-                             workspace=self._workspace(bs, q.device), num_splits=self._num_splits(bs),
+                             workspace=self._workspace(bs, q.device), num_splits=self.num_splits_for(bs),
                              new_kv=(k, v, meta.out_cache_loc) if fuse_store else None, rope=rope)
         elif self._planned is meta and self._graph_decode_lens is not None:
             # a prefill graph: every request row through the decode kernel, with the lengths load_graph_step wrote
@@ -253,7 +254,7 @@ class TritonAttentionBackend(AttentionBackend):
         seq_lens = meta.seq_lens[:n] if seq_lens is None else seq_lens
         decode_attention(q[:n], k_buf, v_buf, self.req_to_token, meta.req_pool_indices[:n], seq_lens,
                          out[:n], self.scale, max_seq_len=self.max_context_len,
-                         workspace=self._workspace(as_bs, q.device), num_splits=self._num_splits(as_bs),
+                         workspace=self._workspace(as_bs, q.device), num_splits=self.num_splits_for(as_bs),
                          new_kv=(k[:n], v[:n], meta.out_cache_loc[:n]) if fuse else None)
 
     # --- CUDA Graph (decode) ---
@@ -268,7 +269,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph_ws_bs = max_bs
 
     def prepare_for_capture(self, meta: AttentionMetadata) -> None:
-        if self._num_splits(meta.batch_size) > 1 and meta.batch_size > self._graph_ws_bs:
+        if self.num_splits_for(meta.batch_size) > 1 and meta.batch_size > self._graph_ws_bs:
             # An eager workspace may be reallocated later, which would leave the graph reading freed memory.
             raise RuntimeError("call init_cuda_graph_state(max_bs) before capturing this batch size")
         self.meta = meta

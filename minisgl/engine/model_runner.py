@@ -195,6 +195,19 @@ class ModelRunner:
             # few-row matmuls stream the weights (kernels/gemv.py); more rows stay cuBLAS
             norm_fold = (DecoderLayer,) if config.kernels.gemv_norm_fold and self.tp is None else ()
             self.gemv_linears = use_gemv(self.model, fold=(MLP,), norm_fold=norm_fold)
+        # the decode-layers kernel (kernels/decode_layers.py) reads each kind of layer weight as one stacked tensor:
+        # stacked here, before the KV pool is sized from the free memory, the layers' parameters becoming views
+        layer_stack, self.decode_megakernel = None, ""  # "": off; else "on" or why it does not apply
+        if config.kernels.decode_megakernel:
+            from minisgl.kernels.decode_layers import LayerStack, decode_layers_unfit
+            why = ("tensor parallelism" if self.tp is not None
+                   else "no GPU" if self.device.type != "cuda" and not config.kernels.triton_on_cpu
+                   else decode_layers_unfit(self.model))
+            if why is None:
+                layer_stack = LayerStack.of(self.model.layers)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()  # the unstacked weights' blocks
+            self.decode_megakernel = why or "on"
         lap("load")
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.page_size = config.page_size
@@ -224,6 +237,9 @@ class ModelRunner:
             from minisgl.attention.fused_rope import use_fused_rope
             from minisgl.models.layers import RotaryEmbedding
             self.fused_rope = use_fused_rope(self.model, RotaryEmbedding, self.attn)
+        if layer_stack is not None:
+            from minisgl.engine.decode_layers import use_decode_layers
+            self.decode_megakernel = use_decode_layers(self.model, layer_stack, self.attn) or "on"
         lap("pools")
         # The heap built so far (modules, the model, the pools) frozen before the warm-up and the captures: the
         # collections their own objects trigger (Triton's kernels, graphs, step tensors) then skip it, instead of

@@ -1,0 +1,414 @@
+"""Every decoder layer of a batch-1 decode step in one persistent kernel (the kernel option `decode_megakernel`).
+
+Why. At batch 1 a decode step of a small model is a chain of ~260 short kernels, and each link costs its own
+latency whatever work it does: run27's anatomy of Qwen3-0.6B's step on an H100 (1,016 us) found ~60% of it in the
+links, not in the bytes. Here the decoder layers run in one launch of resident programs, six phases a layer with
+a grid barrier after each:
+
+1. input RMSNorm + qkv projection (the GEMV with the norm folded in: every program computes the row's rstd from
+   its exact sum of squares, kernels/gemv.py; program 0 writes the new residual);
+2. attention, one work item per (kv head, split): Qwen3's q/k norms and the RoPE on q and on the new key (the
+   fused RoPE's `norm_rope_full`), the new K/V stored, the split's keys read through the token table (the decode
+   kernel's online softmax), the partial output and log-sum-exp written;
+3. the splits merged, one item per q head (`_merge_head`, as the decode kernel's second launch);
+4. o projection;
+5. post-attention RMSNorm + gate_up projection (folded as in 1);
+6. down projection with the SiLU-and-mul folded in.
+
+Before a GEMV phase's barrier each program loads its first weight block of that phase (weights are never written,
+as the GEMV's early tiles under PDL). The arithmetic is the engine's own helpers' with the engine's tiles and split
+count, so the hidden state, the residual and the stored K/V equal the one-launch-per-op path to the bit
+(tests/test_persistent_kernels.py under the interpreter; lab.checks.decode_megakernel on a GPU).
+
+The grid barrier. A CTA barrier, then thread 0 adds 1 to a global counter with release semantics at GPU scope
+and spins on acquire loads until every program has arrived, then a CTA barrier: the cooperative-groups grid sync,
+in Triton. It needs every program resident at once: the launcher sizes the grid from the compiled kernel's
+registers and shared memory (`resident_per_sm`), launches eagerly as a cooperative launch (the driver refuses a
+grid that does not fit) and, inside a CUDA graph, as a plain one (a replay runs alone on its stream, and the kernel
+after it is no PDL dependent, so nothing else holds an SM). A spin gives up after SPIN_LIMIT tries rather than
+hang; the output is then wrong, so the lab check compares before it times anything.
+
+In the engine (engine/decode_layers.py, when the option is on) `LayerStack.of` stacks each kind of layer weight
+into one tensor, the layers' parameters becoming views of it (no second copy), and a `DecodeLayers` takes the
+place of the model's layer list: a one-row decode step goes through the kernel, every other step through the
+layers one by one, as before. Qwen3-style dense models only (per-head q/k norms, no biases, a whole-head rotary),
+one GPU, the Triton attention backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minisgl.kernels.elementwise import _jit  # triton.jit where Triton is installed
+
+try:
+    import triton
+    import triton.language as tl
+
+    from minisgl.kernels.attention import (
+        _LOG2E,
+        _decode_block_n,
+        _decode_tile,
+        _merge_head,
+        _rope_cos_sin,
+        _rope_heads_tile,
+    )
+    from minisgl.kernels.gemv import _gemv_tile, _load_w, _norm_prologue
+except ImportError:  # CPU-only installs: the layers run one by one
+    triton = None
+    tl = None
+
+__all__ = ["SPIN_LIMIT", "DecodeLayersKernel", "DecodeStep", "LayerStack", "decode_layers_unfit", "resident_per_sm"]
+
+SPIN_LIMIT = 1 << 16  # tries: ms at worst per barrier, where a legitimate wait is microseconds
+MAX_PER_SM = 4  # programs an SM at most (more only where registers allow)
+
+@_jit
+def _first_w(W, t, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight block (tile t, k 0) of W [N, K]: masked to zeros when t is past the last tile."""
+    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    return _load_w(W, offs_n, offs_n < N, offs_k, offs_k < K, K)
+
+@_jit
+def _tile(W, X, R, NW, rstd, Y, N, K, t, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+          NORM: tl.constexpr, HAS_W0: tl.constexpr):
+    """Y[tile t] = X @ W[tile t].T for one row, the engine's GEMV arithmetic (with NORM, X is first added to the
+    residual R and RMS-normed with weight NW and the row's rstd, as the GEMV's folded norm does); w0 is the
+    tile's first weight block when HAS_W0 (loaded earlier)."""
+    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = tl.arange(0, 1)
+    m_mask = offs_m < 1
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    if HAS_W0:
+        acc = _gemv_tile(acc, w0, X, R, NW, rstd, offs_m, m_mask, offs_k, offs_k < K, K, 0, 0, SILU, NORM, NORM)
+    for k0 in range(BLOCK_K if HAS_W0 else 0, K, BLOCK_K):
+        k = k0 + offs_k
+        w = _load_w(W, offs_n, n_mask, k, k < K, K)
+        acc = _gemv_tile(acc, w, X, R, NW, rstd, offs_m, m_mask, k, k < K, K, 0, 0, SILU, NORM, NORM)
+    tl.store(Y + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=n_mask[None, :])
+
+@_jit
+def _matmul(W, X, Y, N, K, pid, P, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+            PREFETCH: tl.constexpr, R=None, NW=None, RES_OUT=None, eps=0.0, NORM: tl.constexpr = False):
+    """This program's share of one matmul: tiles pid, pid + P, ...; the first with its preloaded block. With
+    NORM, the input is rms_norm(X + R) * NW, computed in every program from the row's exact sum of squares
+    (the GEMV's folded norm, kernels/gemv.py), and program 0 writes X + R to RES_OUT."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    if pid < n_tiles:
+        rstd = tl.zeros((1,), dtype=tl.float32)
+        if NORM:
+            offs_m = tl.arange(0, 1)
+            rstd = _norm_prologue(X, R, RES_OUT, offs_m, offs_m < 1, tl.arange(0, BLOCK_K), K, 0, 0, 0, eps, 1,
+                                  BLOCK_K, True)
+        _tile(W, X, R, NW, rstd, Y, N, K, pid, w0, BLOCK_N, BLOCK_K, SILU, NORM, PREFETCH)
+        for t in range(pid + P, n_tiles, P):
+            _tile(W, X, R, NW, rstd, Y, N, K, t, w0, BLOCK_N, BLOCK_K, SILU, NORM, False)
+
+@_jit
+def _grid_barrier(Counter, target, SPIN: tl.constexpr):
+    # every thread's stores before thread 0's release; its acquire before every thread's loads after
+    tl.debug_barrier()
+    tl.atomic_add(Counter, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
+    tries = 0
+    while (seen < target) & (tries < SPIN):  # a program never resident would hang it
+        seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
+        tries += 1
+    tl.debug_barrier()
+
+
+@_jit
+def _attend(QKV, KL, VL, PartO, PartLse, WQN, WKN, ReqToToken, ReqPoolIdx, SeqLens, OutLoc, Pos, CosSin,
+            kvh, split, row0, qk_scale, eps, stride_cs, stride_kn, stride_kh, stride_r2t,
+            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """One (kv head, split) of the decode kernel's stage 1 for request row 0, with the fused store and the fused
+    RoPE (kernels/attention.py's `_decode_stage1_kernel`, ROPE and FUSED_STORE on, no PDL)."""
+    GROUP: tl.constexpr = HQ // HKV
+    seq_len = tl.load(SeqLens).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    offs_d = tl.arange(0, D)
+    dmask = offs_d < D
+    offs_g = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + offs_g
+    hmask = offs_g < GROUP
+    if start < end:
+        cos, sin, sign = _rope_cos_sin(Pos, CosSin, row0, stride_cs, D)
+        if end == seq_len:  # this split holds the new token: store its K/V before reading any key
+            slot = tl.load(OutLoc).to(tl.int64)
+            kn = tl.reshape(_rope_heads_tile(QKV + (HQ + kvh) * D, 0, WKN, cos, sin, sign, eps, 1, 1, D, True),
+                            (D,))
+            tl.store(KL + slot * stride_kn + kvh * stride_kh + offs_d, kn.to(KL.dtype.element_ty))
+            vn = tl.load(QKV + (HQ + HKV + kvh) * D + offs_d)
+            tl.store(VL + slot * stride_kn + kvh * stride_kh + offs_d, vn.to(VL.dtype.element_ty))
+            tl.debug_barrier()  # every thread's store before any thread's key loads (the decode kernel's reason)
+        row = tl.load(ReqPoolIdx).to(tl.int64)
+        q = _rope_heads_tile(QKV + kvh * GROUP * D, D, WQN, cos, sin, sign, eps, GROUP, BLOCK_H, D, True)
+        q = q.to(KL.dtype.element_ty)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            nmask = offs_n < end
+            slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
+            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, KL, VL, slots, nmask, kvh, stride_kn, stride_kh,
+                                         stride_kn, stride_kh, offs_d, dmask, qk_scale, IEEE_DOT)
+        o = acc / l_i[:, None]
+        tl.store(PartO + heads[:, None] * (SPLITS * D) + split * D + offs_d[None, :], o,
+                 mask=hmask[:, None] & dmask[None, :])
+        tl.store(PartLse + heads * SPLITS + split, m_i + tl.log2(l_i), mask=hmask)
+
+@_jit
+def _decode_layers_kernel(
+    X, R0, R1, QKV, ATT, OUT_O, GU, PartO, PartLse, Counter,
+    WLN1, WQKV, WQN, WKN, WO, WLN2, WGU, WD,
+    KBuf, VBuf, layer_kv, ReqToToken, ReqPoolIdx, SeqLens, OutLoc, Pos, CosSin,
+    layers, eps, qk_eps, qk_scale, stride_cs, stride_kn, stride_kh, stride_r2t, HIDDEN, INTER,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
+    BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
+    PREFETCH: tl.constexpr, SPIN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    row0 = pid * 0  # request row 0, as a tensor: the decode helpers index with it
+    N_QKV: tl.constexpr = (HQ + 2 * HKV) * D
+    Q_SIZE: tl.constexpr = HQ * D
+    hidden64 = tl.cast(HIDDEN, tl.int64)
+    s_qkv = hidden64 * N_QKV
+    s_o = hidden64 * Q_SIZE
+    s_gu = hidden64 * 2 * INTER
+    s_d = hidden64 * INTER
+    # The residual stream alternates between R0 and R1 (a norm's programs read one while program 0 writes the
+    # other): the input norm reads R0 (zeros before layer 0: x + 0 is x) and writes R1, the post-attention
+    # norm reads R1 and writes R0. X holds the layer's input, then the down projection's output.
+    w = _first_w(WQKV, pid, N_QKV, HIDDEN, BN_QKV, BK_QKV)
+    done = 0  # barriers passed
+    for layer in range(layers):
+        lay = tl.cast(layer, tl.int64)
+        # 1. input norm + qkv
+        _matmul(WQKV + lay * s_qkv, X, QKV, N_QKV, HIDDEN, pid, P, w, BN_QKV, BK_QKV, False, PREFETCH,
+                R0, WLN1 + lay * HIDDEN, R1, eps, True)
+        done += 1
+        _grid_barrier(Counter, done * P, SPIN)
+        # 2. attention, one (kv head, split) an item
+        KL = KBuf + lay * layer_kv
+        VL = VBuf + lay * layer_kv
+        for item in range(pid, HKV * SPLITS, P):
+            _attend(QKV, KL, VL, PartO, PartLse, WQN + lay * D, WKN + lay * D, ReqToToken, ReqPoolIdx, SeqLens,
+                    OutLoc, Pos, CosSin, item // SPLITS, item % SPLITS, row0, qk_scale, qk_eps, stride_cs,
+                    stride_kn, stride_kh, stride_r2t, HQ, HKV, D, SPLITS, BLOCK_N, BLOCK_H, IEEE_DOT)
+        done += 1
+        _grid_barrier(Counter, done * P, SPIN)
+        # 3. the splits merged, one q head an item
+        seq_len = tl.load(SeqLens).to(tl.int32)
+        split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+        n_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
+        for h in range(pid, HQ, P):
+            _merge_head(PartO, PartLse, ATT, row0, h, n_valid, 0, SPLITS * D, D, 0, SPLITS, 0, D,
+                        BLOCK_S=BLOCK_S, BLOCK_D=D, HEAD_DIM=D)
+        w_o = _first_w(WO + lay * s_o, pid, HIDDEN, Q_SIZE, BN_O, BK_O) if PREFETCH else w
+        done += 1
+        _grid_barrier(Counter, done * P, SPIN)
+        # 4. o projection
+        _matmul(WO + lay * s_o, ATT, OUT_O, HIDDEN, Q_SIZE, pid, P, w_o, BN_O, BK_O, False, PREFETCH)
+        w_gu = _first_w(WGU + lay * s_gu, pid, 2 * INTER, HIDDEN, BN_GU, BK_GU) if PREFETCH else w
+        done += 1
+        _grid_barrier(Counter, done * P, SPIN)
+        # 5. post-attention norm + gate_up
+        _matmul(WGU + lay * s_gu, OUT_O, GU, 2 * INTER, HIDDEN, pid, P, w_gu, BN_GU, BK_GU, False, PREFETCH,
+                R1, WLN2 + lay * HIDDEN, R0, eps, True)
+        w_d = _first_w(WD + lay * s_d, pid, HIDDEN, INTER, BN_D, BK_D) if PREFETCH else w
+        done += 1
+        _grid_barrier(Counter, done * P, SPIN)
+        # 6. down projection, SiLU-and-mul folded in
+        _matmul(WD + lay * s_d, GU, X, HIDDEN, INTER, pid, P, w_d, BN_D, BK_D, True, PREFETCH)
+        if PREFETCH:
+            nxt = tl.cast(tl.minimum(layer + 1, layers - 1), tl.int64)
+            w = _first_w(WQKV + nxt * s_qkv, pid, N_QKV, HIDDEN, BN_QKV, BK_QKV)
+        done += 1
+        _grid_barrier(Counter, done * P, SPIN)
+
+
+def resident_per_sm(kernel, device: torch.device | int = 0) -> int:
+    """How many programs of a compiled kernel one SM holds at once (registers, shared memory, threads, 32 blocks)."""
+    props = torch.cuda.get_device_properties(device)
+    threads = kernel.metadata.num_warps * 32
+    regs = -(-max(1, kernel.n_regs) // 8) * 8 * threads  # registers are allocated 8 a thread at a time
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // regs
+    smem = kernel.metadata.shared
+    by_smem = getattr(props, "shared_memory_per_multiprocessor", 228 << 10) // smem if smem else 32
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+    return max(0, min(by_regs, by_smem, by_threads, 32))
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A Qwen3 model's decoder-layer weights stacked by layer, and the shapes the kernel needs."""
+
+    ln1: torch.Tensor  # [L, hidden]
+    qkv: torch.Tensor  # [L, (Hq + 2 Hkv) D, hidden]
+    q_norm: torch.Tensor  # [L, D]
+    k_norm: torch.Tensor
+    o: torch.Tensor  # [L, hidden, Hq D]
+    ln2: torch.Tensor
+    gate_up: torch.Tensor  # [L, 2 inter, hidden]
+    down: torch.Tensor  # [L, hidden, inter]
+    eps: float
+    qk_eps: float
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, layers) -> LayerStack:
+        """From a model's DecoderLayers (models/decoder.py, whatever the GEMV swap made of their modules): each
+        kind of weight copied into one [L, ...] tensor, and each layer's parameter made a view of its slice, so
+        the weights are held once and the layers, run one by one, read the same memory."""
+        def stack(get) -> torch.Tensor:
+            params = [get(layer) for layer in layers]
+            out = torch.empty((len(params), *params[0].shape), dtype=params[0].dtype, device=params[0].device)
+            for i, p in enumerate(params):
+                out[i].copy_(p.detach())
+                p.data = out[i]  # the old storage goes once nothing else holds it
+            return out
+
+        a = layers[0].self_attn
+        return cls(ln1=stack(lambda m: m.input_layernorm.weight), qkv=stack(lambda m: m.self_attn.qkv_proj.weight),
+                   q_norm=stack(lambda m: m.self_attn.q_norm.weight), k_norm=stack(lambda m: m.self_attn.k_norm.weight),
+                   o=stack(lambda m: m.self_attn.o_proj.weight), ln2=stack(lambda m: m.post_attention_layernorm.weight),
+                   gate_up=stack(lambda m: m.mlp.gate_up_proj.weight), down=stack(lambda m: m.mlp.down_proj.weight),
+                   eps=layers[0].input_layernorm.eps, qk_eps=a.q_norm.eps, num_q_heads=a.num_q_heads,
+                   num_kv_heads=a.num_kv_heads, head_dim=a.head_dim)
+
+
+@dataclass
+class DecodeStep:
+    """What the attention phase reads for request row 0: the pool's K and V buffers of every layer ([slots, Hkv, D]
+    each, equally spaced in memory, as the pool's one tensor holds them), the token table, and the step's metadata
+    tensors (one element each)."""
+
+    k_buffers: list[torch.Tensor]
+    v_buffers: list[torch.Tensor]
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor  # [max_pos, D] fp32
+    scale: float
+    num_splits: int
+
+
+def layer_spacing(buffers: list[torch.Tensor]) -> int:
+    """Elements from one layer's buffer to the next's, the same for every layer (else an error)."""
+    if len(buffers) < 2:
+        return 0
+    size = buffers[0].element_size()
+    gaps = {(b.data_ptr() - a.data_ptr()) // size for a, b in zip(buffers, buffers[1:])}
+    if len(gaps) != 1:
+        raise ValueError("the layers' buffers are not equally spaced in memory")
+    return gaps.pop()
+
+
+class DecodeLayersKernel:
+    """The kernel's buffers and launch: `run(x)` takes the embedding row x [hidden] and returns (hidden state,
+    residual) after the last layer, what the model's final norm receives."""
+
+    def __init__(self, w: LayerStack, step: DecodeStep, tiles: dict, programs: int | None = None,
+                 prefetch: bool = True, maxnreg: int | None = None, cooperative: bool = False) -> None:
+        """`programs`: the grid (default: as many as the compiled kernel lets every SM hold, up to MAX_PER_SM, or 1
+        on a CPU, where the interpreter runs programs one after another); `maxnreg`: a cap on registers a thread
+        (Triton's option), so more programs fit an SM, spilling the rest; `cooperative`: launch as a cooperative
+        grid, which the driver refuses when it cannot all be resident (not inside a CUDA graph capture). Always 4
+        warps: the decode helpers' dots must keep the decode kernel's operand layout (the same bits)."""
+        self.w, self.step, self.tiles, self.prefetch = w, step, tiles, prefetch
+        self.options = {"num_warps": 4} | ({"maxnreg": maxnreg} if maxnreg else {})
+        if cooperative:
+            self.options["launch_cooperative_grid"] = True
+        hidden, dev, dt = w.ln1.shape[1], w.ln1.device, w.ln1.dtype
+        inter = w.down.shape[2]
+        hq, d, splits = w.num_q_heads, w.head_dim, step.num_splits
+        self.x, self.r0, self.r1 = (torch.zeros(hidden, dtype=dt, device=dev) for _ in range(3))
+        self.qkv = torch.zeros(w.qkv.shape[1], dtype=dt, device=dev)
+        self.att = torch.zeros(hq * d, dtype=dt, device=dev)
+        self.o = torch.zeros(hidden, dtype=dt, device=dev)
+        self.gu = torch.zeros(2 * inter, dtype=dt, device=dev)
+        self.part_o = torch.zeros(hq * splits * d, dtype=torch.float32, device=dev)
+        self.part_lse = torch.zeros(hq * splits, dtype=torch.float32, device=dev)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.programs = programs or 1
+        if programs is None and dev.type == "cuda":
+            self.programs = 1
+            per_sm = min(resident_per_sm(self.compile()), MAX_PER_SM)
+            if per_sm < 1:
+                raise ValueError("the decode-layers kernel does not fit an SM")
+            self.programs = torch.cuda.get_device_properties(dev).multi_processor_count * per_sm
+
+    def _launch(self, warmup: bool = False):
+        w, s, t = self.w, self.step, self.tiles
+        group = w.num_q_heads // w.num_kv_heads
+        k0, v0 = s.k_buffers[0], s.v_buffers[0]
+        layer_stride = layer_spacing(s.k_buffers)
+        if layer_spacing(s.v_buffers) != layer_stride or v0.stride() != k0.stride():
+            raise ValueError("the K and V buffers must share one layout")
+        args = (self.x, self.r0, self.r1, self.qkv, self.att, self.o, self.gu, self.part_o, self.part_lse,
+                self.counter, w.ln1, w.qkv, w.q_norm, w.k_norm, w.o, w.ln2, w.gate_up, w.down,
+                k0, v0, layer_stride, s.req_to_token, s.req_pool_indices, s.seq_lens, s.out_cache_loc,
+                s.positions, s.cos_sin, w.ln1.shape[0], w.eps, w.qk_eps, s.scale * _LOG2E, s.cos_sin.stride(0),
+                k0.stride(0), k0.stride(1), s.req_to_token.stride(0), w.ln1.shape[1], w.down.shape[2])
+        kw = dict(HQ=w.num_q_heads, HKV=w.num_kv_heads, D=w.head_dim, SPLITS=s.num_splits,
+                  BLOCK_N=_decode_block_n(w.head_dim), BLOCK_H=max(16, triton.next_power_of_2(group)),
+                  BLOCK_S=max(2, triton.next_power_of_2(s.num_splits)), IEEE_DOT=k0.dtype == torch.float32,
+                  BN_QKV=t["qkv"][0], BK_QKV=t["qkv"][1], BN_O=t["o"][0], BK_O=t["o"][1],
+                  BN_GU=t["gate_up"][0], BK_GU=t["gate_up"][1], BN_D=t["down"][0], BK_D=t["down"][1],
+                  PREFETCH=self.prefetch, SPIN=SPIN_LIMIT, **self.options)
+        if warmup:
+            return _decode_layers_kernel.warmup(*args, grid=(self.programs,), **kw)
+        return _decode_layers_kernel[(self.programs,)](*args, **kw)
+
+    def compile(self):
+        """The compiled kernel, loaded but not launched (its registers say how many programs fit an SM)."""
+        kernel = self._launch(warmup=True)
+        kernel._init_handles()
+        return kernel
+
+    def run(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.x.copy_(x.reshape(-1))
+        self.r0.zero_()
+        self.counter.zero_()
+        self._launch()
+        return self.x, self.r0
+
+
+def decode_layers_unfit(model: nn.Module) -> str | None:
+    """Why the kernel cannot run this model's layers; None when it can."""
+    if triton is None:
+        return "Triton is not installed"
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        return "the model has no list of decoder layers"
+    first = layers[0]
+    a, mlp = getattr(first, "self_attn", None), getattr(first, "mlp", None)
+    if a is None or mlp is None or not all(hasattr(first, n) for n in ("input_layernorm", "post_attention_layernorm")):
+        return "its layers are not decoder layers (models/decoder.py)"
+    if getattr(a, "q_norm", None) is None:
+        return "its attention has no per-head q/k norms (Qwen3's)"
+    if a.qkv_proj.bias is not None or a.o_proj.bias is not None or getattr(mlp.gate_up_proj, "bias", None) is not None:
+        return "its projections have biases"
+    d = a.head_dim
+    if d & (d - 1) or model.rotary.cos_sin.shape[-1] != d or model.rotary.cos_sin.dtype != torch.float32:
+        return "its rotary is not a whole-head rotary of a power-of-2 head dim"
+    if len({p.dtype for p in layers.parameters()}) != 1:
+        return "its weights do not share one dtype"
+    return None
