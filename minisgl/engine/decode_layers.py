@@ -15,9 +15,35 @@ from torch import nn
 
 from minisgl.attention.triton_backend import TritonAttentionBackend
 from minisgl.kernels.decode_layers import DecodeLayersKernel, DecodeStep, LayerStack
-from minisgl.kernels.gemv import gemv_config, table_for
+from minisgl.kernels.gemv import GemvNormLayer, gemv_config, table_for
+from minisgl.models.decoder import DecoderLayer, DecoderLM
 
-__all__ = ["DecodeLayers", "use_decode_layers"]
+__all__ = ["DecodeLayers", "decode_layers_unfit", "use_decode_layers"]
+
+try:
+    import triton
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+def decode_layers_unfit(model: nn.Module) -> str | None:
+    """Why the kernel cannot run this model's layers; None when it can."""
+    if triton is None:
+        return "Triton is not installed"
+    if not isinstance(model, DecoderLM) or not all(isinstance(m, (DecoderLayer, GemvNormLayer)) for m in model.layers):
+        return "it runs the dense decoder's layers only (models/decoder.py)"
+    first = model.layers[0]
+    a, mlp = first.self_attn, first.mlp
+    if getattr(a, "q_norm", None) is None:
+        return "its attention has no per-head q/k norms (Qwen3's)"
+    if a.qkv_proj.bias is not None or a.o_proj.bias is not None or getattr(mlp.gate_up_proj, "bias", None) is not None:
+        return "its projections have biases"
+    d = a.head_dim
+    if d & (d - 1) or model.rotary.cos_sin.shape[-1] != d or model.rotary.cos_sin.dtype != torch.float32:
+        return "its rotary is not a whole-head rotary of a power-of-2 head dim"
+    if len({p.dtype for p in model.layers.parameters()}) != 1:
+        return "its weights do not share one dtype"
+    return None
 
 
 class DecodeLayers(nn.Module):

@@ -199,7 +199,8 @@ class ModelRunner:
         # stacked here, before the KV pool is sized from the free memory, the layers' parameters becoming views
         layer_stack, self.decode_megakernel = None, ""  # "": off; else "on" or why it does not apply
         if config.kernels.decode_megakernel:
-            from minisgl.kernels.decode_layers import LayerStack, decode_layers_unfit
+            from minisgl.engine.decode_layers import decode_layers_unfit
+            from minisgl.kernels.decode_layers import LayerStack
             why = ("tensor parallelism" if self.tp is not None
                    else "no GPU" if self.device.type != "cuda" and not config.kernels.triton_on_cpu
                    else decode_layers_unfit(self.model))

@@ -40,7 +40,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from minisgl.kernels.elementwise import _jit  # triton.jit where Triton is installed
 
@@ -61,7 +60,7 @@ except ImportError:  # CPU-only installs: the layers run one by one
     triton = None
     tl = None
 
-__all__ = ["SPIN_LIMIT", "DecodeLayersKernel", "DecodeStep", "LayerStack", "decode_layers_unfit", "resident_per_sm"]
+__all__ = ["SPIN_LIMIT", "DecodeLayersKernel", "DecodeStep", "LayerStack", "resident_per_sm"]
 
 SPIN_LIMIT = 1 << 16  # tries: ms at worst per barrier, where a legitimate wait is microseconds
 MAX_PER_SM = 4  # programs an SM at most (more only where registers allow)
@@ -389,26 +388,3 @@ class DecodeLayersKernel:
         self.counter.zero_()
         self._launch()
         return self.x, self.r0
-
-
-def decode_layers_unfit(model: nn.Module) -> str | None:
-    """Why the kernel cannot run this model's layers; None when it can."""
-    if triton is None:
-        return "Triton is not installed"
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        return "the model has no list of decoder layers"
-    first = layers[0]
-    a, mlp = getattr(first, "self_attn", None), getattr(first, "mlp", None)
-    if a is None or mlp is None or not all(hasattr(first, n) for n in ("input_layernorm", "post_attention_layernorm")):
-        return "its layers are not decoder layers (models/decoder.py)"
-    if getattr(a, "q_norm", None) is None:
-        return "its attention has no per-head q/k norms (Qwen3's)"
-    if a.qkv_proj.bias is not None or a.o_proj.bias is not None or getattr(mlp.gate_up_proj, "bias", None) is not None:
-        return "its projections have biases"
-    d = a.head_dim
-    if d & (d - 1) or model.rotary.cos_sin.shape[-1] != d or model.rotary.cos_sin.dtype != torch.float32:
-        return "its rotary is not a whole-head rotary of a power-of-2 head dim"
-    if len({p.dtype for p in layers.parameters()}) != 1:
-        return "its weights do not share one dtype"
-    return None
