@@ -35,8 +35,8 @@ ALL_FLAGS = ["--prefill-graph-max-tokens", "512", "--prefill-graph-max-reqs", "4
              "--decode-split-waves", "4",
              "--disable-sampler-skip-blocks", "--disable-sampler-top-k-bound", "--enable-gemv-norm-fold",
              "--disable-extend-tiles", "--disable-early-metadata", "--disable-early-kv", "--enable-decode-fused-rope",
-             "--enable-decode-megakernel", "--attention-backend", "torch", "--state-snapshots", "5", "--state-snapshot-memory-fraction", "0.1",
-             "--cpu-threads", "3"]
+             "--enable-decode-megakernel", "--attention-backend", "torch", "--state-snapshots", "5",
+             "--state-snapshot-memory-fraction", "0.1", "--cpu-threads", "3"]
 ALL_KWARGS = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, max_model_len=256, page_size=4,
                   num_pages=100, kv_memory_fraction=0.5, kv_cache_tokens=4096, max_running_requests=8,
                   chunked_prefill_size=0, max_prefill_tokens=64, mixed_prefill_tokens=32,

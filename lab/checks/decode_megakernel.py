@@ -6,8 +6,8 @@ op; also `engine_layers` below, the same ops spelled out, against that forward),
 and a whole step (embedding, the kernel, the final norm, the lm_head GEMV, the argmax) against the engine's own
 (its layers captured as a graph, and its live batch-1 decode graph), at 1, 2 and the most programs an SM holds,
 with the registers as the compiler takes them and capped at 168 and 128 (more programs an SM), and without the
-weights loaded before each barrier. Each arm is a cooperative launch (the driver refuses a grid that cannot all
-be resident) and is timed only if its output is within 5% of the engine's.
+weights loaded before each barrier or a tile ahead. Each arm is a cooperative launch (the driver refuses a grid
+that cannot all be resident) and is timed only if its output is within 5% of the engine's.
 
     python -m lab.checks.decode_megakernel --out DIR      # DIR/decode_megakernel.json (a CUDA GPU, sm_90+)
 """
@@ -146,18 +146,21 @@ def measure(llm) -> dict:
             arm["step_us"] = round(time_graph_or_eager(mega_step, iters=ITERS, per=PER)[0], 2)
             return arm
 
-        # the prefetch on and off; registers as the compiler takes them (255: two programs an SM), or capped
-        for prefetch, maxnreg in ((True, None), (True, 168), (True, 128), (False, None)):
-            key = f"{'prefetch' if prefetch else 'no_prefetch'}_{maxnreg or 'any'}_regs"
-            kernel = DecodeLayersKernel(stacked, step, tiles, sms, prefetch, maxnreg).compile()
+        # registers as the compiler takes them (255: two programs an SM) or capped (more programs an SM); the
+        # weights loaded before each barrier (prefetch) and a tile ahead (ahead), each also off
+        for prefetch, maxnreg, ahead in ((True, None, True), (True, 168, True), (True, 128, True),
+                                         (False, None, True), (True, None, False)):
+            key = (f"{'prefetch' if prefetch else 'no_prefetch'}_{'ahead' if ahead else 'no_ahead'}_"
+                   f"{maxnreg or 'any'}_regs")
+            kernel = DecodeLayersKernel(stacked, step, tiles, sms, prefetch, maxnreg, ahead=ahead).compile()
             limit = resident_per_sm(kernel)
             out["kernels"][key] = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
                                    "shared": kernel.metadata.shared, "resident_per_sm": limit}
             for per_sm in sorted({1, 2, min(limit, 4)} & set(range(1, min(limit, 4) + 1))):
-                arm = {"programs": sms * per_sm, "prefetch": prefetch, "maxnreg": maxnreg}
+                arm = {"programs": sms * per_sm, "prefetch": prefetch, "ahead": ahead, "maxnreg": maxnreg}
                 try:  # a launch the driver refuses is this arm's result, not the end of the check
                     arm.update(time_arm(DecodeLayersKernel(stacked, step, tiles, sms * per_sm, prefetch, maxnreg,
-                                                             cooperative=True)))
+                                                           cooperative=True, ahead=ahead)))
                 except RuntimeError as e:
                     arm["error"] = str(e)[:300]
                 label = f"{key}_{per_sm}_per_sm"

@@ -94,10 +94,13 @@ def _tile(W, X, R, NW, rstd, Y, N, K, t, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.
 
 @_jit
 def _matmul(W, X, Y, N, K, pid, P, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-            PREFETCH: tl.constexpr, R=None, NW=None, RES_OUT=None, eps=0.0, NORM: tl.constexpr = False):
-    """This program's share of one matmul: tiles pid, pid + P, ...; the first with its preloaded block. With
-    NORM, the input is rms_norm(X + R) * NW, computed in every program from the row's exact sum of squares
-    (the GEMV's folded norm, kernels/gemv.py), and program 0 writes X + R to RES_OUT."""
+            PREFETCH: tl.constexpr, R=None, NW=None, RES_OUT=None, eps=0.0, NORM: tl.constexpr = False,
+            AHEAD: tl.constexpr = False):
+    """This program's share of one matmul: tiles pid, pid + P, ...; with PREFETCH the first tile's first weight
+    block is w0, loaded before the barrier. With AHEAD each tile's first block is loaded while the tile before it
+    is computed (two tiles' loads in flight a program, not one). With NORM, the input is rms_norm(X + R) * NW,
+    computed in every program from the row's exact sum of squares (the GEMV's folded norm, kernels/gemv.py), and
+    program 0 writes X + R to RES_OUT. The same arithmetic, in the same order, either way."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     if pid < n_tiles:
         rstd = tl.zeros((1,), dtype=tl.float32)
@@ -105,9 +108,17 @@ def _matmul(W, X, Y, N, K, pid, P, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.conste
             offs_m = tl.arange(0, 1)
             rstd = _norm_prologue(X, R, RES_OUT, offs_m, offs_m < 1, tl.arange(0, BLOCK_K), K, 0, 0, 0, eps, 1,
                                   BLOCK_K, True)
-        _tile(W, X, R, NW, rstd, Y, N, K, pid, w0, BLOCK_N, BLOCK_K, SILU, NORM, PREFETCH)
-        for t in range(pid + P, n_tiles, P):
-            _tile(W, X, R, NW, rstd, Y, N, K, t, w0, BLOCK_N, BLOCK_K, SILU, NORM, False)
+        if AHEAD:
+            w_cur = w0 if PREFETCH else _first_w(W, pid, N, K, BLOCK_N, BLOCK_K)
+            for t in range(pid, n_tiles, P):
+                w_next = _first_w(W, t + P, N, K, BLOCK_N, BLOCK_K)  # all masked past the last tile: no load
+                _tile(W, X, R, NW, rstd, Y, N, K, t, w_cur, BLOCK_N, BLOCK_K, SILU, NORM, True)
+                w_cur = w_next
+        else:
+            _tile(W, X, R, NW, rstd, Y, N, K, pid, w0, BLOCK_N, BLOCK_K, SILU, NORM, PREFETCH)
+            for t in range(pid + P, n_tiles, P):
+                _tile(W, X, R, NW, rstd, Y, N, K, t, w0, BLOCK_N, BLOCK_K, SILU, NORM, False)
+
 
 @_jit
 def _grid_barrier(Counter, target, SPIN: tl.constexpr):
@@ -176,7 +187,7 @@ def _decode_layers_kernel(
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, IEEE_DOT: tl.constexpr,
     BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
-    PREFETCH: tl.constexpr, SPIN: tl.constexpr,
+    PREFETCH: tl.constexpr, AHEAD: tl.constexpr, SPIN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -197,7 +208,7 @@ def _decode_layers_kernel(
         lay = tl.cast(layer, tl.int64)
         # 1. input norm + qkv
         _matmul(WQKV + lay * s_qkv, X, QKV, N_QKV, HIDDEN, pid, P, w, BN_QKV, BK_QKV, False, PREFETCH,
-                R0, WLN1 + lay * HIDDEN, R1, eps, True)
+                R0, WLN1 + lay * HIDDEN, R1, eps, True, AHEAD)
         done += 1
         _grid_barrier(Counter, done * P, SPIN)
         # 2. attention, one (kv head, split) an item
@@ -220,18 +231,18 @@ def _decode_layers_kernel(
         done += 1
         _grid_barrier(Counter, done * P, SPIN)
         # 4. o projection
-        _matmul(WO + lay * s_o, ATT, OUT_O, HIDDEN, Q_SIZE, pid, P, w_o, BN_O, BK_O, False, PREFETCH)
+        _matmul(WO + lay * s_o, ATT, OUT_O, HIDDEN, Q_SIZE, pid, P, w_o, BN_O, BK_O, False, PREFETCH, AHEAD=AHEAD)
         w_gu = _first_w(WGU + lay * s_gu, pid, 2 * INTER, HIDDEN, BN_GU, BK_GU) if PREFETCH else w
         done += 1
         _grid_barrier(Counter, done * P, SPIN)
         # 5. post-attention norm + gate_up
         _matmul(WGU + lay * s_gu, OUT_O, GU, 2 * INTER, HIDDEN, pid, P, w_gu, BN_GU, BK_GU, False, PREFETCH,
-                R1, WLN2 + lay * HIDDEN, R0, eps, True)
+                R1, WLN2 + lay * HIDDEN, R0, eps, True, AHEAD)
         w_d = _first_w(WD + lay * s_d, pid, HIDDEN, INTER, BN_D, BK_D) if PREFETCH else w
         done += 1
         _grid_barrier(Counter, done * P, SPIN)
         # 6. down projection, SiLU-and-mul folded in
-        _matmul(WD + lay * s_d, GU, X, HIDDEN, INTER, pid, P, w_d, BN_D, BK_D, True, PREFETCH)
+        _matmul(WD + lay * s_d, GU, X, HIDDEN, INTER, pid, P, w_d, BN_D, BK_D, True, PREFETCH, AHEAD=AHEAD)
         if PREFETCH:
             nxt = tl.cast(tl.minimum(layer + 1, layers - 1), tl.int64)
             w = _first_w(WQKV + nxt * s_qkv, pid, N_QKV, HIDDEN, BN_QKV, BK_QKV)
@@ -325,13 +336,15 @@ class DecodeLayersKernel:
     residual) after the last layer, what the model's final norm receives."""
 
     def __init__(self, w: LayerStack, step: DecodeStep, tiles: dict, programs: int | None = None,
-                 prefetch: bool = True, maxnreg: int | None = None, cooperative: bool = False) -> None:
+                 prefetch: bool = True, maxnreg: int | None = None, cooperative: bool = False,
+                 ahead: bool = True) -> None:
         """`programs`: the grid (default: as many as the compiled kernel lets every SM hold, up to MAX_PER_SM, or 1
         on a CPU, where the interpreter runs programs one after another); `maxnreg`: a cap on registers a thread
-        (Triton's option), so more programs fit an SM, spilling the rest; `cooperative`: launch as a cooperative
+        (Triton's option), so more programs fit an SM, spilling the rest; `prefetch` / `ahead`: `_matmul`'s
+        PREFETCH / AHEAD (weights loaded before a barrier / a tile ahead); `cooperative`: launch as a cooperative
         grid, which the driver refuses when it cannot all be resident (not inside a CUDA graph capture). Always 4
         warps: the decode helpers' dots must keep the decode kernel's operand layout (the same bits)."""
-        self.w, self.step, self.tiles, self.prefetch = w, step, tiles, prefetch
+        self.w, self.step, self.tiles, self.prefetch, self.ahead = w, step, tiles, prefetch, ahead
         self.options = {"num_warps": 4} | ({"maxnreg": maxnreg} if maxnreg else {})
         if cooperative:
             self.options["launch_cooperative_grid"] = True
@@ -371,7 +384,7 @@ class DecodeLayersKernel:
                   BLOCK_S=max(2, triton.next_power_of_2(s.num_splits)), IEEE_DOT=k0.dtype == torch.float32,
                   BN_QKV=t["qkv"][0], BK_QKV=t["qkv"][1], BN_O=t["o"][0], BK_O=t["o"][1],
                   BN_GU=t["gate_up"][0], BK_GU=t["gate_up"][1], BN_D=t["down"][0], BK_D=t["down"][1],
-                  PREFETCH=self.prefetch, SPIN=SPIN_LIMIT, **self.options)
+                  PREFETCH=self.prefetch, AHEAD=self.ahead, SPIN=SPIN_LIMIT, **self.options)
         if warmup:
             return _decode_layers_kernel.warmup(*args, grid=(self.programs,), **kw)
         return _decode_layers_kernel[(self.programs,)](*args, **kw)
