@@ -97,7 +97,7 @@ def measure(llm) -> dict:
     model, attn = runner.model, runner.attn
     step, live = live_request(llm)
     tiles = layer_tiles(model)
-    stacked = LayerStack.of(model.layers)
+    stacked = LayerStack.of(model.layers, share=False)  # the live graphs read the weights where they are
     n_layers = len(model.layers)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out: dict = {"context_tokens": int(step.seq_lens.item()), "num_splits": step.num_splits, "tiles": tiles,

@@ -281,16 +281,18 @@ class LayerStack:
     head_dim: int
 
     @classmethod
-    def of(cls, layers) -> LayerStack:
+    def of(cls, layers, share: bool = True) -> LayerStack:
         """From a model's DecoderLayers (models/decoder.py, whatever the GEMV swap made of their modules): each
-        kind of weight copied into one [L, ...] tensor, and each layer's parameter made a view of its slice, so
-        the weights are held once and the layers, run one by one, read the same memory."""
+        kind of weight copied into one [L, ...] tensor. With `share`, each layer's parameter becomes a view of its
+        slice, so the weights are held once and the layers, run one by one, read the same memory; only before
+        anything captured the old addresses (a CUDA graph would replay reads of freed memory). Without, copies."""
         def stack(get) -> torch.Tensor:
             params = [get(layer) for layer in layers]
             out = torch.empty((len(params), *params[0].shape), dtype=params[0].dtype, device=params[0].device)
             for i, p in enumerate(params):
                 out[i].copy_(p.detach())
-                p.data = out[i]  # the old storage goes once nothing else holds it
+                if share:
+                    p.data = out[i]  # the old storage goes once nothing else holds it
             return out
 
         a = layers[0].self_attn
