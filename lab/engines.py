@@ -147,3 +147,18 @@ def with_engine(model: str, body: Callable[[Any], T], settings: dict | None = No
             llm.close()
             del llm
             free_gpu()
+
+
+def decoding_request(llm, prompt_len: int = 1024, steps: int = 8):
+    """One greedy request of prompt_len made-up token ids, decoded `steps` tokens: the engine's batch-1 decode
+    graph then holds its step's inputs (what lab.checks' step probes replay). Returns the request."""
+    import torch
+
+    from minisgl import SamplingParams
+
+    prompt = [(31 * j + 7) % 10000 for j in range(prompt_len)]
+    req = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
+    while len(req.output_ids) < steps:
+        llm.engine.step()
+    torch.cuda.synchronize()
+    return req

@@ -23,16 +23,14 @@ The outputs of a step with a part taken out are garbage; only the times are read
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-from lab.engines import with_engine
+from lab.checks import per_model_main
+from lab.engines import decoding_request, with_engine
 from lab.timing import capture, time_replay_us
 
 PROMPT_LEN = 1024
@@ -109,16 +107,11 @@ def _patched(patches: list, attn) -> Iterator[None]:
 
 def step_anatomy(llm) -> dict:
     """The batch-1 graph's replay time at the defaults and with each part taken out, on a live request."""
-    from minisgl import SamplingParams
     from minisgl.engine.cuda_graph import CudaGraphRunner
     from minisgl.kernels.options import use_options
 
-    engine, runner = llm.engine, llm.engine.runner
-    prompt = [(31 * j + 7) % 10000 for j in range(PROMPT_LEN)]
-    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
-    while len(req.output_ids) < 8:
-        engine.step()
-    torch.cuda.synchronize()
+    runner = llm.engine.runner
+    req = decoding_request(llm, PROMPT_LEN)
     live = runner.graph_runner
     out: dict = {"context_tokens": PROMPT_LEN + len(req.output_ids), "replay_us": {}}
     variants = _variants()
@@ -187,23 +180,9 @@ def chains(llm) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--models", default="qwen3-0.6b")
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("decode_anatomy: no CUDA device, nothing to measure")
-        return
-    from minisgl.bench.runner import environment
-
-    res: dict = {"environment": environment(),
-                 "command": f"python -m lab.checks.decode_anatomy --models {a.models}", "models": {}}
-    path = Path(a.out) / "decode_anatomy.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for model in a.models.split(","):
-        res["models"][model] = with_engine(model, lambda llm: {"step": step_anatomy(llm), "chains": chains(llm)},
-                                           max_model_len=4096, kv_memory_fraction=0.3)
-        path.write_text(json.dumps(res, indent=1))
+    per_model_main("decode_anatomy", __doc__, lambda name: with_engine(
+        name, lambda llm: {"step": step_anatomy(llm), "chains": chains(llm)}, max_model_len=4096,
+        kv_memory_fraction=0.3))
 
 
 if __name__ == "__main__":

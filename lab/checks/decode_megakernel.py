@@ -14,12 +14,9 @@ that cannot all be resident) and is timed only if its output is within 5% of the
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 
+from lab.checks import per_model_main
 from minisgl.kernels.decode_layers import DecodeLayersKernel, DecodeStep, LayerStack, resident_per_sm
 
 PROMPT_LEN = 1024
@@ -64,14 +61,10 @@ def engine_layers(w: LayerStack, step: DecodeStep, x: torch.Tensor,
 
 def live_request(llm) -> tuple[DecodeStep, object]:
     """A 1,024-token request decoded a few steps; the inputs of its last step, as the batch-1 graph holds them."""
-    from minisgl import SamplingParams
+    from lab.engines import decoding_request
 
-    engine, runner = llm.engine, llm.engine.runner
-    prompt = [(31 * j + 7) % 10000 for j in range(PROMPT_LEN)]
-    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
-    while len(req.output_ids) < 8:
-        engine.step()
-    torch.cuda.synchronize()
+    runner = llm.engine.runner
+    decoding_request(llm, PROMPT_LEN)
     live, attn = runner.graph_runner, runner.attn
     step = DecodeStep(k_buffers=list(attn.kv_cache.k_buffers), v_buffers=list(attn.kv_cache.v_buffers),
                       req_to_token=attn.req_to_token, req_pool_indices=live.req_pool_indices[:1],
@@ -172,23 +165,13 @@ def measure(llm) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--models", default="qwen3-0.6b", help="comma-separated Qwen3 models from lab.models")
-    a = ap.parse_args()
-    if triton is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        print("decode_megakernel: needs a CUDA GPU of sm_90 or newer, nothing to measure")
+    if triton is None:
+        print("decode_megakernel: needs Triton, nothing to measure")
         return
     from lab.engines import with_engine
-    from minisgl.bench.runner import environment
 
-    res: dict = {"environment": environment(),
-                 "command": f"python -m lab.checks.decode_megakernel --models {a.models}", "models": {}}
-    path = Path(a.out) / "decode_megakernel.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for name in a.models.split(","):
-        res["models"][name] = with_engine(name, measure, max_model_len=4096, kv_memory_fraction=0.3)
-        path.write_text(json.dumps(res, indent=1))
+    per_model_main("decode_megakernel", __doc__, lambda name: with_engine(name, measure, max_model_len=4096,
+                                                                           kv_memory_fraction=0.3), min_capability=9)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,9 @@ the comparison) rather than hang.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 
+from lab.checks import per_model_main
 from lab.models import text_config
 
 ITERS = 20
@@ -207,23 +204,10 @@ def measure(name: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--models", default="qwen3-0.6b", help="comma-separated names from lab.models")
-    a = ap.parse_args()
-    if triton is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        print("persistent_gemv: needs a CUDA GPU of sm_90 or newer, nothing to measure")
+    if triton is None:
+        print("persistent_gemv: needs Triton, nothing to measure")
         return
-    from minisgl.bench.runner import environment
-
-    res: dict = {"environment": environment(), "command": f"python -m lab.checks.persistent_gemv --models {a.models}",
-                 "spin_limit": SPIN_LIMIT, "models": {}}
-    path = Path(a.out) / "persistent_gemv.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for name in a.models.split(","):
-        res["models"][name] = measure(name)
-        torch.cuda.empty_cache()  # the model's weights go with measure()'s frame
-        path.write_text(json.dumps(res, indent=1))
+    per_model_main("persistent_gemv", __doc__, measure, min_capability=9, extra={"spin_limit": SPIN_LIMIT})
 
 
 if __name__ == "__main__":

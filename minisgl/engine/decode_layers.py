@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.attention.triton_backend import TritonAttentionBackend
 from minisgl.kernels.decode_layers import DecodeLayersKernel, DecodeStep, LayerStack
 from minisgl.kernels.gemv import GemvNormLayer, gemv_config, table_for
 from minisgl.models.decoder import DecoderLayer, DecoderLM
@@ -88,7 +87,8 @@ def use_decode_layers(model: nn.Module, stack: LayerStack, backend) -> str | Non
     `LayerStack.of(model.layers)`, taken before the KV pool was sized); returns why it cannot (the model keeps its
     layers), or None once done. The GEMV tiles are those the GEMV swap resolved (kernels/gemv.py), else the GEMV's
     rule for the card."""
-    if not isinstance(backend, TritonAttentionBackend):
+    # what the kernel reads from its backend: the Triton backend's split count, token table and pool
+    if not all(hasattr(backend, n) for n in ("num_splits_for", "req_to_token", "kv_cache", "scale")):
         return "it needs the Triton attention backend"
     if backend.kv_cache.k_buffers[0].dtype != stack.qkv.dtype:
         return "the KV cache's dtype is not the weights'"

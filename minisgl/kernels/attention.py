@@ -150,6 +150,20 @@ def _decode_tile(q, m_i, l_i, acc, K, V, slots, nmask, kvh, stride_kn, stride_kh
 
 
 @_jit
+def _decode_keys(q, m_i, l_i, acc, first, end, Slots, K, V, kvh, stride_kn, stride_kh, stride_vn, stride_vh, offs_d,
+                 dmask, qk_scale, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """The online softmax over key positions first..end-1 of one request, BLOCK_N at a time, their slots read from
+    its row of the token table (`Slots`): (m_i, l_i, acc) after the last tile."""
+    for n0 in range(first, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        slots = tl.load(Slots + offs_n, mask=nmask, other=0).to(tl.int64)
+        m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, K, V, slots, nmask, kvh, stride_kn, stride_kh, stride_vn,
+                                     stride_vh, offs_d, dmask, qk_scale, IEEE_DOT)
+    return m_i, l_i, acc
+
+
+@_jit
 def _load_kv(Buf, slots, nmask, kvh, stride_n, stride_h, offs_d, dmask):
     return tl.load(Buf + slots[:, None] * stride_n + kvh * stride_h + offs_d[None, :],
                    mask=nmask[:, None] & dmask[None, :], other=0.0)
@@ -307,12 +321,9 @@ def _decode_stage1_kernel(
             first = start + BLOCK_N
         else:
             first = start
-        for n0 in range(first, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            nmask = offs_n < end
-            slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
-            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, K, V, slots, nmask, kvh, stride_kn, stride_kh,
-                                         stride_vn, stride_vh, offs_d, dmask, qk_scale, IEEE_DOT)
+        m_i, l_i, acc = _decode_keys(q, m_i, l_i, acc, first, end, ReqToToken + row * stride_r2t, K, V, kvh,
+                                     stride_kn, stride_kh, stride_vn, stride_vh, offs_d, dmask, qk_scale, BLOCK_N,
+                                     IEEE_DOT)
 
         o = acc / l_i[:, None]
         omask = hmask[:, None] & dmask[None, :]

@@ -50,7 +50,7 @@ try:
     from minisgl.kernels.attention import (
         _LOG2E,
         _decode_block_n,
-        _decode_tile,
+        _decode_keys,
         _merge_head,
         _rope_cos_sin,
         _rope_heads_tile,
@@ -166,12 +166,9 @@ def _attend(QKV, KL, VL, PartO, PartLse, WQN, WKN, ReqToToken, ReqPoolIdx, SeqLe
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            nmask = offs_n < end
-            slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
-            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, KL, VL, slots, nmask, kvh, stride_kn, stride_kh,
-                                         stride_kn, stride_kh, offs_d, dmask, qk_scale, IEEE_DOT)
+        m_i, l_i, acc = _decode_keys(q, m_i, l_i, acc, start, end, ReqToToken + row * stride_r2t, KL, VL, kvh,
+                                     stride_kn, stride_kh, stride_kn, stride_kh, offs_d, dmask, qk_scale, BLOCK_N,
+                                     IEEE_DOT)
         o = acc / l_i[:, None]
         tl.store(PartO + heads[:, None] * (SPLITS * D) + split * D + offs_d[None, :], o,
                  mask=hmask[:, None] & dmask[None, :])
