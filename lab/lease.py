@@ -464,12 +464,13 @@ CALLS: dict[str, Call] = {
         carry=(),
         steps=(Check("megakernel", 150, ("decode_megakernel.json",), module="decode_megakernel"),)),
     "mega_ab": Call(
-        "optional: issue 29, the engine with the decode-layers kernel (kernel option decode_megakernel) off and on: "
-        "tokens (greedy and seeded sampling, batch 1 and 8, graphs and eager), then W2, Qwen3-0.6B two rounds and "
-        "Qwen3-8B one",
+        "optional: issue 29, the engine with the decode-layers kernel (kernel option decode_megakernel) off, on, and "
+        "on with 168 registers a thread: tokens (greedy and seeded sampling, batch 1 and 8, graphs and eager), then "
+        "W2, two rounds; Qwen3-0.6B",
         carry=(),
-        steps=(Lab("megakernel06", 200, ("megakernel06.json",), ("megakernel06",)),
-               Lab("megakernel8", 230, ("megakernel8.json",), ("megakernel8",)))),
+        steps=(Lab("megakernel06", 420, ("megakernel06.json",), ("megakernel06",)),)),
+    "mega_ab8": Call("optional: the same on Qwen3-8B, one round", carry=(),
+                     steps=(Lab("megakernel8", 480, ("megakernel8.json",), ("megakernel8",)),)),
     "persistent": Call(
         "optional: issue 29, a model's batch-1 GEMV chain (every layer's qkv, o, gate_up, down) in one persistent "
         "kernel with grid barriers, its next weights loaded before each barrier, against the engine's PDL-chained "

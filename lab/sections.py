@@ -557,6 +557,8 @@ EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot
                     "and its cos/sin, before their PDL wait")
 FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"
 MEGAKERNEL_ABOUT = "a one-row decode step's decoder layers in one persistent kernel (kernels/decode_layers.py)"
+MEGAKERNEL_ARMS = {"off": {"decode_megakernel": False}, "on": {"decode_megakernel": True},
+                   "on_168_regs": {"decode_megakernel": True, "decode_megakernel_regs": 168}}
 # issue 29's next links of a batch-1 decode step's chain (kernels/attention.py)
 DECODE_LINKS = {"decode_fused_rope": "the decode step's RoPE and q/k norms inside the decode attention kernel",
                 "early_kv": "the decode kernel's first key tile read before its PDL wait"}
@@ -579,6 +581,22 @@ def kernel_option_ab(model: str, options: dict[str, str], rounds: int = 2, each:
     tokens = same_tokens_by_mode(model, {label: kernel for label, (kernel, _) in arms.items()}, "off")
     runs = Bench(model, tuple(Arm(label, ("w2",), kernel=kernel, about=about)
                               for label, (kernel, about) in arms.items()), rounds)() if rounds else {}
+    return {"tokens": tokens, "runs": runs, "ok": all(t["ok"] for t in tokens.values())}
+
+
+def megakernel_ab(model: str, rounds: int = 2) -> dict:
+    """The decode-layers kernel (kernel option decode_megakernel) off, on, and on with its registers capped at 168
+    (three programs an SM instead of two): tokens against off (greedy and seeded sampling, batch 1 and 8, graphs
+    and eager; each engine's record says whether the kernel applied and its grid), then W2 in each arm,
+    interleaved `rounds` times."""
+    def probe(llm) -> dict:
+        runner = llm.engine.runner
+        kernel = getattr(runner.model.layers[0], "kernel", None)  # a DecodeLayers' kernel, once it has run
+        return {"decode_megakernel": runner.decode_megakernel, "programs": getattr(kernel, "programs", None)}
+
+    tokens = same_tokens_by_mode(model, MEGAKERNEL_ARMS, "off", probe=probe)
+    runs = Bench(model, tuple(Arm(label, ("w2",), kernel=kernel, about="" if label == "off" else MEGAKERNEL_ABOUT)
+                              for label, kernel in MEGAKERNEL_ARMS.items()), rounds)() if rounds else {}
     return {"tokens": tokens, "runs": runs, "ok": all(t["ok"] for t in tokens.values())}
 
 
@@ -756,11 +774,10 @@ SECTIONS: dict[str, Section] = {
                        "Qwen3-0.6B: fused_rope06's arms both off and both on only"),
     "fused_rope8": section(lambda: kernel_option_ab("qwen3-8b", DECODE_LINKS, rounds=1),
                            "the same on Qwen3-8B, one round"),
-    "megakernel06": section(lambda: kernel_option_ab("qwen3-0.6b", {"decode_megakernel": MEGAKERNEL_ABOUT}),
+    "megakernel06": section(lambda: megakernel_ab("qwen3-0.6b"),
                             "Qwen3-0.6B: tokens and W2 with a one-row decode step's layers in one persistent "
-                            "kernel, off and on"),
-    "megakernel8": section(lambda: kernel_option_ab("qwen3-8b", {"decode_megakernel": MEGAKERNEL_ABOUT},
-                                                    rounds=1), "the same on Qwen3-8B, one round"),
+                            "kernel: off, on, on with 168 registers a thread"),
+    "megakernel8": section(lambda: megakernel_ab("qwen3-8b", rounds=1), "the same on Qwen3-8B, one round"),
     "rope_tokens06": section(lambda: kernel_option_ab("qwen3-0.6b", {"decode_fused_rope":
                                                                      DECODE_LINKS["decode_fused_rope"]}, rounds=0),
                              "Qwen3-0.6B: tokens with the fused RoPE off and on, under CUDA graphs and eagerly "

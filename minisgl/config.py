@@ -133,6 +133,10 @@ class KernelOptions:
                                    "phases a layer with grid barriers between, instead of ~9 launches a layer "
                                    "(kernels/decode_layers.py; Qwen3-style dense models, one GPU, the Triton "
                                    "backend; the same outputs to the bit; not yet measured on a GPU)", enable=True)
+    decode_megakernel_regs: int = _opt(0, "--decode-megakernel-regs",
+                                       "registers a thread the decode-layers kernel may use, 0: as many as the "
+                                       "compiler takes; fewer let more programs share an SM, spilling the rest "
+                                       "(kernels/decode_layers.py)")
     extend_tiles: bool = _opt(True, "--disable-extend-tiles",
                               "the extend attention kernel runs a grid over every request and the longest extend "
                               "(a prefill graph's: its buckets') instead of one program per real block of new "
@@ -166,6 +170,8 @@ class KernelOptions:
     def validate(self) -> None:
         if not 0 <= self.gemv_pdl_early_tiles <= 3:
             raise ValueError(f"gemv_pdl_early_tiles must be in 0..3, got {self.gemv_pdl_early_tiles}")
+        if self.decode_megakernel_regs and not 64 <= self.decode_megakernel_regs <= 255:
+            raise ValueError(f"decode_megakernel_regs must be 0 or in 64..255, got {self.decode_megakernel_regs}")
         if not 1 <= self.decode_split_waves <= 16:
             raise ValueError(f"decode_split_waves must be in 1..16, got {self.decode_split_waves}")
         if self.gdn.prefill not in ("chunked", "recurrent"):

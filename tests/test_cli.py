@@ -35,7 +35,8 @@ ALL_FLAGS = ["--prefill-graph-max-tokens", "512", "--prefill-graph-max-reqs", "4
              "--decode-split-waves", "4",
              "--disable-sampler-skip-blocks", "--disable-sampler-top-k-bound", "--enable-gemv-norm-fold",
              "--disable-extend-tiles", "--disable-early-metadata", "--disable-early-kv", "--enable-decode-fused-rope",
-             "--enable-decode-megakernel", "--attention-backend", "torch", "--state-snapshots", "5",
+             "--enable-decode-megakernel", "--decode-megakernel-regs", "168", "--attention-backend", "torch",
+             "--state-snapshots", "5",
              "--state-snapshot-memory-fraction", "0.1", "--cpu-threads", "3"]
 ALL_KWARGS = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, max_model_len=256, page_size=4,
                   num_pages=100, kv_memory_fraction=0.5, kv_cache_tokens=4096, max_running_requests=8,
@@ -45,7 +46,7 @@ ALL_KWARGS = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, ma
                   cuda_graph_max_bs=16, cuda_graph_split=False, gemv=False, pdl=False, decode_fused_store=False,
                   decode_fused_merge=True, mixed_decode_split=False, gemv_configs="t.json", gemv_pdl_early_tiles=1,
                   decode_split_waves=4, gemv_norm_fold=True, extend_tiles=False, early_metadata=False, early_kv=False,
-                  decode_fused_rope=True, decode_megakernel=True, sampler_skip_blocks=False,
+                  decode_fused_rope=True, decode_megakernel=True, decode_megakernel_regs=168, sampler_skip_blocks=False,
                   sampler_top_k_bound=False, attention_backend="torch",
                   prefill_graph_max_tokens=512, prefill_graph_max_reqs=4, kernel_warmup=False, gc_freeze=False,
                   tp_size=2,
@@ -71,7 +72,8 @@ def test_every_field_has_one_flag():
                                         mixed_decode_split=False, gemv_configs="t.json", gemv_pdl_early_tiles=1,
                                         decode_split_waves=4, gemv_norm_fold=True, extend_tiles=False,
                                         early_metadata=False, early_kv=False, decode_fused_rope=True,
-                                        decode_megakernel=True, sampler_skip_blocks=False, sampler_top_k_bound=False)
+                                        decode_megakernel=True, decode_megakernel_regs=168,
+                                        sampler_skip_blocks=False, sampler_top_k_bound=False)
     # nothing given: no keyword, so EngineConfig's defaults are the only defaults
     assert engine_kwargs_from_args(p.parse_args(["--model", "m"])) == {}
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from minisgl.kernels.decode_layers import DecodeLayersKernel, DecodeStep, LayerStack
 from minisgl.kernels.gemv import GemvNormLayer, gemv_config, table_for
+from minisgl.kernels.options import current_options
 from minisgl.models.decoder import DecoderLayer, DecoderLM
 
 __all__ = ["DecodeLayers", "decode_layers_unfit", "use_decode_layers"]
@@ -75,7 +76,8 @@ class DecodeLayers(nn.Module):
             return x, residual
         step = self._step_inputs(positions, rotary.cos_sin)
         if self.kernel is None:
-            self.kernel = DecodeLayersKernel(self.stack, step, self.tiles)
+            regs = current_options().decode_megakernel_regs  # the engine's options are in force in its steps
+            self.kernel = DecodeLayersKernel(self.stack, step, self.tiles, maxnreg=regs or None)
         else:  # this step's tensors: a captured graph's static buffers, or an eager step's own
             self.kernel.step = step
         h, residual = self.kernel.run(x)
