@@ -6,7 +6,8 @@ op; also `engine_layers` below, the same ops spelled out, against that forward),
 and a whole step (embedding, the kernel, the final norm, the lm_head GEMV, the argmax) against the engine's own
 (its layers captured as a graph, and its live batch-1 decode graph), at 1, 2 and the most programs an SM holds,
 with the registers as the compiler takes them and capped at 168 and 128 (more programs an SM), and without the
-weights loaded before each barrier or a tile ahead. Each arm is a cooperative launch (the driver refuses a grid
+weights loaded before each barrier or a tile ahead; on a card with a tuned GEMV table, also with the GEMV rule's
+narrower tiles (fewer registers, other bits). Each arm is a cooperative launch (the driver refuses a grid
 that cannot all be resident) and is timed only if its output is within 5% of the engine's.
 
     python -m lab.checks.decode_megakernel --out DIR      # DIR/decode_megakernel.json (a CUDA GPU, sm_90+)
@@ -84,6 +85,7 @@ def layer_tiles(model) -> dict:
 
 def measure(llm) -> dict:
     from lab.timing import capture, time_graph_or_eager, time_replay_us
+    from minisgl.kernels.gemv import gemv_config
     from minisgl.kernels.options import use_options
 
     runner = llm.engine.runner
@@ -140,19 +142,28 @@ def measure(llm) -> dict:
             return arm
 
         # registers as the compiler takes them (255: two programs an SM) or capped (more programs an SM); the
-        # weights loaded before each barrier (prefetch) and a tile ahead (ahead), each also off
-        for prefetch, maxnreg, ahead in ((True, None, True), (True, 168, True), (True, 128, True),
-                                         (False, None, True), (True, None, False)):
+        # weights loaded before each barrier (prefetch) and a tile ahead (ahead), each also off; and, where the
+        # card has a tuned GEMV table, the GEMV rule's narrower tiles (fewer registers; other bits than the engine's)
+        rule = {k: gemv_config(*m.shape[1:]) for k, m in (("qkv", stacked.qkv), ("o", stacked.o),
+                                                            ("gate_up", stacked.gate_up), ("down", stacked.down))}
+        variants = [(True, None, True, "engine"), (True, 168, True, "engine"), (True, 128, True, "engine"),
+                    (False, None, True, "engine"), (True, None, False, "engine")]
+        if rule != tiles:
+            variants += [(True, None, True, "rule"), (True, 168, True, "rule")]
+        out["rule_tiles"] = rule
+        for prefetch, maxnreg, ahead, tile_set in variants:
+            these = tiles if tile_set == "engine" else rule
             key = (f"{'prefetch' if prefetch else 'no_prefetch'}_{'ahead' if ahead else 'no_ahead'}_"
-                   f"{maxnreg or 'any'}_regs")
-            kernel = DecodeLayersKernel(stacked, step, tiles, sms, prefetch, maxnreg, ahead=ahead).compile()
+                   f"{maxnreg or 'any'}_regs{'' if tile_set == 'engine' else '_rule_tiles'}")
+            kernel = DecodeLayersKernel(stacked, step, these, sms, prefetch, maxnreg, ahead=ahead).compile()
             limit = resident_per_sm(kernel)
             out["kernels"][key] = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
                                    "shared": kernel.metadata.shared, "resident_per_sm": limit}
             for per_sm in sorted({1, 2, min(limit, 4)} & set(range(1, min(limit, 4) + 1))):
-                arm = {"programs": sms * per_sm, "prefetch": prefetch, "ahead": ahead, "maxnreg": maxnreg}
+                arm = {"programs": sms * per_sm, "prefetch": prefetch, "ahead": ahead, "maxnreg": maxnreg,
+                       "tiles": tile_set}
                 try:  # a launch the driver refuses is this arm's result, not the end of the check
-                    arm.update(time_arm(DecodeLayersKernel(stacked, step, tiles, sms * per_sm, prefetch, maxnreg,
+                    arm.update(time_arm(DecodeLayersKernel(stacked, step, these, sms * per_sm, prefetch, maxnreg,
                                                            cooperative=True, ahead=ahead)))
                 except RuntimeError as e:
                     arm["error"] = str(e)[:300]
