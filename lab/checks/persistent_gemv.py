@@ -8,9 +8,10 @@ stacked random weights at the model's shapes (every layer's qkv, o, gate_up, dow
 
 - `launches`: the engine's `gemv()` launches with the engine's tiles for this card, PDL on, one CUDA graph;
 - `persistent`: one launch of `programs` resident programs running every matmul of every layer in turn, program
-  p taking tiles p, p + programs, ... of each, a grid barrier (kernel `_grid_barrier`, as lab.checks.grid_barrier)
-  between matmuls; with `prefetch`, each program loads its first weight tile of the next matmul *before* the
-  barrier (weights are never written), as the GEMV's early tiles do before their PDL wait.
+  p taking tiles p, p + programs, ... of each, a grid barrier between matmuls (the decode-layers kernel's
+  helpers, minisgl/kernels/decode_layers.py: `_matmul`, `_grid_barrier`); with `prefetch`, each program loads
+  its first weight tile of the next matmul *before* the barrier (weights are never written), as the GEMV's early
+  tiles do before their PDL wait.
 
 With the engine's tiles both use the engine's GEMV tile arithmetic (`minisgl.kernels.gemv._gemv_tile`, same
 tiles, same K order), so the final vector should match to the bit (`bit_equal`); the tile shapes are also swept

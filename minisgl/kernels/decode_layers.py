@@ -65,12 +65,14 @@ __all__ = ["SPIN_LIMIT", "DecodeLayersKernel", "DecodeStep", "LayerStack", "resi
 SPIN_LIMIT = 1 << 16  # tries: ms at worst per barrier, where a legitimate wait is microseconds
 MAX_PER_SM = 4  # programs an SM at most (more only where registers allow)
 
+
 @_jit
 def _first_w(W, t, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weight block (tile t, k 0) of W [N, K]: masked to zeros when t is past the last tile."""
     offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     return _load_w(W, offs_n, offs_n < N, offs_k, offs_k < K, K)
+
 
 @_jit
 def _tile(W, X, R, NW, rstd, Y, N, K, t, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
@@ -91,6 +93,7 @@ def _tile(W, X, R, NW, rstd, Y, N, K, t, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.
         w = _load_w(W, offs_n, n_mask, k, k < K, K)
         acc = _gemv_tile(acc, w, X, R, NW, rstd, offs_m, m_mask, k, k < K, K, 0, 0, SILU, NORM, NORM)
     tl.store(Y + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=n_mask[None, :])
+
 
 @_jit
 def _matmul(W, X, Y, N, K, pid, P, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
@@ -173,6 +176,7 @@ def _attend(QKV, KL, VL, PartO, PartLse, WQN, WKN, ReqToToken, ReqPoolIdx, SeqLe
         tl.store(PartO + heads[:, None] * (SPLITS * D) + split * D + offs_d[None, :], o,
                  mask=hmask[:, None] & dmask[None, :])
         tl.store(PartLse + heads * SPLITS + split, m_i + tl.log2(l_i), mask=hmask)
+
 
 @_jit
 def _decode_layers_kernel(
