@@ -11,7 +11,8 @@ stacked random weights at the model's shapes (every layer's qkv, o, gate_up, dow
   p taking tiles p, p + programs, ... of each, a grid barrier between matmuls (the decode-layers kernel's
   helpers, minisgl/kernels/decode_layers.py: `_matmul`, `_grid_barrier`); with `prefetch`, each program loads
   its first weight tile of the next matmul *before* the barrier (weights are never written), as the GEMV's early
-  tiles do before their PDL wait.
+  tiles do before their PDL wait; each tile's first weight block is loaded while the tile before it computes
+  (`_matmul`'s AHEAD, as the decode-layers kernel runs it in the engine).
 
 With the engine's tiles both use the engine's GEMV tile arithmetic (`minisgl.kernels.gemv._gemv_tile`, same
 tiles, same K order), so the final vector should match to the bit (`bit_equal`); the tile shapes are also swept
@@ -64,19 +65,19 @@ if triton is not None:
         done = 0  # barriers passed
         for layer in range(layers):
             off = tl.cast(layer, tl.int64)
-            _matmul(Wqkv + off * s_qkv, H, QKV, N_QKV, K_QKV, pid, P, w, BN_QKV, BK_QKV, False, PREFETCH)
+            _matmul(Wqkv + off * s_qkv, H, QKV, N_QKV, K_QKV, pid, P, w, BN_QKV, BK_QKV, False, PREFETCH, AHEAD=True)
             w_o = _first_w(Wo + off * s_o, pid, N_O, K_O, BN_O, BK_O) if PREFETCH else w
             done += 1
             _grid_barrier(Counter, done * P, SPIN)
-            _matmul(Wo + off * s_o, QKV, OUT_O, N_O, K_O, pid, P, w_o, BN_O, BK_O, False, PREFETCH)
+            _matmul(Wo + off * s_o, QKV, OUT_O, N_O, K_O, pid, P, w_o, BN_O, BK_O, False, PREFETCH, AHEAD=True)
             w_gu = _first_w(Wgu + off * s_gu, pid, N_GU, K_GU, BN_GU, BK_GU) if PREFETCH else w
             done += 1
             _grid_barrier(Counter, done * P, SPIN)
-            _matmul(Wgu + off * s_gu, OUT_O, GU, N_GU, K_GU, pid, P, w_gu, BN_GU, BK_GU, False, PREFETCH)
+            _matmul(Wgu + off * s_gu, OUT_O, GU, N_GU, K_GU, pid, P, w_gu, BN_GU, BK_GU, False, PREFETCH, AHEAD=True)
             w_d = _first_w(Wd + off * s_d, pid, N_D, K_D, BN_D, BK_D) if PREFETCH else w
             done += 1
             _grid_barrier(Counter, done * P, SPIN)
-            _matmul(Wd + off * s_d, GU, H, N_D, K_D, pid, P, w_d, BN_D, BK_D, True, PREFETCH)
+            _matmul(Wd + off * s_d, GU, H, N_D, K_D, pid, P, w_d, BN_D, BK_D, True, PREFETCH, AHEAD=True)
             if PREFETCH:
                 nxt = tl.cast(tl.minimum(layer + 1, layers - 1), tl.int64)
                 w = _first_w(Wqkv + nxt * s_qkv, pid, N_QKV, K_QKV, BN_QKV, BK_QKV)
