@@ -4,11 +4,12 @@ On a live Qwen3-0.6B request (a 1,024-token prompt decoded a few steps) the kern
 after the last layer are compared with the engine's eager forward of the same step (the layers one launch per
 op; also `engine_layers` below, the same ops spelled out, against that forward), then timed: the layers alone
 and a whole step (embedding, the kernel, the final norm, the lm_head GEMV, the argmax) against the engine's own
-(its layers captured as a graph, and its live batch-1 decode graph), at 1, 2 and the most programs an SM holds,
-with the registers as the compiler takes them and capped at 168 and 128 (more programs an SM), and without the
-weights loaded before each barrier or a tile ahead; on a card with a tuned GEMV table, also with the GEMV rule's
-narrower tiles (fewer registers, other bits). Each arm is a cooperative launch (the driver refuses a grid
-that cannot all be resident) and is timed only if its output is within 5% of the engine's.
+(its layers captured as a graph, and its live batch-1 decode graph), at 1, 2 and the most programs an SM holds:
+the engine's choices, then one change each: registers capped at 168 and 128 (more programs an SM), no weights
+loaded before each barrier, none a tile ahead, the splits merged in a phase of their own; on a card with a tuned
+GEMV table, also the GEMV rule's narrower tiles (fewer registers, other bits). Each arm is a cooperative launch
+(the driver refuses a grid that cannot all be resident) and is timed only if its output is within 5% of the
+engine's.
 
     python -m lab.checks.decode_megakernel --out DIR      # DIR/decode_megakernel.json (a CUDA GPU, sm_90+)
 """
@@ -146,25 +147,28 @@ def measure(llm) -> dict:
         # card has a tuned GEMV table, the GEMV rule's narrower tiles (fewer registers; other bits than the engine's)
         rule = {k: gemv_config(*m.shape[1:]) for k, m in (("qkv", stacked.qkv), ("o", stacked.o),
                                                             ("gate_up", stacked.gate_up), ("down", stacked.down))}
-        variants = [(True, None, True, "engine"), (True, 168, True, "engine"), (True, 128, True, "engine"),
-                    (False, None, True, "engine"), (True, None, False, "engine")]
+        # (prefetch, maxnreg, ahead, merge_last, tiles): the engine's choices first, then one change each
+        variants = [(True, None, True, True, "engine"), (True, 168, True, True, "engine"),
+                    (True, 128, True, True, "engine"), (False, None, True, True, "engine"),
+                    (True, None, False, True, "engine"), (True, None, True, False, "engine")]
         if rule != tiles:
-            variants += [(True, None, True, "rule"), (True, 168, True, "rule")]
+            variants += [(True, None, True, True, "rule"), (True, 168, True, True, "rule")]
         out["rule_tiles"] = rule
-        for prefetch, maxnreg, ahead, tile_set in variants:
+        for prefetch, maxnreg, ahead, merge_last, tile_set in variants:
             these = tiles if tile_set == "engine" else rule
             key = (f"{'prefetch' if prefetch else 'no_prefetch'}_{'ahead' if ahead else 'no_ahead'}_"
-                   f"{maxnreg or 'any'}_regs{'' if tile_set == 'engine' else '_rule_tiles'}")
-            kernel = DecodeLayersKernel(stacked, step, these, sms, prefetch, maxnreg, ahead=ahead).compile()
+                   f"{'merge_last' if merge_last else 'merge_phase'}_{maxnreg or 'any'}_regs"
+                   f"{'' if tile_set == 'engine' else '_rule_tiles'}")
+            options = dict(prefetch=prefetch, maxnreg=maxnreg, ahead=ahead, merge_last=merge_last)
+            kernel = DecodeLayersKernel(stacked, step, these, sms, **options).compile()
             limit = resident_per_sm(kernel)
             out["kernels"][key] = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
                                    "shared": kernel.metadata.shared, "resident_per_sm": limit}
             for per_sm in sorted({1, 2, min(limit, 4)} & set(range(1, min(limit, 4) + 1))):
-                arm = {"programs": sms * per_sm, "prefetch": prefetch, "ahead": ahead, "maxnreg": maxnreg,
-                       "tiles": tile_set}
+                arm = {"programs": sms * per_sm, **options, "tiles": tile_set}
                 try:  # a launch the driver refuses is this arm's result, not the end of the check
-                    arm.update(time_arm(DecodeLayersKernel(stacked, step, these, sms * per_sm, prefetch, maxnreg,
-                                                           cooperative=True, ahead=ahead)))
+                    arm.update(time_arm(DecodeLayersKernel(stacked, step, these, sms * per_sm, cooperative=True,
+                                                           **options)))
                 except RuntimeError as e:
                     arm["error"] = str(e)[:300]
                 label = f"{key}_{per_sm}_per_sm"

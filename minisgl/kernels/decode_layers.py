@@ -3,14 +3,15 @@
 Why. At batch 1 a decode step of a small model is a chain of ~260 short kernels, and each link costs its own
 latency whatever work it does: run27's anatomy of Qwen3-0.6B's step on an H100 (1,016 us) found ~60% of it in the
 links, not in the bytes. Here the decoder layers run in one launch of resident programs, six phases a layer with
-a grid barrier after each:
+a grid barrier after each (five where phases 2 and 3 share one):
 
 1. input RMSNorm + qkv projection (the GEMV with the norm folded in: every program computes the row's rstd from
    its exact sum of squares, kernels/gemv.py; program 0 writes the new residual);
 2. attention, one work item per (kv head, split): Qwen3's q/k norms and the RoPE on q and on the new key (the
    fused RoPE's `norm_rope_full`), the new K/V stored, the split's keys read through the token table (the decode
    kernel's online softmax), the partial output and log-sum-exp written;
-3. the splits merged, one item per q head (`_merge_head`, as the decode kernel's second launch);
+3. the splits merged, one item per q head (`_merge_head`, as the decode kernel's second launch); or (`merge_last`,
+   the default) inside phase 2, by whichever program finishes a kv head's last split (a barrier a layer fewer);
 4. o projection;
 5. post-attention RMSNorm + gate_up projection (folded as in 1);
 6. down projection with the SiLU-and-mul folded in.
@@ -179,6 +180,25 @@ def _attend(QKV, KL, VL, PartO, PartLse, WQN, WKN, ReqToToken, ReqPoolIdx, SeqLe
 
 
 @_jit
+def _merge_if_last(Ticket, PartO, PartLse, ATT, row0, kvh, n_valid, HQ: tl.constexpr, HKV: tl.constexpr,
+                   D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """After a (kv head, split) item: draw the kv head's ticket; the program that draws the last merges the kv
+    head's q heads. The decode kernel's fused merge (kernels/attention.py) explains the ordering: a CTA barrier
+    before the ticket so every thread's partials precede thread 0's release, one after it so the merging
+    program's loads follow its acquire. Every split draws a ticket, empty ones too, and the merging program
+    re-arms the counter (no program of this layer touches it again; the next layer's come after a barrier)."""
+    GROUP: tl.constexpr = HQ // HKV
+    tl.debug_barrier()
+    ticket = tl.atomic_add(Ticket, 1, sem="acq_rel", scope="gpu")
+    if ticket == SPLITS - 1:
+        tl.debug_barrier()
+        tl.store(Ticket, 0)
+        for g in tl.static_range(GROUP):
+            _merge_head(PartO, PartLse, ATT, row0, kvh * GROUP + g, n_valid, 0, SPLITS * D, D, 0, SPLITS, 0, D,
+                        BLOCK_S=BLOCK_S, BLOCK_D=D, HEAD_DIM=D)
+
+
+@_jit
 def _decode_layers_kernel(
     X, R0, R1, QKV, ATT, OUT_O, GU, PartO, PartLse, Counter,
     WLN1, WQKV, WQN, WKN, WO, WLN2, WGU, WD,
@@ -188,7 +208,7 @@ def _decode_layers_kernel(
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, IEEE_DOT: tl.constexpr,
     BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
-    PREFETCH: tl.constexpr, AHEAD: tl.constexpr, SPIN: tl.constexpr,
+    PREFETCH: tl.constexpr, AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, SPIN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -212,22 +232,27 @@ def _decode_layers_kernel(
                 R0, WLN1 + lay * HIDDEN, R1, eps, True, AHEAD)
         done += 1
         _grid_barrier(Counter, done * P, SPIN)
-        # 2. attention, one (kv head, split) an item
+        # 2. attention, one (kv head, split) an item; 3. the splits merged, one q head an item: with MERGE_LAST
+        # in the same phase, by whichever program finishes a kv head's last split (one barrier a layer fewer)
         KL = KBuf + lay * layer_kv
         VL = VBuf + lay * layer_kv
-        for item in range(pid, HKV * SPLITS, P):
-            _attend(QKV, KL, VL, PartO, PartLse, WQN + lay * D, WKN + lay * D, ReqToToken, ReqPoolIdx, SeqLens,
-                    OutLoc, Pos, CosSin, item // SPLITS, item % SPLITS, row0, qk_scale, qk_eps, stride_cs,
-                    stride_kn, stride_kh, stride_r2t, HQ, HKV, D, SPLITS, BLOCK_N, BLOCK_H, IEEE_DOT)
-        done += 1
-        _grid_barrier(Counter, done * P, SPIN)
-        # 3. the splits merged, one q head an item
         seq_len = tl.load(SeqLens).to(tl.int32)
         split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-        n_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
-        for h in range(pid, HQ, P):
-            _merge_head(PartO, PartLse, ATT, row0, h, n_valid, 0, SPLITS * D, D, 0, SPLITS, 0, D,
-                        BLOCK_S=BLOCK_S, BLOCK_D=D, HEAD_DIM=D)
+        n_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))  # splits that saw keys (the decode kernel's rule)
+        for item in range(pid, HKV * SPLITS, P):
+            kvh = item // SPLITS
+            _attend(QKV, KL, VL, PartO, PartLse, WQN + lay * D, WKN + lay * D, ReqToToken, ReqPoolIdx, SeqLens,
+                    OutLoc, Pos, CosSin, kvh, item % SPLITS, row0, qk_scale, qk_eps, stride_cs,
+                    stride_kn, stride_kh, stride_r2t, HQ, HKV, D, SPLITS, BLOCK_N, BLOCK_H, IEEE_DOT)
+            if MERGE_LAST:
+                _merge_if_last(Counter + 1 + kvh, PartO, PartLse, ATT, row0, kvh, n_valid, HQ, HKV, D, SPLITS,
+                               BLOCK_S)
+        if not MERGE_LAST:
+            done += 1
+            _grid_barrier(Counter, done * P, SPIN)
+            for h in range(pid, HQ, P):
+                _merge_head(PartO, PartLse, ATT, row0, h, n_valid, 0, SPLITS * D, D, 0, SPLITS, 0, D,
+                            BLOCK_S=BLOCK_S, BLOCK_D=D, HEAD_DIM=D)
         w_o = _first_w(WO + lay * s_o, pid, HIDDEN, Q_SIZE, BN_O, BK_O) if PREFETCH else w
         done += 1
         _grid_barrier(Counter, done * P, SPIN)
@@ -340,14 +365,16 @@ class DecodeLayersKernel:
 
     def __init__(self, w: LayerStack, step: DecodeStep, tiles: dict, programs: int | None = None,
                  prefetch: bool = True, maxnreg: int | None = None, cooperative: bool = False,
-                 ahead: bool = True) -> None:
+                 ahead: bool = True, merge_last: bool = True) -> None:
         """`programs`: the grid (default: as many as the compiled kernel lets every SM hold, up to MAX_PER_SM, or 1
         on a CPU, where the interpreter runs programs one after another); `maxnreg`: a cap on registers a thread
         (Triton's option), so more programs fit an SM, spilling the rest; `prefetch` / `ahead`: `_matmul`'s
-        PREFETCH / AHEAD (weights loaded before a barrier / a tile ahead); `cooperative`: launch as a cooperative
+        PREFETCH / AHEAD (weights loaded before a barrier / a tile ahead); `merge_last`: the splits merged by the
+        program that finishes a kv head's last one, not in a phase of their own; `cooperative`: launch as a cooperative
         grid, which the driver refuses when it cannot all be resident (not inside a CUDA graph capture). Always 4
         warps: the decode helpers' dots must keep the decode kernel's operand layout (the same bits)."""
-        self.w, self.step, self.tiles, self.prefetch, self.ahead = w, step, tiles, prefetch, ahead
+        self.w, self.step, self.tiles, self.prefetch, self.ahead, self.merge_last = (w, step, tiles, prefetch, ahead,
+                                                                                    merge_last)
         self.options = {"num_warps": 4} | ({"maxnreg": maxnreg} if maxnreg else {})
         if cooperative:
             self.options["launch_cooperative_grid"] = True
@@ -361,7 +388,7 @@ class DecodeLayersKernel:
         self.gu = torch.zeros(2 * inter, dtype=dt, device=dev)
         self.part_o = torch.zeros(hq * splits * d, dtype=torch.float32, device=dev)
         self.part_lse = torch.zeros(hq * splits, dtype=torch.float32, device=dev)
-        self.counter = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.counter = torch.zeros(1 + w.num_kv_heads, dtype=torch.int32, device=dev)  # the barrier's, the tickets
         self.programs = programs or 1
         if programs is None and dev.type == "cuda":
             self.programs = 1
@@ -387,7 +414,8 @@ class DecodeLayersKernel:
                   BLOCK_S=max(2, triton.next_power_of_2(s.num_splits)), IEEE_DOT=k0.dtype == torch.float32,
                   BN_QKV=t["qkv"][0], BK_QKV=t["qkv"][1], BN_O=t["o"][0], BK_O=t["o"][1],
                   BN_GU=t["gate_up"][0], BK_GU=t["gate_up"][1], BN_D=t["down"][0], BK_D=t["down"][1],
-                  PREFETCH=self.prefetch, AHEAD=self.ahead, SPIN=SPIN_LIMIT, **self.options)
+                  PREFETCH=self.prefetch, AHEAD=self.ahead, MERGE_LAST=self.merge_last, SPIN=SPIN_LIMIT,
+                  **self.options)
         if warmup:
             return _decode_layers_kernel.warmup(*args, grid=(self.programs,), **kw)
         return _decode_layers_kernel[(self.programs,)](*args, **kw)
