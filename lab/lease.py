@@ -457,7 +457,7 @@ CALLS: dict[str, Call] = {
         carry=(),
         steps=(ROPE_BITS, ROPE_TOKENS, ANATOMY, BARRIER, PERSISTENT)),
     "megakernel": Call(
-        "optional: issue 29, every decoder layer of a batch-1 step in one persistent kernel (six phases a layer, grid "
+        "optional: issue 29, every decoder layer of a batch-1 step in one persistent kernel (phases with grid "
         "barriers between: norm+qkv, attention splits with the fused RoPE and store, merge, o, norm+gate_up, down), "
         "on a live Qwen3-0.6B request: the same bits as the engine's forward? its time against the engine's layers "
         "and step (lab.checks.decode_megakernel)",
