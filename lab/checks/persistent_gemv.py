@@ -84,6 +84,7 @@ if triton is not None:
             done += 1
             _grid_barrier(Counter, done * P, SPIN)
 
+
 def shapes(name: str) -> dict:
     """The layer's matmuls (N, K) and the layer count of a model in lab.models."""
     c = text_config(name)
