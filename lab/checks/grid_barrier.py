@@ -7,10 +7,11 @@ reads its input row), adds its program id, and writes its own element. Two ways 
 
 - `launches`: one launch per phase, PDL on (each waits for the one before, as minisgl's decode kernels do),
   captured in a CUDA graph and replayed;
-- `persistent`: one launch of the same programs running every phase, separated by a grid barrier (a CTA barrier,
-  then one thread's release-add on a global counter, then a spin on an acquire-load until every program arrived,
-  then a CTA barrier); every program must be resident at once, so `programs` stays within what the card holds
-  (a spin gives up after 4M tries, and the values then fail the check, rather than hang).
+- `persistent`: one launch of the same programs running every phase, separated by the decode-layers kernel's grid
+  barrier (minisgl/kernels/decode_layers.py `_grid_barrier`: a CTA barrier, then one thread's release-add on a
+  global counter, then a spin on an acquire-load until every program arrived, then a CTA barrier); every program
+  must be resident at once, so `programs` stays within what the card holds (a spin gives up after 4M tries, and
+  the values then fail the check, rather than hang).
 
 Both compute the same values (checked); the time per phase is the figure. Also a `launches` chain whose kernel
 preloads 8 KB of "weights" per program before its PDL wait (as the GEMV does), to see the boundary with a GEMV's
@@ -35,6 +36,7 @@ try:
     import triton
     import triton.language as tl
 
+    from minisgl.kernels.decode_layers import _grid_barrier
     from minisgl.kernels.pdl import gdc_launch_dependents, gdc_wait
 except ImportError:  # a CPU install: main() says so
     triton = None
@@ -66,16 +68,7 @@ if triton is not None:
             x = tl.load(Buf + (p % 2) * BLOCK + offs, mask=offs < n, other=0.0, cache_modifier=".cg")
             total = tl.sum(x, 0)
             tl.store(Buf + ((p + 1) % 2) * BLOCK + pid, total * 1e-3 + pid)
-            # grid barrier: every thread's store before one thread's release, then wait for all programs
-            tl.debug_barrier()
-            tl.atomic_add(Counter, 1, sem="release", scope="gpu")
-            target = (p + 1) * n
-            seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
-            tries = 0
-            while (seen < target) & (tries < SPIN_LIMIT):  # the limit: a program never resident would hang it
-                seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
-                tries += 1
-            tl.debug_barrier()
+            _grid_barrier(Counter, (p + 1) * n, SPIN_LIMIT)  # the decode-layers kernel's own barrier
 
 
 def reference(n: int, phases: int) -> torch.Tensor:

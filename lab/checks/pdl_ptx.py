@@ -75,11 +75,6 @@ def _arg_type(value) -> str:
     raise TypeError(f"no Triton type for {type(value)}")
 
 
-def compile_ptx(kernel, args: tuple, kw: dict, **constexpr_overrides) -> str:
-    """`compile_asm`'s PTX."""
-    return compile_asm(kernel, args, kw, **constexpr_overrides)["ptx"]
-
-
 def dot_kwidths(ttgir: str) -> list[int]:
     """The operand kWidth of each tt.dot in a kernel's TTGIR, in order: the dots of the decode kernel must not
     change it with the fused RoPE (a wider kWidth sums q·k's products in another order: run27's rope_bits)."""
@@ -290,7 +285,7 @@ def controls() -> list[str]:
     x = torch.zeros(128, dtype=torch.bfloat16)
     failures = []
     for kernel in (_control_load_first, _control_no_wait):
-        ptx = compile_ptx(kernel, (x, x), {"BLOCK": 128, "num_warps": 4}, USE_PDL=True)
+        ptx = compile_asm(kernel, (x, x), {"BLOCK": 128, "num_warps": 4}, USE_PDL=True)["ptx"]
         if not check_ptx(ptx):
             failures.append(f"control {kernel.__name__} passed the check but breaks the rule")
     return failures
