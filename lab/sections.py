@@ -578,7 +578,15 @@ def kernel_option_ab(model: str, options: dict[str, str], rounds: int = 2, each:
         arms |= {name: ({**off, name: True}, about) for name, about in options.items()}
     if len(options) > 1:
         arms["all"] = ({name: True for name in options}, "; ".join(options.values()))
-    tokens = same_tokens_by_mode(model, {label: kernel for label, (kernel, _) in arms.items()}, "off")
+    return arms_ab(model, arms, rounds)
+
+
+def arms_ab(model: str, arms: dict[str, tuple[dict, str]], rounds: int,
+            probe: Callable[[Any], dict] | None = None) -> dict:
+    """Arms (label: (kernel options, what they change)) whose tokens must equal the "off" arm's: the tokens under
+    CUDA graphs and eagerly (`same_tokens_by_mode`; `probe` adds to each engine's record), then W2 in each arm,
+    interleaved `rounds` times (0: the tokens alone)."""
+    tokens = same_tokens_by_mode(model, {label: kernel for label, (kernel, _) in arms.items()}, "off", probe=probe)
     runs = Bench(model, tuple(Arm(label, ("w2",), kernel=kernel, about=about)
                               for label, (kernel, about) in arms.items()), rounds)() if rounds else {}
     return {"tokens": tokens, "runs": runs, "ok": all(t["ok"] for t in tokens.values())}
@@ -594,10 +602,8 @@ def megakernel_ab(model: str, rounds: int = 2) -> dict:
         kernel = getattr(runner.model.layers[0], "kernel", None)  # a DecodeLayers' kernel, once it has run
         return {"decode_megakernel": runner.decode_megakernel, "programs": getattr(kernel, "programs", None)}
 
-    tokens = same_tokens_by_mode(model, MEGAKERNEL_ARMS, "off", probe=probe)
-    runs = Bench(model, tuple(Arm(label, ("w2",), kernel=kernel, about="" if label == "off" else MEGAKERNEL_ABOUT)
-                              for label, kernel in MEGAKERNEL_ARMS.items()), rounds)() if rounds else {}
-    return {"tokens": tokens, "runs": runs, "ok": all(t["ok"] for t in tokens.values())}
+    arms = {label: (kernel, "" if label == "off" else MEGAKERNEL_ABOUT) for label, kernel in MEGAKERNEL_ARMS.items()}
+    return arms_ab(model, arms, rounds, probe)
 
 
 def pdl_check() -> dict:
