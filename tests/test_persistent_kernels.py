@@ -92,7 +92,8 @@ def test_the_megakernel_is_the_engines_layers_to_the_bit(force_triton, dtype, nu
     gate_up GEMV, down GEMV) to the bit."""
     w, step, pool, tiles, x = _layers_and_step(dtype, num_splits, seq_len)
     before = pool.clone()
-    want_h, want_r = engine_layers(w, step, x, tiles)
+    parts: dict = {}
+    want_h, want_r = engine_layers(w, step, x, tiles, parts)
     want_pool = pool.clone()
     assert not torch.equal(want_pool, before)  # the step's K/V went into the pool
     pool.copy_(before)
@@ -101,6 +102,10 @@ def test_the_megakernel_is_the_engines_layers_to_the_bit(force_triton, dtype, nu
     assert torch.isfinite(want_h.float()).all() and want_h.abs().sum() > 0
     assert torch.equal(got_h, want_h) and torch.equal(got_r, want_r)
     assert torch.equal(pool, want_pool)
+    # the last layer's buffers, phase by phase (what lab.checks.decode_megakernel compares on a GPU for layer 0)
+    mine = {"qkv": kernel.qkv, "att": kernel.att, "o": kernel.o, "gu": kernel.gu, "x": kernel.x, "r1": kernel.r1,
+            "r0": kernel.r0}
+    assert sorted(parts) == sorted(mine) and all(torch.equal(mine[k], parts[k]) for k in parts)
     # the barrier counted every phase of every layer, and each kv head's merge ticket is re-armed
     assert kernel.counter.tolist() == [(6 - merge_last) * w.ln1.shape[0]] + [0] * w.num_kv_heads
 
