@@ -158,3 +158,21 @@ def test_the_engine_runs_one_row_decode_steps_through_the_kernel(qwen3_path, lla
     assert one[0].token_ids == two[0].token_ids
     llama = make_llm(llama_path, decode_megakernel=True, **common)
     assert llama.engine.runner.decode_megakernel == "its attention has no per-head q/k norms (Qwen3's)"
+
+
+def test_phase_times_reads_the_barrier_stamps():
+    """`phase_times` from hand-made stamps: two programs, one layer with the merge phase (six barriers); each phase
+    lasts until its last arrival, each wait from there to the first departure."""
+    w, step, _, tiles, _ = _layers_and_step(torch.float16, 3, 200)
+    w = dl.LayerStack(**{**{f: getattr(w, f) for f in w.__dataclass_fields__},
+                         **{f: getattr(w, f)[:1] for f in ("ln1", "qkv", "q_norm", "k_norm", "o", "ln2", "gate_up",
+                                                           "down")}})
+    kernel = dl.DecodeLayersKernel(w, step, tiles, programs=2, merge_last=False, times=True)
+    assert kernel.times.shape == (2, 7, 2)
+    for b in range(7):  # program 0 arrives at 10b, program 1 at 10b + 3; departures at 10b + 5 and 10b + 6
+        kernel.times[0, b] = torch.tensor([10 * b, 10 * b + 5])
+        kernel.times[1, b] = torch.tensor([10 * b + 3, 10 * b + 6])
+    got = kernel.phase_times()
+    assert got.shape == (6, 3)
+    # phase: last arrival 10b + 3 less the earliest departure 10(b - 1) + 5; wait: 10b + 5 - (10b + 3); spread 1
+    assert got.tolist() == [[8.0, 2.0, 1.0]] * 6

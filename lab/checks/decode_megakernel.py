@@ -101,6 +101,22 @@ def layer_tiles(model) -> dict:
     return {k: tuple(getattr(m, "tiles", None) or gemv_config(*m.weight.shape)) for k, m in mods.items()}
 
 
+def phase_profile(mega: DecodeLayersKernel, x: torch.Tensor, runs: int = 5) -> dict:
+    """Where a run's time goes, from the kernel's own timestamps (`times`): for each phase of a layer, the median
+    over layers (of the last of `runs` runs) of its critical path (last arrival at its barrier less the earliest
+    departure from the one before), the barrier's wait after the last arrival, and the spread of departures; us."""
+    for _ in range(runs):
+        mega.run(x)
+    torch.cuda.synchronize()
+    t = mega.phase_times().view(mega.w.ln1.shape[0], -1, 3) / 1000  # [layer, phase, 3] us
+    names = ["qkv", "attention", "o", "gate_up", "down"] if mega.merge_last else ["qkv", "attention", "merge", "o",
+                                                                                   "gate_up", "down"]
+    med = t.median(0).values
+    return {"us_per_layer": round(float(t[..., :2].sum((1, 2)).mean()), 3),
+            **{n: {"phase": round(float(med[i, 0]), 3), "barrier_wait": round(float(med[i, 1]), 3),
+                   "departure_spread": round(float(med[i, 2]), 3)} for i, n in enumerate(names)}}
+
+
 def measure(llm) -> dict:
     from lab.timing import capture, time_graph_or_eager, time_replay_us
     from minisgl.kernels.gemv import device_table, gemv_config
@@ -209,6 +225,9 @@ def measure(llm) -> dict:
                                                            **options), ref_h, ref_r))
                 except RuntimeError as e:
                     arm["error"] = str(e)[:300]
+                if "layers_us" in arm:
+                    arm["phases"] = phase_profile(DecodeLayersKernel(stacked, step, these, sms * per_sm,
+                                                                     cooperative=True, times=True, **options), x0)
                 record["arms"][f"{key}_{per_sm}_per_sm"] = arm
                 print(set_name, key, per_sm, arm, flush=True)
         attn.prepare_for_replay(live._meta(1))

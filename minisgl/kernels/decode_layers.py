@@ -125,7 +125,17 @@ def _matmul(W, X, Y, N, K, pid, P, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.conste
 
 
 @_jit
-def _grid_barrier(Counter, target, SPIN: tl.constexpr):
+def _now():
+    """The GPU's global nanosecond timer (the same clock on every SM)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@_jit
+def _grid_barrier(Counter, target, SPIN: tl.constexpr, Times=None, slot=0, TIMES: tl.constexpr = False):
+    """Wait until `target` arrivals (every program's, this barrier and all before). With TIMES, this program's
+    arrival and departure times go to Times[slot] (two int64s: the lab's phase timings)."""
+    if TIMES:
+        tl.store(Times + 2 * slot, _now())
     # every thread's stores before thread 0's release; its acquire before every thread's loads after
     tl.debug_barrier()
     tl.atomic_add(Counter, 1, sem="release", scope="gpu")
@@ -135,6 +145,8 @@ def _grid_barrier(Counter, target, SPIN: tl.constexpr):
         seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
         tries += 1
     tl.debug_barrier()
+    if TIMES:
+        tl.store(Times + 2 * slot + 1, _now())
 
 
 @_jit
@@ -209,9 +221,15 @@ def _decode_layers_kernel(
     BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, SPIN: tl.constexpr,
+    Times=None, TIMES: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
+    NB: tl.constexpr = 6 - MERGE_LAST  # barriers a layer
+    slots = pid * (layers * NB + 1)  # this program's first Times slot: its start, then one a barrier
+    if TIMES:
+        tl.store(Times + 2 * slots, _now())
+        tl.store(Times + 2 * slots + 1, _now())
     row0 = pid * 0  # request row 0, as a tensor: the decode helpers index with it
     N_QKV: tl.constexpr = (HQ + 2 * HKV) * D
     Q_SIZE: tl.constexpr = HQ * D
@@ -231,7 +249,7 @@ def _decode_layers_kernel(
         _matmul(WQKV + lay * s_qkv, X, QKV, N_QKV, HIDDEN, pid, P, w, BN_QKV, BK_QKV, False, PREFETCH,
                 R0, WLN1 + lay * HIDDEN, R1, eps, True, AHEAD)
         done += 1
-        _grid_barrier(Counter, done * P, SPIN)
+        _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
         # 2. attention, one (kv head, split) an item; 3. the splits merged, one q head an item: with MERGE_LAST
         # in the same phase, by whichever program finishes a kv head's last split (one barrier a layer fewer)
         KL = KBuf + lay * layer_kv
@@ -249,31 +267,31 @@ def _decode_layers_kernel(
                                BLOCK_S)
         if not MERGE_LAST:
             done += 1
-            _grid_barrier(Counter, done * P, SPIN)
+            _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
             for h in range(pid, HQ, P):
                 _merge_head(PartO, PartLse, ATT, row0, h, n_valid, 0, SPLITS * D, D, 0, SPLITS, 0, D,
                             BLOCK_S=BLOCK_S, BLOCK_D=D, HEAD_DIM=D)
         w_o = _first_w(WO + lay * s_o, pid, HIDDEN, Q_SIZE, BN_O, BK_O) if PREFETCH else w
         done += 1
-        _grid_barrier(Counter, done * P, SPIN)
+        _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
         # 4. o projection
         _matmul(WO + lay * s_o, ATT, OUT_O, HIDDEN, Q_SIZE, pid, P, w_o, BN_O, BK_O, False, PREFETCH, AHEAD=AHEAD)
         w_gu = _first_w(WGU + lay * s_gu, pid, 2 * INTER, HIDDEN, BN_GU, BK_GU) if PREFETCH else w
         done += 1
-        _grid_barrier(Counter, done * P, SPIN)
+        _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
         # 5. post-attention norm + gate_up
         _matmul(WGU + lay * s_gu, OUT_O, GU, 2 * INTER, HIDDEN, pid, P, w_gu, BN_GU, BK_GU, False, PREFETCH,
                 R1, WLN2 + lay * HIDDEN, R0, eps, True, AHEAD)
         w_d = _first_w(WD + lay * s_d, pid, HIDDEN, INTER, BN_D, BK_D) if PREFETCH else w
         done += 1
-        _grid_barrier(Counter, done * P, SPIN)
+        _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
         # 6. down projection, SiLU-and-mul folded in
         _matmul(WD + lay * s_d, GU, X, HIDDEN, INTER, pid, P, w_d, BN_D, BK_D, True, PREFETCH, AHEAD=AHEAD)
         if PREFETCH:
             nxt = tl.cast(tl.minimum(layer + 1, layers - 1), tl.int64)
             w = _first_w(WQKV + nxt * s_qkv, pid, N_QKV, HIDDEN, BN_QKV, BK_QKV)
         done += 1
-        _grid_barrier(Counter, done * P, SPIN)
+        _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
 
 
 def resident_per_sm(kernel, device: torch.device | int = 0) -> int:
@@ -365,13 +383,14 @@ class DecodeLayersKernel:
 
     def __init__(self, w: LayerStack, step: DecodeStep, tiles: dict, programs: int | None = None,
                  prefetch: bool = True, maxnreg: int | None = None, cooperative: bool = False,
-                 ahead: bool = True, merge_last: bool = True) -> None:
+                 ahead: bool = True, merge_last: bool = True, times: bool = False) -> None:
         """`programs`: the grid (default: as many as the compiled kernel lets every SM hold, up to MAX_PER_SM, or 1
         on a CPU, where the interpreter runs programs one after another); `maxnreg`: a cap on registers a thread
         (Triton's option), so more programs fit an SM, spilling the rest; `prefetch` / `ahead`: `_matmul`'s
         PREFETCH / AHEAD (weights loaded before a barrier / a tile ahead); `merge_last`: the splits merged by the
         program that finishes a kv head's last one, not in a phase of their own; `cooperative`: launch as a cooperative
-        grid, which the driver refuses when it cannot all be resident (not inside a CUDA graph capture). Always 4
+        grid, which the driver refuses when it cannot all be resident (not inside a CUDA graph capture); `times`:
+        every program stamps its start and each barrier's arrival and departure (`phase_times`). Always 4
         warps: the decode helpers' dots must keep the decode kernel's operand layout (the same bits)."""
         self.w, self.step, self.tiles, self.prefetch, self.ahead, self.merge_last = (w, step, tiles, prefetch, ahead,
                                                                                     merge_last)
@@ -389,6 +408,7 @@ class DecodeLayersKernel:
         self.part_o = torch.zeros(hq * splits * d, dtype=torch.float32, device=dev)
         self.part_lse = torch.zeros(hq * splits, dtype=torch.float32, device=dev)
         self.counter = torch.zeros(1 + w.num_kv_heads, dtype=torch.int32, device=dev)  # the barrier's, the tickets
+        self.times = None  # sized once the grid is known
         self.programs = programs or 1
         if programs is None and dev.type == "cuda":
             self.programs = 1
@@ -396,6 +416,9 @@ class DecodeLayersKernel:
             if per_sm < 1:
                 raise ValueError("the decode-layers kernel does not fit an SM")
             self.programs = torch.cuda.get_device_properties(dev).multi_processor_count * per_sm
+        self.barriers = w.ln1.shape[0] * (6 - merge_last)
+        if times:
+            self.times = torch.zeros((self.programs, self.barriers + 1, 2), dtype=torch.int64, device=dev)
 
     def _launch(self, warmup: bool = False):
         w, s, t = self.w, self.step, self.tiles
@@ -415,7 +438,7 @@ class DecodeLayersKernel:
                   BN_QKV=t["qkv"][0], BK_QKV=t["qkv"][1], BN_O=t["o"][0], BK_O=t["o"][1],
                   BN_GU=t["gate_up"][0], BK_GU=t["gate_up"][1], BN_D=t["down"][0], BK_D=t["down"][1],
                   PREFETCH=self.prefetch, AHEAD=self.ahead, MERGE_LAST=self.merge_last, SPIN=SPIN_LIMIT,
-                  **self.options)
+                  Times=self.times, TIMES=self.times is not None, **self.options)
         if warmup:
             return _decode_layers_kernel.warmup(*args, grid=(self.programs,), **kw)
         return _decode_layers_kernel[(self.programs,)](*args, **kw)
@@ -425,6 +448,17 @@ class DecodeLayersKernel:
         kernel = self._launch(warmup=True)
         kernel._init_handles()
         return kernel
+
+    def phase_times(self) -> torch.Tensor:
+        """After a run with `times`: [barriers, 3] ns, for each barrier (in order; `6 - merge_last` a layer) the
+        phase before it (the last arrival less the earliest departure from the barrier before), the wait after the
+        last arrival until the first departure, and the spread of departures."""
+        t = self.times.double()
+        arrive, leave = t[:, 1:, 0], t[:, :, 1]
+        last_in = arrive.max(0).values
+        phase = last_in - leave[:, :-1].min(0).values
+        return torch.stack([phase, leave[:, 1:].min(0).values - last_in,
+                            leave[:, 1:].max(0).values - leave[:, 1:].min(0).values], 1)
 
     def run(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.x.copy_(x.reshape(-1))
