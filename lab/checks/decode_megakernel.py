@@ -225,7 +225,7 @@ def measure(llm) -> dict:
                                                            **options), ref_h, ref_r))
                 except RuntimeError as e:
                     arm["error"] = str(e)[:300]
-                if "layers_us" in arm:
+                if "layers_us" in arm and maxnreg is None:
                     arm["phases"] = phase_profile(DecodeLayersKernel(stacked, step, these, sms * per_sm,
                                                                      cooperative=True, times=True, **options), x0)
                 record["arms"][f"{key}_{per_sm}_per_sm"] = arm
