@@ -459,8 +459,9 @@ CALLS: dict[str, Call] = {
     "megakernel": Call(
         "optional: issue 29, every decoder layer of a batch-1 step in one persistent kernel (phases with grid "
         "barriers between: norm+qkv, attention splits with the fused RoPE and store, merge, o, norm+gate_up, down), "
-        "on a live Qwen3-0.6B request: the same bits as the engine's forward? its time against the engine's layers "
-        "and step (lab.checks.decode_megakernel)",
+        "on a live Qwen3-0.6B request: layer 0 phase by phase against the engine's ops, then per GEMV tile set the "
+        "same bits as the engine's ops with those tiles? its time against theirs and the engine's step, and each "
+        "phase's time from the kernel's own stamps (lab.checks.decode_megakernel; run28 at f38adb2: 66 s)",
         carry=(),
         steps=(Check("megakernel", 210, ("decode_megakernel.json",), module="decode_megakernel"),)),
     "mega_ab": Call(
