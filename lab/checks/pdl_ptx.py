@@ -94,7 +94,7 @@ def compile_asm(kernel, args: tuple, kw: dict, **constexpr_overrides) -> dict:
     values.update(constexpr_overrides)
     signature, constexprs = {}, {}
     for p in kernel.params:
-        if p.is_constexpr:
+        if p.is_constexpr or values[p.name] is None:  # a None argument is a constexpr, as a launch makes it
             signature[p.name] = "constexpr"
             constexprs[p.name] = values[p.name]
         else:
