@@ -123,16 +123,18 @@ class KernelOptions:
                           "from registers; kernels/attention.py, \"The early keys\"). On: W2 TPOT 0.869 -> 0.858 ms "
                           "on Qwen3-0.6B, 4.61 -> 4.55 ms on Qwen3-8B on an H200, the same tokens (reports/h200/run25)",
                           disable=True)
-    decode_fused_rope: bool = _opt(False, "--enable-decode-fused-rope",
-                                   "a decode step's RoPE, and Qwen3's per-head q/k norms, run inside the decode "
-                                   "attention kernel instead of a launch of their own before it (one launch a layer "
-                                   "fewer; attention/fused_rope.py; the Triton backend, whole-head rotary)",
-                                   enable=True)
+    decode_fused_rope: bool = _opt(True, "--disable-decode-fused-rope",
+                                   "a decode step's RoPE, and Qwen3's per-head q/k norms, run in a launch of their "
+                                   "own before the decode attention kernel, not inside it (on: one launch a layer "
+                                   "fewer; attention/fused_rope.py; the Triton backend, whole-head rotary). With "
+                                   "early_kv, on: W2 TPOT 1.011 / 1.005 -> 0.961 / 0.964 ms on Qwen3-0.6B on an "
+                                   "H100, the same tokens (reports/h100/run28)", disable=True)
     decode_megakernel: bool = _opt(False, "--enable-decode-megakernel",
                                    "a one-row decode step runs every decoder layer in one persistent kernel, six "
                                    "phases a layer with grid barriers between, instead of ~9 launches a layer "
                                    "(kernels/decode_layers.py; Qwen3-style dense models, one GPU, the Triton "
-                                   "backend; the same outputs to the bit; not yet measured on a GPU)", enable=True)
+                                   "backend; off: slower than the launches on an H100 and 1.3% off their output, "
+                                   "reports/h100/run28)", enable=True)
     decode_megakernel_regs: int = _opt(0, "--decode-megakernel-regs",
                                        "registers a thread the decode-layers kernel may use, 0: as many as the "
                                        "compiler takes; fewer let more programs share an SM, spilling the rest "

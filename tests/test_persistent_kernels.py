@@ -14,6 +14,8 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton (and any kernel module) is imported
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -109,6 +111,28 @@ def test_the_megakernel_is_the_engines_layers_to_the_bit(force_triton, dtype, nu
     assert sorted(parts) == sorted(mine) and all(torch.equal(mine[k], parts[k]) for k in parts)
     # the barrier counted every phase of every layer, and each kv head's merge ticket is re-armed
     assert kernel.counter.tolist() == [(6 - merge_last) * w.ln1.shape[0]] + [0] * w.num_kv_heads
+
+
+def test_first_difference_finds_none_and_finds_a_changed_layer(force_triton, monkeypatch):
+    """The lab's layer-by-layer search (lab.checks.decode_megakernel.first_difference): no layer differs for the
+    kernel as it is; with the second layer's down projection changed for the kernel only, layer 1 does, in its down
+    output (x) and nowhere before it."""
+    from lab.checks.decode_megakernel import first_difference
+
+    w, step, pool, tiles, x = _layers_and_step(torch.float16, 3, 200)
+    assert first_difference(w, step, x, tiles, 1) == {"layer": None}
+    real = dl.DecodeLayersKernel.run
+
+    def off_by_one_down(self, x):  # the kernel reads a slightly different down weight in layer 1
+        self.w = dataclasses.replace(self.w, down=self.w.down.clone())
+        if self.w.down.shape[0] > 1:
+            self.w.down[1, 0, 0] += 1.0
+        return real(self, x)
+
+    monkeypatch.setattr(dl.DecodeLayersKernel, "run", off_by_one_down)
+    got = first_difference(w, step, x, tiles, 1)
+    assert got["layer"] == 1
+    assert {k for k, v in got["phases"].items() if v["elements_differ"]} == {"x"}
 
 
 def test_the_megakernel_reads_the_key_it_stored(force_triton):

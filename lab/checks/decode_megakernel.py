@@ -1,7 +1,8 @@
 """The decode-layers kernel (minisgl/kernels/decode_layers.py, kernel option `decode_megakernel`) on a live request.
 
-On a live Qwen3-0.6B request (a 1,024-token prompt decoded a few steps): first layer 0 alone, the kernel's buffers
-phase by phase (qkv, attention, o, gate_up, down, both residuals) against the engine's ops (`engine_layers` below,
+On a live Qwen3-0.6B request (a 1,024-token prompt decoded a few steps): first the kernel over the first n layers,
+n = 1, 2, ..., until its output differs, and that layer's buffers phase by phase (qkv, attention, o, gate_up,
+down, both residuals) against the engine's ops (`engine_layers` below,
 the same ops as the model's eager forward, which it is checked against); then, for each set of GEMV tiles (the
 engine's; the H200's tuned table; `wide`, ~16 KB a tile, sized for one persistent program rather than many
 launched ones), the engine's ops with those tiles timed as a graph, and the kernel with the same tiles: its hidden
@@ -102,6 +103,37 @@ def layer_tiles(model) -> dict:
     return {k: tuple(getattr(m, "tiles", None) or gemv_config(*m.weight.shape)) for k, m in mods.items()}
 
 
+def prefix(w: LayerStack, n: int) -> LayerStack:
+    """The first n layers of a stack."""
+    return dataclasses.replace(w, **{name: getattr(w, name)[:n] for name in LAYER_WEIGHTS})
+
+
+def first_difference(w: LayerStack, step: DecodeStep, x: torch.Tensor, tiles: dict, programs: int) -> dict:
+    """The kernel over the first n layers against the engine's ops, n = 1, 2, ...: the first layer after which the
+    hidden state or residual differs, how many elements do, and that layer's buffers phase by phase (qkv before
+    its RoPE, attention, o, gate_up, down, the two residuals). The layer count is an argument of the kernel, not
+    a constant: one compile."""
+    for n in range(1, w.ln1.shape[0] + 1):
+        parts: dict = {}
+        ref_h, ref_r = engine_layers(prefix(w, n), step, x, tiles, parts)
+        try:  # a launch the driver refuses is this part's result, not the end of the check
+            mega = DecodeLayersKernel(prefix(w, n), step, tiles, programs, cooperative=True)
+            got_h, got_r = mega.run(x)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+        except RuntimeError as e:
+            return {"error": str(e)[:300]}
+        if torch.equal(got_h, ref_h) and torch.equal(got_r, ref_r):
+            continue
+        mine = {"qkv": mega.qkv, "att": mega.att, "o": mega.o, "gu": mega.gu, "x": mega.x, "r1": mega.r1,
+                "r0": mega.r0}
+        return {"layer": n - 1, "phases": {name: {"elements_differ": int((mine[name] != ref).sum()),
+                                                  "of": ref.numel(),
+                                                  "max_abs_diff": float((mine[name].float() - ref.float()).abs().max())}
+                                           for name, ref in parts.items()}}
+    return {"layer": None}
+
+
 def phase_profile(mega: DecodeLayersKernel, x: torch.Tensor, runs: int = 5) -> dict:
     """Where a run's time goes, from the kernel's own timestamps (`times`): for each phase of a layer, the median
     over layers (of the last of `runs` runs) of its critical path (last arrival at its barrier less the earliest
@@ -176,23 +208,9 @@ def measure(llm) -> dict:
             arm["step_us"] = round(time_graph_or_eager(mega_step, iters=ITERS, per=PER)[0], 2)
             return arm
 
-        # Layer 0 alone, phase by phase: which of the kernel's buffers first differs from the engine's ops
-        parts: dict = {}
-        first = dataclasses.replace(stacked, **{f.name: getattr(stacked, f.name)[:1] for f in
-                                                dataclasses.fields(stacked) if f.name in LAYER_WEIGHTS})
-        engine_layers(first, step, x0, tiles, parts)
-        try:  # a launch the driver refuses is this part's result, not the end of the check
-            one = DecodeLayersKernel(first, step, tiles, sms * 2, cooperative=True)
-            one.run(x0)
-            torch.cuda.synchronize()
-            mine = {"qkv": one.qkv, "att": one.att, "o": one.o, "gu": one.gu, "x": one.x, "r1": one.r1, "r0": one.r0}
-            out["layer0_phases"] = {name: {"equal": bool(torch.equal(mine[name], ref)),
-                                           "elements_differ": int((mine[name] != ref).sum()),
-                                           "max_abs_diff": float((mine[name].float() - ref.float()).abs().max())}
-                                    for name, ref in parts.items()}
-        except RuntimeError as e:
-            out["layer0_phases"] = {"error": str(e)[:300]}
-        print("layer 0 by phase:", out["layer0_phases"], flush=True)
+        # The first layer whose output differs, then its buffers phase by phase against the engine's ops
+        out["first_difference"] = first_difference(stacked, step, x0, tiles, sms * 2)
+        print("first difference:", out["first_difference"], flush=True)
 
         # Tile sets: the engine's; the H200's tuned table (wider K tiles); `wide`, ~16 KB a tile (a persistent
         # program holds one or two tiles in flight, where a launched GEMV has many programs an SM). Each set's
@@ -214,10 +232,9 @@ def measure(llm) -> dict:
                       "kernels": {}, "arms": {}}
             out["tile_sets"][set_name] = record
             print(set_name, these, "engine layers", record["engine_layers_us"], "us", flush=True)
-            # (maxnreg, merge_last, ahead, programs an SM): the engine's choices, two tiles ahead, more programs an SM,
-            # the merge phase
-            for maxnreg, merge_last, ahead, per_sm in ((None, True, 1, 2), (None, True, 2, 2), (168, True, 1, 3),
-                                                       (None, False, 1, 2)):
+            # (maxnreg, merge_last, ahead, programs an SM): the engine's choices, the merge phase (run28 at 32bf0a8:
+            # two tiles ahead, and 168 registers with three programs an SM, were slower with every tile set)
+            for maxnreg, merge_last, ahead, per_sm in ((None, True, 1, 2), (None, False, 1, 2)):
                 key = (f"{maxnreg or 'any'}_regs_{'merge_last' if merge_last else 'merge_phase'}"
                        f"{'_ahead2' if ahead == 2 else ''}")
                 options = dict(maxnreg=maxnreg, merge_last=merge_last, ahead=ahead)
