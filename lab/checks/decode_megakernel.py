@@ -8,8 +8,7 @@ engine's; the H200's tuned table; `wide`, ~16 KB a tile, sized for one persisten
 launched ones), the engine's ops with those tiles timed as a graph, and the kernel with the same tiles: its hidden
 state and residual after the last layer against those ops' (the same bits?), the layers alone and a whole step
 (embedding, the kernel, the final norm, the lm_head GEMV, the argmax) timed, at the engine's choices (two programs
-an SM), two tiles' weights loaded ahead, registers capped at 168 (three), and the splits merged in a phase of
-their own. Each arm is a
+an SM) and with the splits merged in a phase of their own. Each arm is a
 cooperative launch (the driver refuses a grid that cannot all be resident) and is timed only if its output is
 within 5% of its reference. (run28, H100: bits differed by 1.3% with the engine's tiles, every option alike, and
 the kernel took 1,088-1,107 us against the engine's 900: hence the phase check and the tile sets.)
@@ -232,12 +231,11 @@ def measure(llm) -> dict:
                       "kernels": {}, "arms": {}}
             out["tile_sets"][set_name] = record
             print(set_name, these, "engine layers", record["engine_layers_us"], "us", flush=True)
-            # (maxnreg, merge_last, ahead, programs an SM): the engine's choices, the merge phase (run28 at 32bf0a8:
-            # two tiles ahead, and 168 registers with three programs an SM, were slower with every tile set)
-            for maxnreg, merge_last, ahead, per_sm in ((None, True, 1, 2), (None, False, 1, 2)):
-                key = (f"{maxnreg or 'any'}_regs_{'merge_last' if merge_last else 'merge_phase'}"
-                       f"{'_ahead2' if ahead == 2 else ''}")
-                options = dict(maxnreg=maxnreg, merge_last=merge_last, ahead=ahead)
+            # (maxnreg, merge_last, programs an SM): the engine's choices, the merge phase (run28 at 32bf0a8: two tiles'
+            # weights ahead, and 168 registers with three programs an SM, were slower with every tile set)
+            for maxnreg, merge_last, per_sm in ((None, True, 2), (None, False, 2)):
+                key = f"{maxnreg or 'any'}_regs_{'merge_last' if merge_last else 'merge_phase'}"
+                options = dict(maxnreg=maxnreg, merge_last=merge_last)
                 kernel = DecodeLayersKernel(stacked, step, these, sms, **options).compile()
                 limit = resident_per_sm(kernel)
                 record["kernels"][key] = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills,

@@ -112,15 +112,7 @@ def _matmul(W, X, Y, N, K, pid, P, w0, BLOCK_N: tl.constexpr, BLOCK_K: tl.conste
             offs_m = tl.arange(0, 1)
             rstd = _norm_prologue(X, R, RES_OUT, offs_m, offs_m < 1, tl.arange(0, BLOCK_K), K, 0, 0, 0, eps, 1,
                                   BLOCK_K, True)
-        if AHEAD >= 2:  # two tiles' first blocks in flight while one is computed
-            w_cur = w0 if PREFETCH else _first_w(W, pid, N, K, BLOCK_N, BLOCK_K)
-            w_nxt = _first_w(W, pid + P, N, K, BLOCK_N, BLOCK_K)
-            for t in range(pid, n_tiles, P):
-                w_far = _first_w(W, t + 2 * P, N, K, BLOCK_N, BLOCK_K)
-                _tile(W, X, R, NW, rstd, Y, N, K, t, w_cur, BLOCK_N, BLOCK_K, SILU, NORM, True)
-                w_cur = w_nxt
-                w_nxt = w_far
-        elif AHEAD:
+        if AHEAD:
             w_cur = w0 if PREFETCH else _first_w(W, pid, N, K, BLOCK_N, BLOCK_K)
             for t in range(pid, n_tiles, P):
                 w_next = _first_w(W, t + P, N, K, BLOCK_N, BLOCK_K)  # all masked past the last tile: no load
@@ -391,11 +383,11 @@ class DecodeLayersKernel:
 
     def __init__(self, w: LayerStack, step: DecodeStep, tiles: dict, programs: int | None = None,
                  prefetch: bool = True, maxnreg: int | None = None, cooperative: bool = False,
-                 ahead: int = 1, merge_last: bool = True, times: bool = False) -> None:
+                 ahead: bool = True, merge_last: bool = True, times: bool = False) -> None:
         """`programs`: the grid (default: as many as the compiled kernel lets every SM hold, up to MAX_PER_SM, or 1
         on a CPU, where the interpreter runs programs one after another); `maxnreg`: a cap on registers a thread
         (Triton's option), so more programs fit an SM, spilling the rest; `prefetch` / `ahead`: `_matmul`'s
-        PREFETCH / AHEAD (weights loaded before a barrier / 0-2 tiles ahead); `merge_last`: the splits merged by the
+        PREFETCH / AHEAD (weights loaded before a barrier / a tile ahead); `merge_last`: the splits merged by the
         program that finishes a kv head's last one, not in a phase of their own; `cooperative`: launch as a cooperative
         grid, which the driver refuses when it cannot all be resident (not inside a CUDA graph capture); `times`:
         every program stamps its start and each barrier's arrival and departure (`phase_times`). Always 4
@@ -445,7 +437,7 @@ class DecodeLayersKernel:
                   BLOCK_S=max(2, triton.next_power_of_2(s.num_splits)), IEEE_DOT=k0.dtype == torch.float32,
                   BN_QKV=t["qkv"][0], BK_QKV=t["qkv"][1], BN_O=t["o"][0], BK_O=t["o"][1],
                   BN_GU=t["gate_up"][0], BK_GU=t["gate_up"][1], BN_D=t["down"][0], BK_D=t["down"][1],
-                  PREFETCH=self.prefetch, AHEAD=int(self.ahead), MERGE_LAST=self.merge_last, SPIN=SPIN_LIMIT,
+                  PREFETCH=self.prefetch, AHEAD=self.ahead, MERGE_LAST=self.merge_last, SPIN=SPIN_LIMIT,
                   Times=self.times, TIMES=self.times is not None, **self.options)
         if warmup:
             return _decode_layers_kernel.warmup(*args, grid=(self.programs,), **kw)
