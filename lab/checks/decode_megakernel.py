@@ -5,7 +5,8 @@ n = 1, 2, ..., until its output differs, and that layer's buffers phase by phase
 down, both residuals) against the engine's ops (`engine_layers` below,
 the same ops as the model's eager forward, which it is checked against); then, for each set of GEMV tiles (the
 engine's; the H200's tuned table; `wide`, ~16 KB a tile, sized for one persistent program rather than many
-launched ones), the engine's ops with those tiles timed as a graph, and the kernel with the same tiles: its hidden
+launched ones; `share`, one tile a program, its whole share of each matmul loaded before the barrier that
+precedes it), the engine's ops with those tiles timed as a graph, and the kernel with the same tiles: its hidden
 state and residual after the last layer against those ops' (the same bits?), the layers alone and a whole step
 (embedding, the kernel, the final norm, the lm_head GEMV, the argmax) timed, at the engine's choices (two programs
 an SM) and with the splits merged in a phase of their own. Each arm is a
@@ -91,6 +92,18 @@ def wide_tiles(n: int, k: int) -> tuple[int, int, int]:
     step, where the GEMV rule sizes tiles for many programs an SM."""
     block_k = min(triton.next_power_of_2(k), 4096)
     return max(1, min(8, 8192 // block_k)), block_k, 4
+
+
+def share_tiles(n: int, k: int, programs: int, max_weights: int = 16384) -> tuple[int, int, int]:
+    """Tiles that give each of `programs` programs one tile, its whole share of the matmul (the whole row wide),
+    so PREFETCH has all of it in flight across the barrier before; at most `max_weights` a tile (32 KB of bf16),
+    beyond which a program takes several (ptxas for sm_90 at Qwen3-0.6B's shapes: 255 registers and no spills;
+    64 KB tiles spilled 300-760 bytes)."""
+    block_k = triton.next_power_of_2(k)
+    block_n = triton.next_power_of_2(-(-n // programs))
+    while block_n > 1 and block_n * block_k > max_weights:
+        block_n //= 2
+    return block_n, block_k, 4
 
 
 def layer_tiles(model) -> dict:
@@ -212,13 +225,15 @@ def measure(llm) -> dict:
         print("first difference:", out["first_difference"], flush=True)
 
         # Tile sets: the engine's; the H200's tuned table (wider K tiles); `wide`, ~16 KB a tile (a persistent
-        # program holds one or two tiles in flight, where a launched GEMV has many programs an SM). Each set's
+        # program holds one or two tiles in flight, where a launched GEMV has many programs an SM); `share`, one
+        # tile a program at two programs an SM (its whole share in flight across the barrier). Each set's
         # reference is the engine's ops with those tiles (its bits), timed as a graph beside the kernel's arms.
         shapes = {k: tuple(m.shape[1:]) for k, m in (("qkv", stacked.qkv), ("o", stacked.o),
                                                        ("gate_up", stacked.gate_up), ("down", stacked.down))}
         h200 = device_table("NVIDIA H200")
         tile_sets = {"engine": tiles, "h200_table": {k: gemv_config(*nk, h200) for k, nk in shapes.items()},
-                     "wide": {k: wide_tiles(*nk) for k, nk in shapes.items()}}
+                     "wide": {k: wide_tiles(*nk) for k, nk in shapes.items()},
+                     "share": {k: share_tiles(*nk, 2 * sms) for k, nk in shapes.items()}}
         out["tile_sets"] = {}
         seen: list[dict] = []
         for set_name, these in tile_sets.items():
