@@ -82,13 +82,14 @@ def _layers_and_step(dtype: torch.dtype, num_splits: int, seq_len: int):
 
 
 # fp16, not bf16: the interpreter's bf16 dots are wrong (numpy has no bf16), the engine's decode kernel's too
-@pytest.mark.parametrize("dtype,num_splits,seq_len,prefetch,ahead,merge_last", [
-    (torch.float16, 3, 200, True, True, True),  # the new token in the second split, the third empty
-    (torch.float16, 3, 200, False, True, False),  # the splits merged in a phase of their own
-    (torch.float32, 1, 70, False, False, True),  # one split (the merge of one), fp32 dots
+@pytest.mark.parametrize("dtype,num_splits,seq_len,prefetch,ahead,merge_last,arrive_first", [
+    (torch.float16, 3, 200, True, True, True, False),  # the new token in the second split, the third empty
+    (torch.float16, 3, 200, False, True, False, False),  # the splits merged in a phase of their own
+    (torch.float32, 1, 70, False, False, True, False),  # one split (the merge of one), fp32 dots
+    (torch.float16, 3, 200, True, True, True, True),  # the next weights loaded after each arrival
 ])
 def test_the_megakernel_is_the_engines_layers_to_the_bit(force_triton, dtype, num_splits, seq_len, prefetch, ahead,
-                                                          merge_last):
+                                                          merge_last, arrive_first):
     """Every layer of a decode step in one launch: the hidden state, the residual and the K/V it stores equal the
     engine's kernels' (norm, qkv GEMV, q/k norm + RoPE, decode attention with the fused store, o GEMV, norm,
     gate_up GEMV, down GEMV) to the bit."""
@@ -99,7 +100,8 @@ def test_the_megakernel_is_the_engines_layers_to_the_bit(force_triton, dtype, nu
     want_pool = pool.clone()
     assert not torch.equal(want_pool, before)  # the step's K/V went into the pool
     pool.copy_(before)
-    kernel = dl.DecodeLayersKernel(w, step, tiles, programs=1, prefetch=prefetch, ahead=ahead, merge_last=merge_last)
+    kernel = dl.DecodeLayersKernel(w, step, tiles, programs=1, prefetch=prefetch, ahead=ahead, merge_last=merge_last,
+                                   arrive_first=arrive_first)
     got_h, got_r = kernel.run(x)
     assert torch.isfinite(want_h.float()).all() and want_h.abs().sum() > 0
     assert torch.equal(got_h, want_h) and torch.equal(got_r, want_r)

@@ -1,18 +1,19 @@
 """The decode-layers kernel (minisgl/kernels/decode_layers.py, kernel option `decode_megakernel`) on a live request.
 
 On a live Qwen3-0.6B request (a 1,024-token prompt decoded a few steps): first the kernel over the first n layers,
-n = 1, 2, ..., until its output differs, and that layer's buffers phase by phase (qkv, attention, o, gate_up,
-down, both residuals) against the engine's ops (`engine_layers` below,
-the same ops as the model's eager forward, which it is checked against); then, for each set of GEMV tiles (the
-engine's; the H200's tuned table; `wide`, ~16 KB a tile, sized for one persistent program rather than many
-launched ones; `share`, one tile a program, its whole share of each matmul loaded before the barrier that
-precedes it), the engine's ops with those tiles timed as a graph, and the kernel with the same tiles: its hidden
-state and residual after the last layer against those ops' (the same bits?), the layers alone and a whole step
-(embedding, the kernel, the final norm, the lm_head GEMV, the argmax) timed, at the engine's choices (two programs
-an SM) and with the splits merged in a phase of their own. Each arm is a
-cooperative launch (the driver refuses a grid that cannot all be resident) and is timed only if its output is
-within 5% of its reference. (run28, H100: bits differed by 1.3% with the engine's tiles, every option alike, and
-the kernel took 1,088-1,107 us against the engine's 900: hence the phase check and the tile sets.)
+n = 1, 2, ..., until its output differs, and that layer's buffers phase by phase (qkv, attention, o, gate_up, down,
+both residuals) against the engine's ops (`engine_layers` below, the same ops as the model's eager forward, which it
+is checked against). Then, for each set of GEMV tiles (the engine's; the H200's tuned table; `wide`, ~16 KB a tile,
+sized for one persistent program rather than many launched ones; `share`, one tile a program, its whole share of
+each matmul loaded across the barrier before it), the engine's ops with those tiles timed as a graph, and the kernel
+with the same tiles: its hidden state and residual after the last layer against those ops' (the same bits?), the
+layers alone and a whole step (embedding, the kernel, the final norm, the lm_head GEMV, the argmax) timed, and each
+phase's time from the kernel's own stamps; at the engine's choices (two programs an SM), with the next matmul's
+weights loaded after each barrier arrival instead of before it, and with the splits merged in a phase of their own.
+Each arm is a cooperative launch (the driver refuses a grid that cannot all be resident) and is timed only if its
+output is within 5% of its reference. (run28, H100: with every tile set the kernel was slower than the engine's ops
+(906-1,111 us against 827-909), its barriers ~7.5 us a layer; layers 0-13 equal to the bit, layer 14's attention
+one element off: reports/h100/run28.)
 
     python -m lab.checks.decode_megakernel --out DIR      # DIR/decode_megakernel.json (a CUDA GPU, sm_90+)
 """
@@ -246,11 +247,14 @@ def measure(llm) -> dict:
                       "kernels": {}, "arms": {}}
             out["tile_sets"][set_name] = record
             print(set_name, these, "engine layers", record["engine_layers_us"], "us", flush=True)
-            # (maxnreg, merge_last, programs an SM): the engine's choices, the merge phase (run28 at 32bf0a8: two tiles'
+            # (maxnreg, merge_last, arrive_first, programs an SM): the engine's choices, the next weights loaded after
+            # each arrival (a release waits for the loads before it), the merge phase (run28 at 32bf0a8: two tiles'
             # weights ahead, and 168 registers with three programs an SM, were slower with every tile set)
-            for maxnreg, merge_last, per_sm in ((None, True, 2), (None, False, 2)):
-                key = f"{maxnreg or 'any'}_regs_{'merge_last' if merge_last else 'merge_phase'}"
-                options = dict(maxnreg=maxnreg, merge_last=merge_last)
+            for maxnreg, merge_last, arrive_first, per_sm in ((None, True, False, 2), (None, True, True, 2),
+                                                              (None, False, False, 2)):
+                key = (f"{maxnreg or 'any'}_regs_{'merge_last' if merge_last else 'merge_phase'}"
+                       f"{'_arrive_first' if arrive_first else ''}")
+                options = dict(maxnreg=maxnreg, merge_last=merge_last, arrive_first=arrive_first)
                 kernel = DecodeLayersKernel(stacked, step, these, sms, **options).compile()
                 limit = resident_per_sm(kernel)
                 record["kernels"][key] = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills,

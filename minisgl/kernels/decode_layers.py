@@ -131,14 +131,19 @@ def _now():
 
 
 @_jit
-def _grid_barrier(Counter, target, SPIN: tl.constexpr, Times=None, slot=0, TIMES: tl.constexpr = False):
-    """Wait until `target` arrivals (every program's, this barrier and all before). With TIMES, this program's
-    arrival and departure times go to Times[slot] (two int64s: the lab's phase timings)."""
+def _arrive(Counter, Times=None, slot=0, TIMES: tl.constexpr = False):
+    """This program's arrival at a grid barrier (with TIMES, its time goes to Times[slot]'s first int64)."""
     if TIMES:
         tl.store(Times + 2 * slot, _now())
-    # every thread's stores before thread 0's release; its acquire before every thread's loads after
+    # every thread's stores before thread 0's release; its acquire (in _wait) before every thread's loads after
     tl.debug_barrier()
     tl.atomic_add(Counter, 1, sem="release", scope="gpu")
+
+
+@_jit
+def _wait(Counter, target, SPIN: tl.constexpr, Times=None, slot=0, TIMES: tl.constexpr = False):
+    """Wait until `target` arrivals (every program's, this barrier and all before; with TIMES, the departure time
+    goes to Times[slot]'s second int64)."""
     seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
     tries = 0
     while (seen < target) & (tries < SPIN):  # a program never resident would hang it
@@ -147,6 +152,31 @@ def _grid_barrier(Counter, target, SPIN: tl.constexpr, Times=None, slot=0, TIMES
     tl.debug_barrier()
     if TIMES:
         tl.store(Times + 2 * slot + 1, _now())
+
+
+@_jit
+def _grid_barrier(Counter, target, SPIN: tl.constexpr, Times=None, slot=0, TIMES: tl.constexpr = False):
+    """Arrive, then wait until `target` arrivals."""
+    _arrive(Counter, Times, slot, TIMES)
+    _wait(Counter, target, SPIN, Times, slot, TIMES)
+
+
+@_jit
+def _barrier_loading(Counter, target, SPIN: tl.constexpr, Times, slot, TIMES: tl.constexpr, W, t, N, K, w_else,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                     ARRIVE_FIRST: tl.constexpr):
+    """A grid barrier with the next matmul's first weight block (tile t of W [N, K]) loaded across it (PREFETCH;
+    else w_else is returned): before this program's arrival, or, with ARRIVE_FIRST, after it, while it waits. A
+    release orders the loads before it too, so a load issued first may hold the arrival back until it lands;
+    weights are never written by a kernel, so reading them on either side of the barrier is safe."""
+    w = w_else
+    if PREFETCH and not ARRIVE_FIRST:
+        w = _first_w(W, t, N, K, BLOCK_N, BLOCK_K)
+    _arrive(Counter, Times, slot, TIMES)
+    if PREFETCH and ARRIVE_FIRST:
+        w = _first_w(W, t, N, K, BLOCK_N, BLOCK_K)
+    _wait(Counter, target, SPIN, Times, slot, TIMES)
+    return w
 
 
 @_jit
@@ -221,7 +251,7 @@ def _decode_layers_kernel(
     BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, SPIN: tl.constexpr,
-    Times=None, TIMES: tl.constexpr = False,
+    Times=None, TIMES: tl.constexpr = False, ARRIVE_FIRST: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -271,27 +301,26 @@ def _decode_layers_kernel(
             for h in range(pid, HQ, P):
                 _merge_head(PartO, PartLse, ATT, row0, h, n_valid, 0, SPLITS * D, D, 0, SPLITS, 0, D,
                             BLOCK_S=BLOCK_S, BLOCK_D=D, HEAD_DIM=D)
-        w_o = _first_w(WO + lay * s_o, pid, HIDDEN, Q_SIZE, BN_O, BK_O) if PREFETCH else w
         done += 1
-        _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
+        w_o = _barrier_loading(Counter, done * P, SPIN, Times, slots + done, TIMES, WO + lay * s_o, pid, HIDDEN,
+                               Q_SIZE, w, BN_O, BK_O, PREFETCH, ARRIVE_FIRST)
         # 4. o projection
         _matmul(WO + lay * s_o, ATT, OUT_O, HIDDEN, Q_SIZE, pid, P, w_o, BN_O, BK_O, False, PREFETCH, AHEAD=AHEAD)
-        w_gu = _first_w(WGU + lay * s_gu, pid, 2 * INTER, HIDDEN, BN_GU, BK_GU) if PREFETCH else w
         done += 1
-        _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
+        w_gu = _barrier_loading(Counter, done * P, SPIN, Times, slots + done, TIMES, WGU + lay * s_gu, pid,
+                                2 * INTER, HIDDEN, w, BN_GU, BK_GU, PREFETCH, ARRIVE_FIRST)
         # 5. post-attention norm + gate_up
         _matmul(WGU + lay * s_gu, OUT_O, GU, 2 * INTER, HIDDEN, pid, P, w_gu, BN_GU, BK_GU, False, PREFETCH,
                 R1, WLN2 + lay * HIDDEN, R0, eps, True, AHEAD)
-        w_d = _first_w(WD + lay * s_d, pid, HIDDEN, INTER, BN_D, BK_D) if PREFETCH else w
         done += 1
-        _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
+        w_d = _barrier_loading(Counter, done * P, SPIN, Times, slots + done, TIMES, WD + lay * s_d, pid, HIDDEN,
+                               INTER, w, BN_D, BK_D, PREFETCH, ARRIVE_FIRST)
         # 6. down projection, SiLU-and-mul folded in
         _matmul(WD + lay * s_d, GU, X, HIDDEN, INTER, pid, P, w_d, BN_D, BK_D, True, PREFETCH, AHEAD=AHEAD)
-        if PREFETCH:
-            nxt = tl.cast(tl.minimum(layer + 1, layers - 1), tl.int64)
-            w = _first_w(WQKV + nxt * s_qkv, pid, N_QKV, HIDDEN, BN_QKV, BK_QKV)
+        nxt = tl.cast(tl.minimum(layer + 1, layers - 1), tl.int64)
         done += 1
-        _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
+        w = _barrier_loading(Counter, done * P, SPIN, Times, slots + done, TIMES, WQKV + nxt * s_qkv, pid, N_QKV,
+                             HIDDEN, w, BN_QKV, BK_QKV, PREFETCH, ARRIVE_FIRST)
 
 
 def resident_per_sm(kernel, device: torch.device | int = 0) -> int:
@@ -383,17 +412,20 @@ class DecodeLayersKernel:
 
     def __init__(self, w: LayerStack, step: DecodeStep, tiles: dict, programs: int | None = None,
                  prefetch: bool = True, maxnreg: int | None = None, cooperative: bool = False,
-                 ahead: bool = True, merge_last: bool = True, times: bool = False) -> None:
+                 ahead: bool = True, merge_last: bool = True, times: bool = False,
+                 arrive_first: bool = False) -> None:
         """`programs`: the grid (default: as many as the compiled kernel lets every SM hold, up to MAX_PER_SM, or 1
         on a CPU, where the interpreter runs programs one after another); `maxnreg`: a cap on registers a thread
         (Triton's option), so more programs fit an SM, spilling the rest; `prefetch` / `ahead`: `_matmul`'s
         PREFETCH / AHEAD (weights loaded before a barrier / a tile ahead); `merge_last`: the splits merged by the
         program that finishes a kv head's last one, not in a phase of their own; `cooperative`: launch as a cooperative
         grid, which the driver refuses when it cannot all be resident (not inside a CUDA graph capture); `times`:
-        every program stamps its start and each barrier's arrival and departure (`phase_times`). Always 4
+        every program stamps its start and each barrier's arrival and departure (`phase_times`); `arrive_first`: the
+        next matmul's first weights loaded after this program's arrival at a barrier, not before it. Always 4
         warps: the decode helpers' dots must keep the decode kernel's operand layout (the same bits)."""
         self.w, self.step, self.tiles, self.prefetch, self.ahead, self.merge_last = (w, step, tiles, prefetch, ahead,
                                                                                     merge_last)
+        self.arrive_first = arrive_first
         self.options = {"num_warps": 4} | ({"maxnreg": maxnreg} if maxnreg else {})
         if cooperative:
             self.options["launch_cooperative_grid"] = True
@@ -438,7 +470,7 @@ class DecodeLayersKernel:
                   BN_QKV=t["qkv"][0], BK_QKV=t["qkv"][1], BN_O=t["o"][0], BK_O=t["o"][1],
                   BN_GU=t["gate_up"][0], BK_GU=t["gate_up"][1], BN_D=t["down"][0], BK_D=t["down"][1],
                   PREFETCH=self.prefetch, AHEAD=self.ahead, MERGE_LAST=self.merge_last, SPIN=SPIN_LIMIT,
-                  Times=self.times, TIMES=self.times is not None, **self.options)
+                  Times=self.times, TIMES=self.times is not None, ARRIVE_FIRST=self.arrive_first, **self.options)
         if warmup:
             return _decode_layers_kernel.warmup(*args, grid=(self.programs,), **kw)
         return _decode_layers_kernel[(self.programs,)](*args, **kw)
