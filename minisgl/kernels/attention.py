@@ -120,20 +120,27 @@ def _merge_head(
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """out[b, h] from the first n_valid splits' partials: a log-sum-exp weighted mean (zeros if n_valid is 0)."""
+    """out[b, h] from the first n_valid splits' partials: a log-sum-exp weighted mean (zeros if n_valid is 0),
+    summed split by split in order. Not a tl.sum over a [splits, head_dim] tile: the order of that sum follows the
+    tile's layout, which the compiler picks per kernel (the decode-layers kernel, which inlines this, got another
+    layout than the stage-2 kernel and merged one element in thousands a rounding apart, reports/h100/run28)."""
     offs_s = tl.arange(0, BLOCK_S)
-    smask = offs_s < n_valid
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_DIM
-    lse = tl.load(PartLse + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=smask,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
+    lse_row = PartLse + b.to(tl.int64) * stride_lb + h * stride_lh
+    lse = tl.load(lse_row + offs_s, mask=offs_s < n_valid, other=float("-inf"))
+    m = tl.max(lse, 0)  # a max rounds nothing: any order
     m = tl.where(m == float("-inf"), 0.0, m)  # no valid split (seq_len 0): avoid inf - inf
-    w = tl.where(smask, tl.exp2(lse - m), 0.0)
-    o = tl.load(PartO + b.to(tl.int64) * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
-                + offs_d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
-    num = tl.sum(o * w[:, None], 0)
-    den = tl.sum(w, 0)
+    o_row = PartO + b.to(tl.int64) * stride_pb + h * stride_ph
+    num = tl.zeros([BLOCK_D], dtype=tl.float32)
+    den = tl.zeros([1], dtype=tl.float32)
+    for s in tl.static_range(BLOCK_S):
+        valid = s < n_valid
+        w = tl.where(valid, tl.exp2(tl.load(lse_row + s + tl.zeros([1], dtype=tl.int32), mask=valid,
+                                            other=0.0) - m), 0.0)
+        o = tl.load(o_row + s * stride_ps + offs_d, mask=dmask & valid, other=0.0)
+        num = tl.fma(o, w, num)
+        den = den + w
     res = num / tl.maximum(den, 1e-30)
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, res.to(Out.dtype.element_ty),
              mask=dmask)
