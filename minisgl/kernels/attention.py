@@ -133,11 +133,10 @@ def _merge_head(
     m = tl.where(m == float("-inf"), 0.0, m)  # no valid split (seq_len 0): avoid inf - inf
     o_row = PartO + b.to(tl.int64) * stride_pb + h * stride_ph
     num = tl.zeros([BLOCK_D], dtype=tl.float32)
-    den = tl.zeros([1], dtype=tl.float32)
+    den = 0.0
     for s in tl.static_range(BLOCK_S):
         valid = s < n_valid
-        w = tl.where(valid, tl.exp2(tl.load(lse_row + s + tl.zeros([1], dtype=tl.int32), mask=valid,
-                                            other=0.0) - m), 0.0)
+        w = tl.where(valid, tl.exp2(tl.load(lse_row + s, mask=valid, other=0.0) - m), 0.0)
         o = tl.load(o_row + s * stride_ps + offs_d, mask=dmask & valid, other=0.0)
         num = tl.fma(o, w, num)
         den = den + w
