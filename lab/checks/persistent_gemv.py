@@ -9,7 +9,7 @@ stacked random weights at the model's shapes (every layer's qkv, o, gate_up, dow
 - `launches`: the engine's `gemv()` launches with the engine's tiles for this card, PDL on, one CUDA graph;
 - `persistent`: one launch of `programs` resident programs running every matmul of every layer in turn, program
   p taking tiles p, p + programs, ... of each, a grid barrier between matmuls (the decode-layers kernel's
-  helpers, minisgl/kernels/decode_layers.py: `_matmul`, `_grid_barrier`); with `prefetch`, each program loads
+  helpers, minisgl/kernels/decode_layers.py: `_matmul`, `_barrier_loading`); with `prefetch`, each program loads
   its first weight tile of the next matmul *before* the barrier (weights are never written), as the GEMV's early
   tiles do before their PDL wait; each tile's first weight block is loaded while the tile before it computes
   (`_matmul`'s AHEAD, as the decode-layers kernel runs it in the engine).
@@ -41,7 +41,7 @@ try:
     import triton
     import triton.language as tl
 
-    from minisgl.kernels.decode_layers import SPIN_LIMIT, _first_w, _grid_barrier, _matmul, resident_per_sm
+    from minisgl.kernels.decode_layers import SPIN_LIMIT, _barrier_loading, _first_w, _matmul, resident_per_sm
 except ImportError:  # a CPU install: main() says so
     triton = None
 
@@ -66,24 +66,22 @@ if triton is not None:
         for layer in range(layers):
             off = tl.cast(layer, tl.int64)
             _matmul(Wqkv + off * s_qkv, H, QKV, N_QKV, K_QKV, pid, P, w, BN_QKV, BK_QKV, False, PREFETCH, AHEAD=True)
-            w_o = _first_w(Wo + off * s_o, pid, N_O, K_O, BN_O, BK_O) if PREFETCH else w
             done += 1
-            _grid_barrier(Counter, done * P, SPIN)
+            w_o = _barrier_loading(Counter, done * P, SPIN, None, 0, False, Wo + off * s_o, pid, N_O, K_O, w,
+                                   BN_O, BK_O, PREFETCH, False)
             _matmul(Wo + off * s_o, QKV, OUT_O, N_O, K_O, pid, P, w_o, BN_O, BK_O, False, PREFETCH, AHEAD=True)
-            w_gu = _first_w(Wgu + off * s_gu, pid, N_GU, K_GU, BN_GU, BK_GU) if PREFETCH else w
             done += 1
-            _grid_barrier(Counter, done * P, SPIN)
+            w_gu = _barrier_loading(Counter, done * P, SPIN, None, 0, False, Wgu + off * s_gu, pid, N_GU, K_GU, w,
+                                    BN_GU, BK_GU, PREFETCH, False)
             _matmul(Wgu + off * s_gu, OUT_O, GU, N_GU, K_GU, pid, P, w_gu, BN_GU, BK_GU, False, PREFETCH, AHEAD=True)
-            w_d = _first_w(Wd + off * s_d, pid, N_D, K_D, BN_D, BK_D) if PREFETCH else w
             done += 1
-            _grid_barrier(Counter, done * P, SPIN)
+            w_d = _barrier_loading(Counter, done * P, SPIN, None, 0, False, Wd + off * s_d, pid, N_D, K_D, w,
+                                   BN_D, BK_D, PREFETCH, False)
             _matmul(Wd + off * s_d, GU, H, N_D, K_D, pid, P, w_d, BN_D, BK_D, True, PREFETCH, AHEAD=True)
-            if PREFETCH:
-                nxt = tl.cast(tl.minimum(layer + 1, layers - 1), tl.int64)
-                w = _first_w(Wqkv + nxt * s_qkv, pid, N_QKV, K_QKV, BN_QKV, BK_QKV)
+            nxt = tl.cast(tl.minimum(layer + 1, layers - 1), tl.int64)
             done += 1
-            _grid_barrier(Counter, done * P, SPIN)
-
+            w = _barrier_loading(Counter, done * P, SPIN, None, 0, False, Wqkv + nxt * s_qkv, pid, N_QKV, K_QKV, w,
+                                 BN_QKV, BK_QKV, PREFETCH, False)
 
 def shapes(name: str) -> dict:
     """The layer's matmuls (N, K) and the layer count of a model in lab.models."""
