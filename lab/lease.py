@@ -319,6 +319,7 @@ class Call:
 # four are on the machine.
 # issue 29's sweep in a fresh process: a call of its own, and the first step of `gemv`
 WARMUP_SWEEP = Lab("warmup_sweep", 170, ("warmup_sweep.json",), ("warmup_sweep",))
+WIDE_AB06 = Lab("wide_ab06", 100, ("wide06.json",), ("wide_ab06",))  # run13: 96 s
 # issue 29's quick probes: each a call of its own, and together the `probes` call
 ROPE_BITS = Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits")
 ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",))
@@ -430,14 +431,14 @@ CALLS: dict[str, Call] = {
         carry=(),
         # run13: wide_ab06 96 s, wide_ab8 191 s
         steps=(WARMUP_SWEEP,
-               Lab("wide_ab06", 100, ("wide06.json",), ("wide_ab06",)),
+               WIDE_AB06,
                Lab("wide_ab8", 200, ("wide8.json",), ("wide_ab8",)))),
     "gemv06": Call(
         "optional: the gemv call's Qwen3-0.6B part alone (the GEMV tuned, then W2 with the card's table against the "
         "picks, two rounds); on an H100, which has no table, run28's megakernel check saw the H200 table's tiles take "
         "the engine's layers from 909 to 827 us",
         carry=(),
-        steps=(Lab("wide_ab06", 100, ("wide06.json",), ("wide_ab06",)),)),
+        steps=(WIDE_AB06,)),
     "decode_mid": Call(
         "optional: Qwen3-0.6B's decode step at 1-16 requests of 1k-token prompts under the profiler (run26, H100: "
         "1.0, 1.64, 2.24 ms a step at 1, 4, 16), then the decode attention's split count (kernel option "
