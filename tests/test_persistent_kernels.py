@@ -82,14 +82,16 @@ def _layers_and_step(dtype: torch.dtype, num_splits: int, seq_len: int):
 
 
 # fp16, not bf16: the interpreter's bf16 dots are wrong (numpy has no bf16), the engine's decode kernel's too
-@pytest.mark.parametrize("dtype,num_splits,seq_len,prefetch,ahead,merge_last,arrive_first", [
-    (torch.float16, 3, 200, True, True, True, False),  # the new token in the second split, the third empty
-    (torch.float16, 3, 200, False, True, False, False),  # the splits merged in a phase of their own
-    (torch.float32, 1, 70, False, False, True, False),  # one split (the merge of one), fp32 dots
-    (torch.float16, 3, 200, True, True, True, True),  # the next weights loaded after each arrival
+@pytest.mark.parametrize("dtype,num_splits,seq_len,prefetch,ahead,merge_last,arrive_first,early_kv", [
+    (torch.float16, 3, 200, True, True, True, False, False),  # the new token in the second split, the third empty
+    (torch.float16, 3, 200, False, True, False, False, False),  # the splits merged in a phase of their own
+    (torch.float32, 1, 70, False, False, True, False, False),  # one split (the merge of one), fp32 dots
+    (torch.float16, 3, 200, True, True, True, True, False),  # the next weights loaded after each arrival
+    (torch.float16, 3, 200, True, True, True, False, True),  # the first item's first key tile read early
+    (torch.float16, 3, 60, True, True, False, True, True),  # ... holding the new token (patched from registers)
 ])
 def test_the_megakernel_is_the_engines_layers_to_the_bit(force_triton, dtype, num_splits, seq_len, prefetch, ahead,
-                                                          merge_last, arrive_first):
+                                                          merge_last, arrive_first, early_kv):
     """Every layer of a decode step in one launch: the hidden state, the residual and the K/V it stores equal the
     engine's kernels' (norm, qkv GEMV, q/k norm + RoPE, decode attention with the fused store, o GEMV, norm,
     gate_up GEMV, down GEMV) to the bit."""
@@ -101,7 +103,7 @@ def test_the_megakernel_is_the_engines_layers_to_the_bit(force_triton, dtype, nu
     assert not torch.equal(want_pool, before)  # the step's K/V went into the pool
     pool.copy_(before)
     kernel = dl.DecodeLayersKernel(w, step, tiles, programs=1, prefetch=prefetch, ahead=ahead, merge_last=merge_last,
-                                   arrive_first=arrive_first)
+                                   arrive_first=arrive_first, early_kv=early_kv)
     got_h, got_r = kernel.run(x)
     assert torch.isfinite(want_h.float()).all() and want_h.abs().sum() > 0
     assert torch.equal(got_h, want_h) and torch.equal(got_r, want_r)
@@ -136,14 +138,15 @@ def test_first_difference_finds_none_and_finds_a_changed_layer(force_triton, mon
     assert {k for k, v in got["phases"].items() if v["elements_differ"]} == {"x"}
 
 
-def test_the_megakernel_reads_the_key_it_stored(force_triton):
-    """The attention phase reads the new token's key from the pool after storing it: a stale key there (the
-    engine's forward never ran) must not change the result."""
-    w, step, pool, tiles, x = _layers_and_step(torch.float16, 3, 200)
+@pytest.mark.parametrize("seq_len,early_kv", [(200, False), (60, True)])
+def test_the_megakernel_reads_the_key_it_stored(force_triton, seq_len, early_kv):
+    """The attention phase reads the new token's key from the pool after storing it (or, read early, patches it
+    in): a stale key there (the engine's forward never ran) must not change the result."""
+    w, step, pool, tiles, x = _layers_and_step(torch.float16, 3, seq_len)
     want_h, _ = engine_layers(w, step, x, tiles)
     slot = int(step.out_cache_loc)
     pool[:, :, slot] = 100.0  # what a stale slot would hold
-    got_h, _ = dl.DecodeLayersKernel(w, step, tiles, programs=1).run(x)
+    got_h, _ = dl.DecodeLayersKernel(w, step, tiles, programs=1, early_kv=early_kv).run(x)
     assert torch.equal(got_h, want_h)
 
 

@@ -3,13 +3,14 @@
 On a live Qwen3-0.6B request (a 1,024-token prompt decoded a few steps): first the kernel over the first n layers,
 n = 1, 2, ..., until its output differs, and that layer's buffers phase by phase (qkv, attention, o, gate_up, down,
 both residuals) against the engine's ops (`engine_layers` below, the same ops as the model's eager forward, which it
-is checked against). Then, for each set of GEMV tiles (the engine's; the H200's tuned table; `wide`, ~16 KB a tile,
-sized for one persistent program rather than many launched ones; `share`, one tile a program, its whole share of
-each matmul loaded across the barrier before it), the engine's ops with those tiles timed as a graph, and the kernel
-with the same tiles: its hidden state and residual after the last layer against those ops' (the same bits?), the
-layers alone and a whole step (embedding, the kernel, the final norm, the lm_head GEMV, the argmax) timed, and each
-phase's time from the kernel's own stamps; at the engine's choices (two programs an SM), with the next matmul's
-weights loaded after each barrier arrival instead of before it, and with the splits merged in a phase of their own.
+is checked against). Then, for each set of GEMV tiles (the H200's tuned table; `wide`, ~16 KB a tile, sized for one
+persistent program rather than many launched ones; `share`, one tile a program, its whole share of each matmul
+loaded across the barrier before it), the engine's ops with those tiles timed as a graph, and the kernel with the
+same tiles: its hidden state and residual after the last layer against those ops' (the same bits?), the layers
+alone and a whole step (embedding, the kernel, the final norm, the lm_head GEMV, the argmax) timed, and each phase's
+time from the kernel's own stamps; at two programs an SM: the engine's choices (merge_last), the splits merged in a
+phase of their own, that with the attention's first key tiles read across the barrier before it (early_kv), and
+that with every load across a barrier issued after the program's arrival (arrive_first).
 Each arm is a cooperative launch (the driver refuses a grid that cannot all be resident) and is timed only if its
 output is within 5% of its reference. (run28, H100: with every tile set the kernel was slower than the engine's ops
 (906-1,111 us against 827-909), its barriers ~7.5 us a layer; layers 0-13 equal to the bit, layer 14's attention
@@ -225,14 +226,15 @@ def measure(llm) -> dict:
         out["first_difference"] = first_difference(stacked, step, x0, tiles, sms * 2)
         print("first difference:", out["first_difference"], flush=True)
 
-        # Tile sets: the engine's; the H200's tuned table (wider K tiles); `wide`, ~16 KB a tile (a persistent
+        # Tile sets (the engine's own, on an H100 the GEMV's rule, ran in run28: slower than the H200 table's): the
+        # H200's tuned table (wider K tiles); `wide`, ~16 KB a tile (a persistent
         # program holds one or two tiles in flight, where a launched GEMV has many programs an SM); `share`, one
         # tile a program at two programs an SM (its whole share in flight across the barrier). Each set's
         # reference is the engine's ops with those tiles (its bits), timed as a graph beside the kernel's arms.
         shapes = {k: tuple(m.shape[1:]) for k, m in (("qkv", stacked.qkv), ("o", stacked.o),
                                                        ("gate_up", stacked.gate_up), ("down", stacked.down))}
         h200 = device_table("NVIDIA H200")
-        tile_sets = {"engine": tiles, "h200_table": {k: gemv_config(*nk, h200) for k, nk in shapes.items()},
+        tile_sets = {"h200_table": {k: gemv_config(*nk, h200) for k, nk in shapes.items()},
                      "wide": {k: wide_tiles(*nk) for k, nk in shapes.items()},
                      "share": {k: share_tiles(*nk, 2 * sms) for k, nk in shapes.items()}}
         out["tile_sets"] = {}
@@ -247,14 +249,17 @@ def measure(llm) -> dict:
                       "kernels": {}, "arms": {}}
             out["tile_sets"][set_name] = record
             print(set_name, these, "engine layers", record["engine_layers_us"], "us", flush=True)
-            # (maxnreg, merge_last, arrive_first, programs an SM): the engine's choices, the next weights loaded after
-            # each arrival (a release waits for the loads before it), the merge phase (run28 at 32bf0a8: two tiles'
-            # weights ahead, and 168 registers with three programs an SM, were slower with every tile set)
-            for maxnreg, merge_last, arrive_first, per_sm in ((None, True, False, 2), (None, True, True, 2),
-                                                              (None, False, False, 2)):
-                key = (f"{maxnreg or 'any'}_regs_{'merge_last' if merge_last else 'merge_phase'}"
+            # (merge_last, arrive_first, early_kv) at two programs an SM: the engine's choices; the merge phase (run28:
+            # faster than merge_last with every tile set); with the attention's first key tiles read across the
+            # barrier before it; and with every load across a barrier issued after the arrival (a release waits for
+            # the loads before it). (run28 at 32bf0a8: two tiles' weights ahead, and 168 registers with three
+            # programs an SM, were slower with every tile set.)
+            for merge_last, arrive_first, early_kv in ((True, False, False), (False, False, False),
+                                                       (False, False, True), (False, True, True)):
+                per_sm = 2
+                key = (f"{'merge_last' if merge_last else 'merge_phase'}{'_early_kv' if early_kv else ''}"
                        f"{'_arrive_first' if arrive_first else ''}")
-                options = dict(maxnreg=maxnreg, merge_last=merge_last, arrive_first=arrive_first)
+                options = dict(merge_last=merge_last, arrive_first=arrive_first, early_kv=early_kv)
                 kernel = DecodeLayersKernel(stacked, step, these, sms, **options).compile()
                 limit = resident_per_sm(kernel)
                 record["kernels"][key] = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
@@ -266,7 +271,7 @@ def measure(llm) -> dict:
                                                            **options), ref_h, ref_r))
                 except RuntimeError as e:
                     arm["error"] = str(e)[:300]
-                if "layers_us" in arm and maxnreg is None:
+                if "layers_us" in arm:
                     arm["phases"] = phase_profile(DecodeLayersKernel(stacked, step, these, sms * per_sm,
                                                                      cooperative=True, times=True, **options), x0)
                 record["arms"][f"{key}_{per_sm}_per_sm"] = arm

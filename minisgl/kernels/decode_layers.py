@@ -57,9 +57,12 @@ try:
         _LOG2E,
         _decode_block_n,
         _decode_keys,
+        _load_kv,
         _merge_head,
         _rope_cos_sin,
         _rope_heads_tile,
+        _tile_accumulate,
+        _tile_softmax,
     )
     from minisgl.kernels.gemv import _gemv_tile, _load_w, _norm_prologue
 except ImportError:  # CPU-only installs: the layers run one by one
@@ -185,17 +188,41 @@ def _barrier_loading(Counter, target, SPIN: tl.constexpr, Times, slot, TIMES: tl
 
 
 @_jit
+def _first_keys(KL, VL, ReqToToken, ReqPoolIdx, SeqLens, item, stride_kn, stride_kh, stride_r2t,
+                HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys and values of work item `item`'s first key tile (all masked when there is no such item): what
+    `_attend` with EARLY takes, read before the barrier into the attention phase (the decode kernel's early keys:
+    every slot but the new token's holds a key of an earlier step; `_attend` patches that row in from registers)."""
+    seq_len = tl.load(SeqLens).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = (item % SPLITS) * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    kvh = item // SPLITS
+    offs_n = start + tl.arange(0, BLOCK_N)
+    nmask = (offs_n < end) & (item < HKV * SPLITS)
+    row = tl.load(ReqPoolIdx).to(tl.int64)
+    slots = tl.load(ReqToToken + row * stride_r2t + offs_n, mask=nmask, other=0).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    dmask = offs_d < D
+    return (_load_kv(KL, slots, nmask, kvh, stride_kn, stride_kh, offs_d, dmask),
+            _load_kv(VL, slots, nmask, kvh, stride_kn, stride_kh, offs_d, dmask))
+
+
+@_jit
 def _attend(QKV, KL, VL, PartO, PartLse, WQN, WKN, ReqToToken, ReqPoolIdx, SeqLens, OutLoc, Pos, CosSin,
             kvh, split, row0, qk_scale, eps, stride_cs, stride_kn, stride_kh, stride_r2t,
             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, IEEE_DOT: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, IEEE_DOT: tl.constexpr,
+            k0=None, v0=None, EARLY: tl.constexpr = False):
     """One (kv head, split) of the decode kernel's stage 1 for request row 0, with the fused store and the fused
-    RoPE (kernels/attention.py's `_decode_stage1_kernel`, ROPE and FUSED_STORE on, no PDL)."""
+    RoPE (kernels/attention.py's `_decode_stage1_kernel`, ROPE and FUSED_STORE on, no PDL); with EARLY, its first
+    key tile's keys and values are k0, v0 (`_first_keys`), as the decode kernel's EARLY_KV."""
     GROUP: tl.constexpr = HQ // HKV
     seq_len = tl.load(SeqLens).to(tl.int32)
     split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    offs_n0 = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     dmask = offs_d < D
     offs_g = tl.arange(0, BLOCK_H)
@@ -211,13 +238,22 @@ def _attend(QKV, KL, VL, PartO, PartLse, WQN, WKN, ReqToToken, ReqPoolIdx, SeqLe
             vn = tl.load(QKV + (HQ + HKV + kvh) * D + offs_d)
             tl.store(VL + slot * stride_kn + kvh * stride_kh + offs_d, vn.to(VL.dtype.element_ty))
             tl.debug_barrier()  # every thread's store before any thread's key loads (the decode kernel's reason)
+            if EARLY:  # the early tile read this slot before the store: the new row, from registers
+                new_row = (offs_n0 == seq_len - 1)[:, None]
+                k0 = tl.where(new_row, kn.to(KL.dtype.element_ty)[None, :], k0)
+                v0 = tl.where(new_row, vn.to(VL.dtype.element_ty)[None, :], v0)
         row = tl.load(ReqPoolIdx).to(tl.int64)
         q = _rope_heads_tile(QKV + kvh * GROUP * D, D, WQN, cos, sin, sign, eps, GROUP, BLOCK_H, D, True)
         q = q.to(KL.dtype.element_ty)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-        m_i, l_i, acc = _decode_keys(q, m_i, l_i, acc, start, end, ReqToToken + row * stride_r2t, KL, VL, kvh,
+        first = start
+        if EARLY:
+            m_i, l_i, alpha, p = _tile_softmax(q, m_i, l_i, k0, offs_n0 < end, qk_scale, IEEE_DOT)
+            acc = _tile_accumulate(acc, alpha, p, v0, IEEE_DOT)
+            first = start + BLOCK_N
+        m_i, l_i, acc = _decode_keys(q, m_i, l_i, acc, first, end, ReqToToken + row * stride_r2t, KL, VL, kvh,
                                      stride_kn, stride_kh, stride_kn, stride_kh, offs_d, dmask, qk_scale, BLOCK_N,
                                      IEEE_DOT)
         o = acc / l_i[:, None]
@@ -256,7 +292,7 @@ def _decode_layers_kernel(
     BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
     BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
     PREFETCH: tl.constexpr, AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, SPIN: tl.constexpr,
-    Times=None, TIMES: tl.constexpr = False, ARRIVE_FIRST: tl.constexpr = False,
+    Times=None, TIMES: tl.constexpr = False, ARRIVE_FIRST: tl.constexpr = False, EARLY_KV: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -284,15 +320,36 @@ def _decode_layers_kernel(
         _matmul(WQKV + lay * s_qkv, X, QKV, N_QKV, HIDDEN, pid, P, w, BN_QKV, BK_QKV, False, PREFETCH,
                 R0, WLN1 + lay * HIDDEN, R1, eps, True, AHEAD)
         done += 1
-        _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
-        # 2. attention, one (kv head, split) an item; 3. the splits merged, one q head an item: with MERGE_LAST
-        # in the same phase, by whichever program finishes a kv head's last split (one barrier a layer fewer)
         KL = KBuf + lay * layer_kv
         VL = VBuf + lay * layer_kv
+        if EARLY_KV:  # this program's first item's first key tile, read across the barrier as the weights are
+            if not ARRIVE_FIRST:
+                k0, v0 = _first_keys(KL, VL, ReqToToken, ReqPoolIdx, SeqLens, pid, stride_kn, stride_kh,
+                                     stride_r2t, HKV, D, SPLITS, BLOCK_N)
+            _arrive(Counter, Times, slots + done, TIMES)
+            if ARRIVE_FIRST:
+                k0, v0 = _first_keys(KL, VL, ReqToToken, ReqPoolIdx, SeqLens, pid, stride_kn, stride_kh,
+                                     stride_r2t, HKV, D, SPLITS, BLOCK_N)
+            _wait(Counter, done * P, SPIN, Times, slots + done, TIMES)
+        else:
+            _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
+        # 2. attention, one (kv head, split) an item; 3. the splits merged, one q head an item: with MERGE_LAST
+        # in the same phase, by whichever program finishes a kv head's last split (one barrier a layer fewer)
         seq_len = tl.load(SeqLens).to(tl.int32)
         split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
         n_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))  # splits that saw keys (the decode kernel's rule)
-        for item in range(pid, HKV * SPLITS, P):
+        later = pid  # the items left for the loop below
+        if EARLY_KV:
+            later = pid + P
+            if pid < HKV * SPLITS:
+                _attend(QKV, KL, VL, PartO, PartLse, WQN + lay * D, WKN + lay * D, ReqToToken, ReqPoolIdx,
+                        SeqLens, OutLoc, Pos, CosSin, pid // SPLITS, pid % SPLITS, row0, qk_scale, qk_eps,
+                        stride_cs, stride_kn, stride_kh, stride_r2t, HQ, HKV, D, SPLITS, BLOCK_N, BLOCK_H,
+                        IEEE_DOT, k0, v0, True)
+                if MERGE_LAST:
+                    _merge_if_last(Counter + 1 + pid // SPLITS, PartO, PartLse, ATT, row0, pid // SPLITS, n_valid,
+                                   HQ, HKV, D, SPLITS, BLOCK_S)
+        for item in range(later, HKV * SPLITS, P):
             kvh = item // SPLITS
             _attend(QKV, KL, VL, PartO, PartLse, WQN + lay * D, WKN + lay * D, ReqToToken, ReqPoolIdx, SeqLens,
                     OutLoc, Pos, CosSin, kvh, item % SPLITS, row0, qk_scale, qk_eps, stride_cs,
@@ -418,7 +475,7 @@ class DecodeLayersKernel:
     def __init__(self, w: LayerStack, step: DecodeStep, tiles: dict, programs: int | None = None,
                  prefetch: bool = True, maxnreg: int | None = None, cooperative: bool = False,
                  ahead: bool = True, merge_last: bool = True, times: bool = False,
-                 arrive_first: bool = False) -> None:
+                 arrive_first: bool = False, early_kv: bool = False) -> None:
         """`programs`: the grid (default: as many as the compiled kernel lets every SM hold, up to MAX_PER_SM, or 1
         on a CPU, where the interpreter runs programs one after another); `maxnreg`: a cap on registers a thread
         (Triton's option), so more programs fit an SM, spilling the rest; `prefetch` / `ahead`: `_matmul`'s
@@ -426,11 +483,13 @@ class DecodeLayersKernel:
         program that finishes a kv head's last one, not in a phase of their own; `cooperative`: launch as a cooperative
         grid, which the driver refuses when it cannot all be resident (not inside a CUDA graph capture); `times`:
         every program stamps its start and each barrier's arrival and departure (`phase_times`); `arrive_first`: the
-        next matmul's first weights loaded after this program's arrival at a barrier, not before it. Always 4
+        next matmul's first weights loaded after this program's arrival at a barrier, not before it; `early_kv`: each
+        program's first attention item's first key tile read across the barrier before the attention phase (after
+        the arrival with `arrive_first`), as the decode kernel's early keys. Always 4
         warps: the decode helpers' dots must keep the decode kernel's operand layout (the same bits)."""
         self.w, self.step, self.tiles, self.prefetch, self.ahead, self.merge_last = (w, step, tiles, prefetch, ahead,
                                                                                     merge_last)
-        self.arrive_first = arrive_first
+        self.arrive_first, self.early_kv = arrive_first, early_kv
         self.options = {"num_warps": 4} | ({"maxnreg": maxnreg} if maxnreg else {})
         if cooperative:
             self.options["launch_cooperative_grid"] = True
@@ -475,7 +534,8 @@ class DecodeLayersKernel:
                   BN_QKV=t["qkv"][0], BK_QKV=t["qkv"][1], BN_O=t["o"][0], BK_O=t["o"][1],
                   BN_GU=t["gate_up"][0], BK_GU=t["gate_up"][1], BN_D=t["down"][0], BK_D=t["down"][1],
                   PREFETCH=self.prefetch, AHEAD=self.ahead, MERGE_LAST=self.merge_last, SPIN=SPIN_LIMIT,
-                  Times=self.times, TIMES=self.times is not None, ARRIVE_FIRST=self.arrive_first, **self.options)
+                  Times=self.times, TIMES=self.times is not None, ARRIVE_FIRST=self.arrive_first,
+                  EARLY_KV=self.early_kv, **self.options)
         if warmup:
             return _decode_layers_kernel.warmup(*args, grid=(self.programs,), **kw)
         return _decode_layers_kernel[(self.programs,)](*args, **kw)
