@@ -17,7 +17,8 @@ a grid barrier after each (five where phases 2 and 3 share one):
 6. down projection with the SiLU-and-mul folded in.
 
 Before a GEMV phase's barrier each program loads its first weight block of that phase (weights are never written,
-as the GEMV's early tiles under PDL). The arithmetic is the engine's own helpers' with the engine's tiles and split
+as the GEMV's early tiles under PDL); with `early_kv` (off; a lab arm) also, before the attention phase's, its first
+work item's first key tile (the decode kernel's early keys, the new token's row patched in from registers). The arithmetic is the engine's own helpers' with the engine's tiles and split
 count, so the hidden state, the residual and the stored K/V are meant to equal the one-launch-per-op path to the
 bit: so they do under the interpreter (tests/test_persistent_kernels.py). On an H100 (reports/h100/run28) layers
 0-13 did and layer 14's attention was one element in 2,048 a rounding apart: the merge's sum over splits followed
