@@ -326,6 +326,9 @@ ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06"
 ANATOMY = Check("anatomy", 120, ("decode_anatomy.json",), module="decode_anatomy")
 BARRIER = Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier")
 PERSISTENT = Check("persistent", 90, ("persistent_gemv.json",), module="persistent_gemv")
+# issue 29's open questions after run28: each a call of its own, and together the `next29` call
+MEGAKERNEL = Check("megakernel", 180, ("decode_megakernel.json",), module="decode_megakernel")
+FUSED_MERGE06 = Lab("fused_merge06", 120, ("fused_merge06.json",), ("fused_merge06",))
 # the full lease: the headline, its diagnoses and SGLang beside it
 HEADLINE_CALLS = ("call1", "call2", "call3", "call4")
 CALLS: dict[str, Call] = {
@@ -439,6 +442,12 @@ CALLS: dict[str, Call] = {
         "the engine's layers from 909 to 827 us",
         carry=(),
         steps=(WIDE_AB06,)),
+    "next29": Call(
+        "optional, a session's first call: issue 29's open questions after run28 in one call: gemv06 (on an H100, "
+        "its first GEMV table), megakernel (the merge-order fix's bits; the merge phase, early keys and arrivals "
+        "first), fused_merge (the splits merged in the first decode launch, at today's defaults)",
+        carry=(),
+        steps=(WIDE_AB06, MEGAKERNEL, FUSED_MERGE06)),
     "decode_mid": Call(
         "optional: Qwen3-0.6B's decode step at 1-16 requests of 1k-token prompts under the profiler (run26, H100: "
         "1.0, 1.64, 2.24 ms a step at 1, 4, 16), then the decode attention's split count (kernel option "
@@ -471,7 +480,7 @@ CALLS: dict[str, Call] = {
         "theirs and the engine's step, and each phase's time from the kernel's own stamps "
         "(lab.checks.decode_megakernel; run28: 66-142 s)",
         carry=(),
-        steps=(Check("megakernel", 180, ("decode_megakernel.json",), module="decode_megakernel"),)),
+        steps=(MEGAKERNEL,)),
     "mega_ab": Call(
         "optional: issue 29, the engine with the decode-layers kernel (kernel option decode_megakernel) off, on, and "
         "on with 168 registers a thread: tokens (greedy and seeded sampling, batch 1 and 8, graphs and eager), then "
@@ -536,7 +545,7 @@ CALLS: dict[str, Call] = {
         "decode_fused_merge; run10, before PDL's early loads, found it slower): tokens off and on, then W2 off and "
         "on, two rounds; Qwen3-0.6B",
         carry=(),
-        steps=(Lab("fused_merge06", 120, ("fused_merge06.json",), ("fused_merge06",)),)),
+        steps=(FUSED_MERGE06,)),
     "mixes": Call(
         "optional, on a machine calls 1-4 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
         "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "
