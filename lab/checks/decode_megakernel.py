@@ -227,10 +227,10 @@ def measure(llm) -> dict:
         print("first difference:", out["first_difference"], flush=True)
 
         # Tile sets (the engine's own, on an H100 the GEMV's rule, ran in run28: slower than the H200 table's): the
-        # H200's tuned table (wider K tiles); `wide`, ~16 KB a tile (a persistent
-        # program holds one or two tiles in flight, where a launched GEMV has many programs an SM); `share`, one
-        # tile a program at two programs an SM (its whole share in flight across the barrier). Each set's
-        # reference is the engine's ops with those tiles (its bits), timed as a graph beside the kernel's arms.
+        # H200's tuned table (wider K tiles); `wide`, ~16 KB a tile (a persistent program holds one or two tiles in
+        # flight, where a launched GEMV has many programs an SM); `share`, one tile a program at two programs an SM
+        # (its whole share in flight across the barrier). Each set's reference is the engine's ops with those tiles
+        # (its bits), timed as a graph beside the kernel's arms.
         shapes = {k: tuple(m.shape[1:]) for k, m in (("qkv", stacked.qkv), ("o", stacked.o),
                                                        ("gate_up", stacked.gate_up), ("down", stacked.down))}
         h200 = device_table("NVIDIA H200")
