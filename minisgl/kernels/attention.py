@@ -115,6 +115,15 @@ class DecodeRope:
 
 
 @_jit
+def _split_plan(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How a request of seq_len keys is split: (split_len, n_valid). Even work per split, rounded to whole key
+    tiles, so short requests use fewer splits: split s holds positions s * split_len up to the next split's start
+    (or seq_len), and only the first n_valid splits hold any key (the rest write no partials)."""
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return split_len, tl.cdiv(seq_len, tl.maximum(split_len, 1))
+
+
+@_jit
 def _merge_head(
     PartO, PartLse, Out, b, h, n_valid,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -248,8 +257,7 @@ def _decode_stage1_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
-    # Even work per split, rounded to whole key tiles; short requests use fewer splits.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len, _ = _split_plan(seq_len, NUM_SPLITS, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     offs_d = tl.arange(0, BLOCK_D)
@@ -370,8 +378,7 @@ def _decode_stage1_kernel(
             # next stage-1 launch (the next layer's) may start early, but it waits before touching memory, and
             # that wait returns only after every kernel before it, this one included, has completed.
             tl.store(counter, 0)
-            # Same split arithmetic as above: only the splits that saw keys wrote partials (the rest are stale).
-            n_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
+            _, n_valid = _split_plan(seq_len, NUM_SPLITS, BLOCK_N)  # only these splits wrote partials
             for g in tl.static_range(GROUP):
                 _merge_head(PartO, PartLse, Out, b, kvh * GROUP + g, n_valid,
                             stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -395,9 +402,7 @@ def _decode_stage2_kernel(
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     if EARLY_META and USE_PDL:
         pdl_wait()
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    # Same split arithmetic as stage 1: only splits that saw keys wrote partials (the rest hold garbage).
-    n_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))
+    _, n_valid = _split_plan(seq_len, NUM_SPLITS, BLOCK_N)  # stage 1's splits: only these wrote partials
     _merge_head(PartO, PartLse, Out, b, h, n_valid,
                 stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                 BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)

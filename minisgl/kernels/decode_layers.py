@@ -63,6 +63,7 @@ try:
         _merge_head,
         _rope_cos_sin,
         _rope_heads_tile,
+        _split_plan,
         _tile_accumulate,
         _tile_softmax,
     )
@@ -196,7 +197,7 @@ def _first_keys(KL, VL, ReqToToken, ReqPoolIdx, SeqLens, item, stride_kn, stride
     `_attend` with EARLY takes, read before the barrier into the attention phase (the decode kernel's early keys:
     every slot but the new token's holds a key of an earlier step; `_attend` patches that row in from registers)."""
     seq_len = tl.load(SeqLens).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    split_len, _ = _split_plan(seq_len, SPLITS, BLOCK_N)
     start = (item % SPLITS) * split_len
     end = tl.minimum(start + split_len, seq_len)
     kvh = item // SPLITS
@@ -221,7 +222,7 @@ def _attend(QKV, KL, VL, PartO, PartLse, WQN, WKN, ReqToToken, ReqPoolIdx, SeqLe
     key tile's keys and values are k0, v0 (`_first_keys`), as the decode kernel's EARLY_KV."""
     GROUP: tl.constexpr = HQ // HKV
     seq_len = tl.load(SeqLens).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    split_len, _ = _split_plan(seq_len, SPLITS, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     offs_n0 = start + tl.arange(0, BLOCK_N)
@@ -284,6 +285,22 @@ def _merge_if_last(Ticket, PartO, PartLse, ATT, row0, kvh, n_valid, HQ: tl.const
 
 
 @_jit
+def _attend_item(item, QKV, KL, VL, PartO, PartLse, WQN, WKN, ReqToToken, ReqPoolIdx, SeqLens, OutLoc, Pos, CosSin,
+                 row0, qk_scale, eps, stride_cs, stride_kn, stride_kh, stride_r2t, Tickets, ATT, n_valid,
+                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, IEEE_DOT: tl.constexpr, MERGE_LAST: tl.constexpr,
+                 k0=None, v0=None, EARLY: tl.constexpr = False):
+    """Work item `item` of the attention phase: its (kv head, split) through `_attend` (EARLY: with k0, v0 as its
+    first key tile), then, with MERGE_LAST, the kv head's ticket from Tickets (`_merge_if_last`)."""
+    kvh = item // SPLITS
+    _attend(QKV, KL, VL, PartO, PartLse, WQN, WKN, ReqToToken, ReqPoolIdx, SeqLens, OutLoc, Pos, CosSin, kvh,
+            item % SPLITS, row0, qk_scale, eps, stride_cs, stride_kn, stride_kh, stride_r2t, HQ, HKV, D, SPLITS,
+            BLOCK_N, BLOCK_H, IEEE_DOT, k0, v0, EARLY)
+    if MERGE_LAST:
+        _merge_if_last(Tickets + kvh, PartO, PartLse, ATT, row0, kvh, n_valid, HQ, HKV, D, SPLITS, BLOCK_S)
+
+
+@_jit
 def _decode_layers_kernel(
     X, R0, R1, QKV, ATT, OUT_O, GU, PartO, PartLse, Counter,
     WLN1, WQKV, WQN, WKN, WO, WLN2, WGU, WD,
@@ -337,28 +354,20 @@ def _decode_layers_kernel(
             _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
         # 2. attention, one (kv head, split) an item; 3. the splits merged, one q head an item: with MERGE_LAST
         # in the same phase, by whichever program finishes a kv head's last split (one barrier a layer fewer)
-        seq_len = tl.load(SeqLens).to(tl.int32)
-        split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-        n_valid = tl.cdiv(seq_len, tl.maximum(split_len, 1))  # splits that saw keys (the decode kernel's rule)
+        _, n_valid = _split_plan(tl.load(SeqLens).to(tl.int32), SPLITS, BLOCK_N)  # the splits that saw keys
         later = pid  # the items left for the loop below
         if EARLY_KV:
             later = pid + P
             if pid < HKV * SPLITS:
-                _attend(QKV, KL, VL, PartO, PartLse, WQN + lay * D, WKN + lay * D, ReqToToken, ReqPoolIdx,
-                        SeqLens, OutLoc, Pos, CosSin, pid // SPLITS, pid % SPLITS, row0, qk_scale, qk_eps,
-                        stride_cs, stride_kn, stride_kh, stride_r2t, HQ, HKV, D, SPLITS, BLOCK_N, BLOCK_H,
-                        IEEE_DOT, k0, v0, True)
-                if MERGE_LAST:
-                    _merge_if_last(Counter + 1 + pid // SPLITS, PartO, PartLse, ATT, row0, pid // SPLITS, n_valid,
-                                   HQ, HKV, D, SPLITS, BLOCK_S)
+                _attend_item(pid, QKV, KL, VL, PartO, PartLse, WQN + lay * D, WKN + lay * D, ReqToToken,
+                             ReqPoolIdx, SeqLens, OutLoc, Pos, CosSin, row0, qk_scale, qk_eps, stride_cs, stride_kn,
+                             stride_kh, stride_r2t, Counter + 1, ATT, n_valid, HQ, HKV, D, SPLITS, BLOCK_N,
+                             BLOCK_H, BLOCK_S, IEEE_DOT, MERGE_LAST, k0, v0, True)
         for item in range(later, HKV * SPLITS, P):
-            kvh = item // SPLITS
-            _attend(QKV, KL, VL, PartO, PartLse, WQN + lay * D, WKN + lay * D, ReqToToken, ReqPoolIdx, SeqLens,
-                    OutLoc, Pos, CosSin, kvh, item % SPLITS, row0, qk_scale, qk_eps, stride_cs,
-                    stride_kn, stride_kh, stride_r2t, HQ, HKV, D, SPLITS, BLOCK_N, BLOCK_H, IEEE_DOT)
-            if MERGE_LAST:
-                _merge_if_last(Counter + 1 + kvh, PartO, PartLse, ATT, row0, kvh, n_valid, HQ, HKV, D, SPLITS,
-                               BLOCK_S)
+            _attend_item(item, QKV, KL, VL, PartO, PartLse, WQN + lay * D, WKN + lay * D, ReqToToken, ReqPoolIdx,
+                         SeqLens, OutLoc, Pos, CosSin, row0, qk_scale, qk_eps, stride_cs, stride_kn, stride_kh,
+                         stride_r2t, Counter + 1, ATT, n_valid, HQ, HKV, D, SPLITS, BLOCK_N, BLOCK_H, BLOCK_S,
+                         IEEE_DOT, MERGE_LAST)
         if not MERGE_LAST:
             done += 1
             _grid_barrier(Counter, done * P, SPIN, Times, slots + done, TIMES)
