@@ -251,6 +251,28 @@ def test_gemv_rms_norm_is_the_norm_then_the_gemv_to_the_bit(force_triton, rows, 
     torch.testing.assert_close(h.float(), ref_h.float(), rtol=2e-2, atol=2e-2)  # two roundings: an ulp or two
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_gemv_add_is_the_residual_add_to_the_bit(force_triton, rows, silu_mul):
+    """gemv(add=r): the product rounded, plus r, rounded: the residual stream `ew.fused_add_rms_norm` returns for
+    the product and r, bit for bit (N = 40 over 16-wide tiles: the last one partial; with a bias, or the MLP's
+    activation folded in)."""
+    from minisgl.kernels import elementwise as ew
+
+    gen = torch.Generator().manual_seed(rows + 10 * silu_mul)
+    x = (2 * torch.randn(rows, 160 if silu_mul else 80, generator=gen)).to(torch.bfloat16)
+    w = torch.randn(40, 80, generator=gen).to(torch.bfloat16)
+    b = None if silu_mul else torch.randn(40, generator=gen).to(torch.bfloat16)
+    r = (8 * torch.randn(rows, 40, generator=gen)).to(torch.bfloat16)
+    y = gv.gemv(x, w, b, silu_mul=silu_mul, tiles=(16, 32, 4))
+    want = ew.fused_add_rms_norm(y, r, torch.ones(40, dtype=torch.bfloat16), 1e-6)[1]
+    got = gv.gemv(x, w, b, silu_mul=silu_mul, tiles=(16, 32, 4), add=r)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, y)  # the add happened
+    with pytest.raises(ValueError, match="add must be"):
+        gv.gemv(x, w, b, silu_mul=silu_mul, tiles=(16, 32, 4), add=r[:, :20])
+
+
 def test_gemv_rms_norm_refuses_mixed_dtypes(force_triton):
     x = torch.randn(1, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="one dtype"):
@@ -268,8 +290,9 @@ class _Attn:
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_norm_fold_layer_matches_the_decoder_layer_to_the_bit(force_triton, arch):
     """use_gemv(norm_fold=(DecoderLayer,)): two decoder layers in a row (the first without a residual) give the same
-    hidden states and residuals as the layers with only their linears and MLP swapped, for 1-4 rows; 6 rows take
-    the layer's own forward; the parameter names do not change."""
+    residual stream, and the same final norm of it, as the layers with only their linears and MLP swapped, for 1-4
+    rows; 6 rows take the layer's own forward; the parameter names do not change."""
+    from minisgl.kernels import elementwise as ew
     from minisgl.models.config import ModelConfig
     from minisgl.models.decoder import DecoderLayer
     from minisgl.models.layers import MLP, RotaryEmbedding
@@ -289,14 +312,27 @@ def test_norm_fold_layer_matches_the_decoder_layer_to_the_bit(force_triton, arch
     assert gv.use_gemv(plain, fold=(MLP,)) == gv.use_gemv(folded, fold=(MLP,), norm_fold=(DecoderLayer,)) == 8
     assert all(isinstance(layer, gv.GemvNormLayer) for layer in folded.layers) and set(folded.state_dict()) == keys
     rotary = RotaryEmbedding(16, 64, 10000.0, None)
+    final_w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16)
+
+    def final_norm(h, residual):  # DecoderLM's: what the layers' output is for
+        if residual is None:
+            return ew.rms_norm(h, final_w, 1e-6), h
+        return ew.fused_add_rms_norm(h, residual, final_w, 1e-6)
+
     for rows in (1, 4, 6):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         positions = torch.arange(rows) + 3
         outs = []
-        for model in (plain, folded):
+        # the folded stack, and a plain first layer handing its residual to a folded second (a layer that fell
+        # back to its own forward, e.g. a projection the table left to cuBLAS)
+        for layers in (plain.layers, folded.layers, [plain.layers[0], folded.layers[1]]):
             h, residual = x, None
-            for layer in model.layers:
+            for layer in layers:
                 h, residual = layer(h, residual, positions, rotary, _Attn())
-            outs.append((h, residual))
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), rows
+            outs.append((residual is None, *final_norm(h, residual)))
+        want_none, want_normed, want_stream = outs[0]
+        assert not want_none
+        for folds, normed, stream in outs[1:]:
+            assert folds == (rows <= 4), rows  # a folded layer returns the stream whole, with no residual
+            assert torch.equal(normed, want_normed) and torch.equal(stream, want_stream), rows
 

@@ -18,9 +18,11 @@ so each keeps its engine's tiles. Like the other kernel modules, CPU tensors tak
 option `triton_on_cpu` is on (then the Triton interpreter).
 
 `GemvNormLayer` (the kernel option `gemv_norm_fold`, off by default) goes one step further: a decoder layer's
-RMSNorms run inside the GEMV after each (`gemv_rms_norm`: every program computes the rows' rstd itself), the
-same outputs to the bit. Measured on an H100 it made batch-1 decode 0.6-1.1% slower (reports/h100/run22): the
-launch it saves costs less than reading the rows twice more in every program.
+RMSNorms run inside the GEMVs around them, the residual add in the epilogue of the GEMV before (`gemv(add=)`)
+and the norm in the prologue of the GEMV after (`gemv_rms_norm`: every program computes the row's rstd itself),
+the same outputs to the bit. Its first version, the add in the prologue too, made batch-1 decode 0.6-1.1% slower
+on an H100 (reports/h100/run22): every program of the GEMV read the hidden row and the residual row, where an
+unfolded GEMV's read one, and all of them read the same few lines of L2 at once.
 
 With programmatic dependent launch (kernels/pdl.py) the GEMV may start while the kernel before it still runs. It
 waits for it before reading x or writing y, but it loads its first weight tiles *before* the wait (up to the kernel
@@ -166,11 +168,11 @@ def _norm_prologue(x_ptr, r_ptr, res_ptr, offs_m, m_mask, offs_k, K, stride_xm, 
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, N, K, stride_xm, stride_wn, stride_ym,
-                 stride_rm, stride_om, eps,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, N, K, stride_xm, stride_wn, stride_ym,
+                 stride_rm, stride_om, stride_am, eps,
                  ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                 USE_PDL: tl.constexpr, EARLY_W: tl.constexpr):
+                 ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS_PAD)
@@ -214,8 +216,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, N, K, strid
                          SILU_MUL, NORM, HAS_RES)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    dt = y_ptr.dtype.element_ty
+    y = acc.to(dt)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if ADD_OUT:  # the residual add after the matmul: its output rounded, plus the residual, rounded (a bf16 add)
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_n[None, :], mask=out_mask, other=0.0)
+        y = (y.to(tl.float32) + a.to(tl.float32)).to(dt)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=out_mask)
 
 
 def gemv_config(n: int, k: int, table: GemvTable = NO_TABLE) -> tuple[int, int, int]:
@@ -239,14 +246,18 @@ def gemv_max_rows(n: int, k: int, table: GemvTable = NO_TABLE) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         silu_mul: bool = False, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+         silu_mul: bool = False, tiles: tuple[int, int, int] | None = None,
+         add: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for x `[rows, K]` (rows <= GEMV_MAX_ROWS) and weight `[N, K]`; fp32 accumulation.
     silu_mul=True: x is `[rows, 2K]` (gate | up) and the product is `silu_and_mul(x) @ weight.T`, the MLP's down
-    projection with its activation folded in (one launch fewer per layer). `tiles`: (BLOCK_N, BLOCK_K, warps),
-    by default from `table_for(x.device)` (a GemvLinear passes the ones it resolved when it was swapped in)."""
+    projection with its activation folded in (one launch fewer per layer). `add` (`[rows, N]`, x's dtype): the
+    product, rounded, plus `add`, rounded again: to the bit the residual stream's add that `ew.fused_add_rms_norm`
+    does after the matmul. `tiles`: (BLOCK_N, BLOCK_K, warps), by default from `table_for(x.device)` (a GemvLinear
+    passes the ones it resolved when it was swapped in)."""
     if not ew.use_triton(x) or x.shape[0] == 0:
-        return F.linear(ew.silu_and_mul(x) if silu_mul else x, weight, bias)
-    return _launch(x, weight, bias, tiles, silu_mul=silu_mul)[0]
+        y = F.linear(ew.silu_and_mul(x) if silu_mul else x, weight, bias)
+        return y if add is None else y + add
+    return _launch(x, weight, bias, tiles, silu_mul=silu_mul, add=add)[0]
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -269,7 +280,8 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None,
-            silu_mul: bool = False, norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            silu_mul: bool = False, norm: tuple | None = None,
+            add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, k = x.shape
     n = weight.shape[0]
     if silu_mul:
@@ -280,6 +292,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
         x = x.contiguous()
     assert weight.stride(-1) == 1 and weight.shape[1] == k
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if add is not None:
+        if add.shape != y.shape or add.dtype != y.dtype:
+            raise ValueError(f"gemv's add must be [{rows}, {n}] in {y.dtype}, got {list(add.shape)} in {add.dtype}")
+        if add.stride(-1) != 1:
+            add = add.contiguous()
     residual, norm_weight, eps = norm if norm is not None else (None, weight, 0.0)
     res_out = x  # the residual stream after the norm: x itself when there is no residual to add
     if residual is not None:
@@ -291,12 +308,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
     early = current_options().gemv_pdl_early_tiles
     early_tiles = min(early, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
     r = residual if residual is not None else x
+    a = add if add is not None else y
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, r, norm_weight, res_out, n, k, x.stride(0),
-        weight.stride(0), y.stride(0), r.stride(0), res_out.stride(0), eps,
+        x, weight, bias if bias is not None else weight, y, r, norm_weight, res_out, a, n, k, x.stride(0),
+        weight.stride(0), y.stride(0), r.stride(0), res_out.stride(0), a.stride(0), eps,
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RES=residual is not None,
-        USE_PDL=bool(kw), EARLY_W=early_tiles, num_warps=warps, **kw)
+        ADD_OUT=add is not None, USE_PDL=bool(kw), EARLY_W=early_tiles, num_warps=warps, **kw)
     return y, (res_out if norm is not None else None)
 
 
@@ -344,9 +362,15 @@ class GemvMLP(nn.Module):
 
 class GemvNormLayer(nn.Module):
     """A decoder layer (models/decoder.py's DecoderLayer: input_layernorm, self_attn, post_attention_layernorm,
-    mlp) whose few-row calls run each RMSNorm inside the GEMV after it (`gemv_rms_norm`): two launches a layer
-    fewer in a decode step, with the same outputs to the bit. Holds the same submodules under the same names;
-    more rows, or a projection the table left to cuBLAS, run the layer's own forward."""
+    mlp) whose few-row calls fold each RMSNorm into the GEMVs around it: the residual add into the epilogue of the
+    GEMV before (o_proj, down_proj: `gemv(..., add=)`) and the norm into the prologue of the GEMV after (qkv,
+    gate_up: `gemv_rms_norm`), two launches a layer fewer in a decode step with the same outputs to the bit.
+
+    Its calls return `(stream, None)`: the residual stream with the MLP's output already added, which the next
+    layer (or the model's final norm) reads as an input without a residual, exactly as a decoder layer's forward
+    treats the first layer's. So each GEMV's programs read one input row, as an unfolded GEMV's do, not the hidden
+    row and the residual row. Holds the same submodules under the same names; more rows, or a projection the table
+    left to cuBLAS, run the layer's own forward."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -359,25 +383,26 @@ class GemvNormLayer(nn.Module):
     def forward(self, x, residual, positions, rotary, attn):
         a, mlp = self.self_attn, self.mlp
         t = x.shape[0]
-        if x.dim() != 2 or not _takes_gemv(a.qkv_proj, t):
+        folds = (x.dim() == 2 and _takes_gemv(a.qkv_proj, t) and _takes_gemv(a.o_proj, t)
+                 and isinstance(mlp, GemvMLP) and _takes_gemv(mlp.gate_up_proj, t) and t <= mlp.max_rows)
+        if not folds:
             return self._layer_forward(x, residual, positions, rotary, attn)
         norm = self.input_layernorm
-        qkv, residual = gemv_rms_norm(x, residual, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias,
-                                      a.qkv_proj.tiles)
+        # a residual comes only from a layer before that ran its own forward (or none: the first layer's input)
+        qkv, stream = gemv_rms_norm(x, residual, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias,
+                                    a.qkv_proj.tiles)
         # the rest of Attention.forward (models/decoder.py), after its projection
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         q = q.view(t, a.num_q_heads, a.head_dim)
         k = k.view(t, a.num_kv_heads, a.head_dim)
         v = v.view(t, a.num_kv_heads, a.head_dim)
         q, k = rotary(q, k, positions, a.q_norm, a.k_norm)
-        h = a.o_proj(attn.forward(q, k, v, a.layer_id).reshape(t, a.q_size))
+        o = attn.forward(q, k, v, a.layer_id).reshape(t, a.q_size)
+        stream = gemv(o, a.o_proj.weight, a.o_proj.bias, tiles=a.o_proj.tiles, add=stream)
         norm = self.post_attention_layernorm
-        if isinstance(mlp, GemvMLP) and _takes_gemv(mlp.gate_up_proj, t) and t <= mlp.max_rows:
-            gate_up, residual = gemv_rms_norm(h, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, None,
-                                              mlp.gate_up_proj.tiles)
-            return gemv(gate_up, mlp.down_proj.weight, silu_mul=True, tiles=mlp.down_proj.tiles), residual
-        h, residual = norm(h, residual)
-        return mlp(h), residual
+        gate_up, _ = gemv_rms_norm(stream, None, norm.weight, norm.eps, mlp.gate_up_proj.weight, None,
+                                   mlp.gate_up_proj.tiles)
+        return gemv(gate_up, mlp.down_proj.weight, silu_mul=True, tiles=mlp.down_proj.tiles, add=stream), None
 
 
 def _takes_gemv(linear: nn.Module, rows: int) -> bool:
