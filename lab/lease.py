@@ -326,7 +326,7 @@ ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06"
 ANATOMY = Check("anatomy", 120, ("decode_anatomy.json",), module="decode_anatomy")
 BARRIER = Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier")
 PERSISTENT = Check("persistent", 90, ("persistent_gemv.json",), module="persistent_gemv")
-# issue 29's open questions after run28: each a call of its own, and together the `next29` call
+# issue 29's open questions after run28
 MEGAKERNEL = Check("megakernel", 180, ("decode_megakernel.json",), module="decode_megakernel")
 FUSED_MERGE06 = Lab("fused_merge06", 120, ("fused_merge06.json",), ("fused_merge06",))
 # the full lease: the headline, its diagnoses and SGLang beside it
@@ -442,12 +442,12 @@ CALLS: dict[str, Call] = {
         "the engine's layers from 909 to 827 us",
         carry=(),
         steps=(WIDE_AB06,)),
-    "next29": Call(
-        "optional, a session's first call: issue 29's open questions after run28 in one call: gemv06 (on an H100, "
-        "its first GEMV table), megakernel (the merge-order fix's bits; the merge phase, early keys and arrivals "
-        "first), fused_merge (the splits merged in the first decode launch, at today's defaults)",
+    "next30": Call(
+        "optional, a session's first call: issue 29's launches a decode layer: the norms folded into the GEMVs "
+        "(reworked: the add in the GEMV before, the norm in the one after) and the fused merge, each and both "
+        "(tokens, W2 two rounds), then gemv06 (the GEMV tuned for this card, W2 with the picks)",
         carry=(),
-        steps=(WIDE_AB06, MEGAKERNEL, FUSED_MERGE06)),
+        steps=(Lab("launches06", 270, ("launches06.json",), ("launches06",)), WIDE_AB06)),
     "decode_mid": Call(
         "optional: Qwen3-0.6B's decode step at 1-16 requests of 1k-token prompts under the profiler (run26, H100: "
         "1.0, 1.64, 2.24 ms a step at 1, 4, 16), then the decode attention's split count (kernel option "

@@ -552,7 +552,7 @@ def pdl_tokens(model: str = "qwen3-0.6b") -> dict:
     return out
 
 
-FOLD_ABOUT = "RMSNorms folded into the GEMVs"
+FOLD_ABOUT = "RMSNorms folded into the GEMVs (the add after the one before, the norm before the one after)"
 EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot, and RoPE each token's position "
                     "and its cos/sin, before their PDL wait")
 FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"
@@ -773,6 +773,10 @@ SECTIONS: dict[str, Section] = {
     "fused_rope06": section(lambda: kernel_option_ab("qwen3-0.6b", DECODE_LINKS),
                             "Qwen3-0.6B: tokens and W2 with the decode step's RoPE inside the decode attention "
                             "kernel, with its first key tile read before the PDL wait, each alone and both"),
+    "launches06": section(lambda: kernel_option_ab("qwen3-0.6b", {"gemv_norm_fold": FOLD_ABOUT,
+                                                                  "decode_fused_merge": FUSED_MERGE_ABOUT}),
+                          "Qwen3-0.6B: tokens and W2 with a decode layer's launches cut: the norms folded into the "
+                          "GEMVs, the splits merged in the first decode launch, each and both"),
     "fused_merge06": section(lambda: kernel_option_ab("qwen3-0.6b", {"decode_fused_merge": FUSED_MERGE_ABOUT}),
                              "Qwen3-0.6B: tokens and W2 with the decode splits merged in the first launch, off and "
                              "on (run10 found it slower, before PDL's early loads)"),
