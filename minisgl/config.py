@@ -151,6 +151,10 @@ class KernelOptions:
                                     "(default: the GPU's table in kernels/gemv_tuned/, if any)")
     gemv_pdl_early_tiles: int = _opt(2, "--gemv-pdl-early-tiles",
                                      "weight tiles the GEMV loads before its PDL wait, 0-3 (kernels/gemv.py)")
+    gemv_stream_programs: int = _opt(0, "--gemv-stream-programs",
+                                     "0: the GEMV runs a program per output block; N (1-16): N programs an SM, each "
+                                     "taking every so many blocks with the next weight tile loaded before it adds up "
+                                     "the current one (kernels/gemv.py, _gemv_stream_kernel; the same sums)")
     decode_split_waves: int = _opt(2, "--decode-split-waves",
                                    "waves of SMs the decode attention's (request, kv head, split) programs fill, "
                                    "1-16: more waves, more splits of each request's keys (kernels/attention.py, "
@@ -172,6 +176,8 @@ class KernelOptions:
     def validate(self) -> None:
         if not 0 <= self.gemv_pdl_early_tiles <= 3:
             raise ValueError(f"gemv_pdl_early_tiles must be in 0..3, got {self.gemv_pdl_early_tiles}")
+        if not 0 <= self.gemv_stream_programs <= 16:
+            raise ValueError(f"gemv_stream_programs must be in 0..16, got {self.gemv_stream_programs}")
         if self.decode_megakernel_regs and not 64 <= self.decode_megakernel_regs <= 255:
             raise ValueError(f"decode_megakernel_regs must be 0 or in 64..255, got {self.decode_megakernel_regs}")
         if not 1 <= self.decode_split_waves <= 16:
