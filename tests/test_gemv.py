@@ -346,8 +346,6 @@ def test_stream_kernel_is_the_gemv_to_the_bit(rows, kind, programs):
     """The streaming kernel (2 or 3 programs here: the interpreter counts one SM) against a program per block,
     bit for bit: 7 output blocks of 8 (the last partial) over 4 K tiles of 64 (the last partial), so programs
     take 2-4 blocks each and carry the next tile across a block's end; every fold the engine uses."""
-    from minisgl.kernels import elementwise as ew
-
     gen = torch.Generator().manual_seed(rows * 100 + programs)
     silu = kind == "silu_add"
     x = (2 * torch.randn(rows, 400 if silu else 200, generator=gen)).to(torch.bfloat16)
