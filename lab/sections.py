@@ -560,9 +560,8 @@ MEGAKERNEL_ABOUT = "a one-row decode step's decoder layers in one persistent ker
 STREAM_ABOUT = "the GEMV as N programs an SM, each streaming its share of output blocks (the next tile loaded ahead)"
 # issue 29's batch-1 arms after run28: options that change no sums, so every arm's tokens equal "off"'s
 LAUNCH_ARMS = {
-    "off": ({"gemv_norm_fold": False, "decode_fused_merge": False, "gemv_stream_programs": 0}, ""),
+    "off": ({"gemv_norm_fold": False, "gemv_stream_programs": 0}, ""),
     "fold": ({"gemv_norm_fold": True}, FOLD_ABOUT),
-    "fused_merge": ({"decode_fused_merge": True}, FUSED_MERGE_ABOUT),
     "stream1": ({"gemv_stream_programs": 1}, STREAM_ABOUT),
     "stream2": ({"gemv_stream_programs": 2}, STREAM_ABOUT),
     "fold_stream2": ({"gemv_norm_fold": True, "gemv_stream_programs": 2}, f"{FOLD_ABOUT}; {STREAM_ABOUT}"),
@@ -784,9 +783,8 @@ SECTIONS: dict[str, Section] = {
                             "Qwen3-0.6B: tokens and W2 with the decode step's RoPE inside the decode attention "
                             "kernel, with its first key tile read before the PDL wait, each alone and both"),
     "launches06": section(lambda: arms_ab("qwen3-0.6b", LAUNCH_ARMS, 2),
-                          "Qwen3-0.6B: tokens and W2 with a decode layer's launches cut (the norms folded into the "
-                          "GEMVs, the splits merged in the first decode launch) and with the streaming GEMV (1 or 2 "
-                          "programs an SM), each alone, and the fold with the streaming GEMV"),
+                          "Qwen3-0.6B: tokens and W2 with the norms folded into the GEMVs (two launches a layer "
+                          "fewer), with the streaming GEMV (1 or 2 programs an SM), and with both"),
     "fused_merge06": section(lambda: kernel_option_ab("qwen3-0.6b", {"decode_fused_merge": FUSED_MERGE_ABOUT}),
                              "Qwen3-0.6B: tokens and W2 with the decode splits merged in the first launch, off and "
                              "on (run10 found it slower, before PDL's early loads)"),
