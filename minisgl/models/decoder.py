@@ -92,7 +92,8 @@ class DecoderLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, attn)
-        x, _ = self.norm(x, residual)
+        # residual None: the layers handed back the whole stream (kernels/gemv.py folds the adds that way)
+        x = self.norm(x) if residual is None else self.norm(x, residual)[0]
         if logit_indices is not None:
             x = x[logit_indices]  # only the last token of each request needs the costly LM head
         return self.lm_head(x)
