@@ -782,6 +782,9 @@ SECTIONS: dict[str, Section] = {
     "fused_rope06": section(lambda: kernel_option_ab("qwen3-0.6b", DECODE_LINKS),
                             "Qwen3-0.6B: tokens and W2 with the decode step's RoPE inside the decode attention "
                             "kernel, with its first key tile read before the PDL wait, each alone and both"),
+    "launches06_brief": section(lambda: arms_ab("qwen3-0.6b",
+                                                {k: LAUNCH_ARMS[k] for k in ("off", "fold", "stream2")}, 2),
+                                "launches06's arms off, fold and stream2 only (a lease's last minutes)"),
     "launches06": section(lambda: arms_ab("qwen3-0.6b", LAUNCH_ARMS, 2),
                           "Qwen3-0.6B: tokens and W2 with the norms folded into the GEMVs (two launches a layer "
                           "fewer), with the streaming GEMV (1 or 2 programs an SM), and with both"),

@@ -389,3 +389,24 @@ class _Recorder:
     def __getitem__(self, grid):
         self.log.append((self.name, grid))
         return self.kernel[grid]
+
+
+def test_decoder_lm_with_folded_layers_gives_the_same_logits(force_triton):
+    """The whole model with the norm fold (the layers hand the stream back whole, the final norm takes it
+    without a residual) against the model with only its linears and MLPs swapped: the same logits, bit for bit.
+    (A layer-level test passed while DecoderLM still unpacked the final norm's result as a pair: run29.)"""
+    from minisgl.models.config import ModelConfig
+    from minisgl.models.decoder import DecoderLayer, DecoderLM
+    from minisgl.models.layers import MLP
+
+    cfg = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_q_heads=4,
+                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+                      max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False, qk_norm=True)
+    torch.manual_seed(0)
+    plain = DecoderLM(cfg).to(torch.bfloat16)
+    folded = DecoderLM(cfg).to(torch.bfloat16)
+    folded.load_state_dict(plain.state_dict())
+    gv.use_gemv(plain, fold=(MLP,))
+    gv.use_gemv(folded, fold=(MLP,), norm_fold=(DecoderLayer,))
+    ids, positions = torch.tensor([3, 7]), torch.tensor([4, 5])
+    assert torch.equal(folded(ids, positions, _Attn()), plain(ids, positions, _Attn()))
