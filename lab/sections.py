@@ -512,10 +512,18 @@ def same_tokens(model: str, runs: dict[str, tuple[dict, dict]], reference: str, 
         return {"kernel_options": kernel_record(llm), "graph_steps": llm.engine.stats["graph_steps"],
                 "decode_steps": llm.engine.stats["decode_steps"], **(probe(llm) if probe else {}), "tokens": toks}
 
-    results = {label: with_engine(model, body, settings, kernel, max_model_len=4096, kv_memory_fraction=0.3)
-               for label, (settings, kernel) in runs.items()}
+    results, failed = {}, {}
+    for label, (settings, kernel) in runs.items():
+        try:
+            results[label] = with_engine(model, body, settings, kernel, max_model_len=4096, kv_memory_fraction=0.3)
+        except Exception:  # one arm's failure is its result: the others still run (run29 lost a call's arms to one)
+            failed[label] = {"error": traceback.format_exc()[-3000:]}
+            log("same_tokens", label, "FAILED", failed[label]["error"].splitlines()[-1])
+            free_gpu()  # what the half-built engine held, now that the traceback is gone
+    if reference not in results:
+        return {**failed, **{label: {"error": "no reference run"} for label in results}, "ok": False}
     ref = results[reference]["tokens"]
-    out = {}
+    out = dict(failed)
     for label, r in results.items():
         same = {k: [a == b for a, b in zip(v, ref[k])] for k, v in r["tokens"].items()}
         first_diff = {k: [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -523,7 +531,8 @@ def same_tokens(model: str, runs: dict[str, tuple[dict, dict]], reference: str, 
         out[label] = {**{k: v for k, v in r.items() if k != "tokens"}, f"same_as_{reference}": same,
                       "first_divergence": first_diff}
         log("same_tokens", label, {k: v for k, v in out[label].items() if k != "first_divergence"})
-    out["ok"] = all(all(all(v) for v in o[f"same_as_{reference}"].values()) for o in out.values())
+    out["ok"] = not failed and all(all(all(v) for v in o[f"same_as_{reference}"].values())
+                                   for o in out.values())
     return out
 
 
@@ -596,8 +605,10 @@ def arms_ab(model: str, arms: dict[str, tuple[dict, str]], rounds: int,
     CUDA graphs and eagerly (`same_tokens_by_mode`; `probe` adds to each engine's record), then W2 in each arm,
     interleaved `rounds` times (0: the tokens alone)."""
     tokens = same_tokens_by_mode(model, {label: kernel for label, (kernel, _) in arms.items()}, "off", probe=probe)
+    # an arm whose engine failed in either mode is not timed (its error is in `tokens`)
+    timed = {label: arm for label, arm in arms.items() if not any("error" in t.get(label, {}) for t in tokens.values())}
     runs = Bench(model, tuple(Arm(label, ("w2",), kernel=kernel, about=about)
-                              for label, (kernel, about) in arms.items()), rounds)() if rounds else {}
+                              for label, (kernel, about) in timed.items()), rounds)() if rounds and timed else {}
     return {"tokens": tokens, "runs": runs, "ok": all(t["ok"] for t in tokens.values())}
 
 

@@ -107,6 +107,27 @@ def test_a_bench_runs_its_arms_on_fresh_engines_and_records_a_failed_arm(tiny_mo
     assert "error" in res["broken"] and "max_running_requests" in res["broken"]["error"]
 
 
+def test_an_arm_whose_engine_fails_is_recorded_and_the_others_still_run(monkeypatch):
+    """arms_ab: an arm whose engine raises (run29: the norm fold's first GPU capture) gets its error in the tokens
+    check and is left out of the timing; the other arms are compared and timed as usual."""
+    def fake_engine(model, body, settings, kernel, **fixed):
+        if kernel.get("gemv_norm_fold"):
+            raise ValueError("too many values to unpack")
+        return {"kernel_options": kernel, "tokens": {"bs1_greedy": [[1, 2, 3]]}}
+
+    timed = []
+    monkeypatch.setattr(sections, "with_engine", fake_engine)
+    monkeypatch.setattr(sections, "Bench", lambda model, arms, rounds: lambda: timed.extend(a.label for a in arms))
+    arms = {"off": ({"gemv_norm_fold": False}, ""), "fold": ({"gemv_norm_fold": True}, "fold"),
+            "stream2": ({"gemv_stream_programs": 2}, "stream")}
+    res = sections.arms_ab("qwen3-0.6b", arms, rounds=2)
+    for mode in ("graphs", "eager"):
+        got = res["tokens"][mode]
+        assert "too many values to unpack" in got["fold"]["error"] and not got["ok"]
+        assert got["stream2"]["same_as_off"] == {"bs1_greedy": [True]}
+    assert timed == ["off", "stream2"] and not res["ok"]
+
+
 def test_mixes_section_records_throughput_batch_steps_and_resolved_rows(tiny_model, monkeypatch):
     """Issue 29's mixes section, on the tiny model with the mixes shrunk (same kinds of cells)."""
     from minisgl.bench import workloads
