@@ -442,15 +442,6 @@ CALLS: dict[str, Call] = {
         "the engine's layers from 909 to 827 us",
         carry=(),
         steps=(WIDE_AB06,)),
-    "next30": Call(
-        "optional, a session's first call: issue 29's batch-1 arms after run28 on Qwen3-0.6B: the norms folded "
-        "into the GEMVs (reworked: the add in the GEMV before, the norm in the one after), the streaming GEMV at "
-        "1 and 2 programs an SM, the fold with the streaming GEMV (tokens against all off, graphs and eager; W2 "
-        "two rounds; run25's four arms of fused_rope06 took 280 s)",
-        carry=(),
-        steps=(Lab("launches06", 380, ("launches06.json",), ("launches06",)),)),
-    "next30_brief": Call("optional: next30's arms off, fold and stream2 only (~3.5 min)", carry=(),
-                         steps=(Lab("launches06_brief", 220, ("launches06_brief.json",), ("launches06_brief",)),)),
     "decode_mid": Call(
         "optional: Qwen3-0.6B's decode step at 1-16 requests of 1k-token prompts under the profiler (run26, H100: "
         "1.0, 1.64, 2.24 ms a step at 1, 4, 16), then the decode attention's split count (kernel option "

@@ -566,15 +566,6 @@ EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot
                     "and its cos/sin, before their PDL wait")
 FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"
 MEGAKERNEL_ABOUT = "a one-row decode step's decoder layers in one persistent kernel (kernels/decode_layers.py)"
-STREAM_ABOUT = "the GEMV as N programs an SM, each streaming its share of output blocks (the next tile loaded ahead)"
-# issue 29's batch-1 arms after run28: options that change no sums, so every arm's tokens equal "off"'s
-LAUNCH_ARMS = {
-    "off": ({"gemv_norm_fold": False, "gemv_stream_programs": 0}, ""),
-    "fold": ({"gemv_norm_fold": True}, FOLD_ABOUT),
-    "stream1": ({"gemv_stream_programs": 1}, STREAM_ABOUT),
-    "stream2": ({"gemv_stream_programs": 2}, STREAM_ABOUT),
-    "fold_stream2": ({"gemv_norm_fold": True, "gemv_stream_programs": 2}, f"{FOLD_ABOUT}; {STREAM_ABOUT}"),
-}
 MEGAKERNEL_ARMS = {"off": {"decode_megakernel": False}, "on": {"decode_megakernel": True},
                    "on_168_regs": {"decode_megakernel": True, "decode_megakernel_regs": 168}}
 # issue 29's next links of a batch-1 decode step's chain (kernels/attention.py)
@@ -793,12 +784,6 @@ SECTIONS: dict[str, Section] = {
     "fused_rope06": section(lambda: kernel_option_ab("qwen3-0.6b", DECODE_LINKS),
                             "Qwen3-0.6B: tokens and W2 with the decode step's RoPE inside the decode attention "
                             "kernel, with its first key tile read before the PDL wait, each alone and both"),
-    "launches06_brief": section(lambda: arms_ab("qwen3-0.6b",
-                                                {k: LAUNCH_ARMS[k] for k in ("off", "fold", "stream2")}, 2),
-                                "launches06's arms off, fold and stream2 only (a lease's last minutes)"),
-    "launches06": section(lambda: arms_ab("qwen3-0.6b", LAUNCH_ARMS, 2),
-                          "Qwen3-0.6B: tokens and W2 with the norms folded into the GEMVs (two launches a layer "
-                          "fewer), with the streaming GEMV (1 or 2 programs an SM), and with both"),
     "fused_merge06": section(lambda: kernel_option_ab("qwen3-0.6b", {"decode_fused_merge": FUSED_MERGE_ABOUT}),
                              "Qwen3-0.6B: tokens and W2 with the decode splits merged in the first launch, off and "
                              "on (run10 found it slower, before PDL's early loads)"),

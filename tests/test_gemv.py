@@ -338,59 +338,6 @@ def test_norm_fold_layer_matches_the_decoder_layer_to_the_bit(force_triton, arch
 
 
 
-# --- fewer programs than output blocks (kernel option gemv_stream_programs) ---------------------------------
-@pytest.mark.parametrize("rows", [1, 3, 4])
-@pytest.mark.parametrize("kind", ["plain", "bias_add", "silu_add", "norm", "norm_residual"])
-@pytest.mark.parametrize("programs", [2, 3])
-def test_stream_kernel_is_the_gemv_to_the_bit(rows, kind, programs):
-    """The streaming kernel (2 or 3 programs here: the interpreter counts one SM) against a program per block,
-    bit for bit: 7 output blocks of 8 (the last partial) over 4 K tiles of 64 (the last partial), so programs
-    take 2-4 blocks each and carry the next tile across a block's end; every fold the engine uses."""
-    gen = torch.Generator().manual_seed(rows * 100 + programs)
-    silu = kind == "silu_add"
-    x = (2 * torch.randn(rows, 400 if silu else 200, generator=gen)).to(torch.bfloat16)
-    w = torch.randn(52, 200, generator=gen).to(torch.bfloat16)
-    b = torch.randn(52, generator=gen).to(torch.bfloat16) if kind == "bias_add" else None
-    add = (4 * torch.randn(rows, 52, generator=gen)).to(torch.bfloat16) if kind.endswith("add") else None
-    residual = torch.randn(rows, 200, generator=gen).to(torch.bfloat16) if kind == "norm_residual" else None
-    norm_w = (1 + 0.1 * torch.randn(200, generator=gen)).to(torch.bfloat16)
-
-    def run():
-        if kind.startswith("norm"):
-            return gv.gemv_rms_norm(x, residual, norm_w, 1e-6, w, b, tiles=(8, 64, 4))
-        return gv.gemv(x, w, b, silu_mul=silu, tiles=(8, 64, 4), add=add), None
-
-    with kernel_options(triton_on_cpu=True):
-        want, want_res = run()
-    with kernel_options(triton_on_cpu=True, gemv_stream_programs=programs):
-        got, got_res = run()
-    assert torch.equal(got, want)
-    assert (got_res is None and want_res is None) or torch.equal(got_res, want_res)
-
-
-def test_stream_kernel_takes_over_only_with_more_blocks_than_programs(monkeypatch):
-    """A grid of one program a block where the blocks would not fill the programs: the streaming kernel only
-    where there are more blocks than programs."""
-    launched = []
-    for name in ("_gemv_kernel", "_gemv_stream_kernel"):
-        real = getattr(gv, name)
-        monkeypatch.setattr(gv, name, _Recorder(real, name, launched))
-    x = torch.randn(1, 64, dtype=torch.bfloat16)
-    with kernel_options(triton_on_cpu=True, gemv_stream_programs=4):
-        gv.gemv(x, torch.randn(32, 64, dtype=torch.bfloat16), tiles=(8, 64, 4))  # 4 blocks: 4 programs suffice
-        gv.gemv(x, torch.randn(40, 64, dtype=torch.bfloat16), tiles=(8, 64, 4))  # 5 blocks over 4 programs
-    assert launched == [("_gemv_kernel", (4,)), ("_gemv_stream_kernel", (4,))]
-
-
-class _Recorder:
-    def __init__(self, kernel, name, log):
-        self.kernel, self.name, self.log = kernel, name, log
-
-    def __getitem__(self, grid):
-        self.log.append((self.name, grid))
-        return self.kernel[grid]
-
-
 def test_decoder_lm_with_folded_layers_gives_the_same_logits(force_triton):
     """The whole model with the norm fold (the layers hand the stream back whole, the final norm takes it
     without a residual) against the model with only its linears and MLPs swapped: the same logits, bit for bit.

@@ -119,13 +119,13 @@ def test_an_arm_whose_engine_fails_is_recorded_and_the_others_still_run(monkeypa
     monkeypatch.setattr(sections, "with_engine", fake_engine)
     monkeypatch.setattr(sections, "Bench", lambda model, arms, rounds: lambda: timed.extend(a.label for a in arms))
     arms = {"off": ({"gemv_norm_fold": False}, ""), "fold": ({"gemv_norm_fold": True}, "fold"),
-            "stream2": ({"gemv_stream_programs": 2}, "stream")}
+            "no_early_kv": ({"early_kv": False}, "early keys off")}
     res = sections.arms_ab("qwen3-0.6b", arms, rounds=2)
     for mode in ("graphs", "eager"):
         got = res["tokens"][mode]
         assert "too many values to unpack" in got["fold"]["error"] and not got["ok"]
-        assert got["stream2"]["same_as_off"] == {"bs1_greedy": [True]}
-    assert timed == ["off", "stream2"] and not res["ok"]
+        assert got["no_early_kv"]["same_as_off"] == {"bs1_greedy": [True]}
+    assert timed == ["off", "no_early_kv"] and not res["ok"]
 
 
 def test_mixes_section_records_throughput_batch_steps_and_resolved_rows(tiny_model, monkeypatch):

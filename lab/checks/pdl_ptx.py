@@ -27,7 +27,6 @@ Exits non-zero if a kernel breaks the rule; tests/test_pdl.py runs it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -47,7 +46,6 @@ from minisgl.kernels import attention as att
 from minisgl.kernels import elementwise as ew
 from minisgl.kernels import gemv as gv
 from minisgl.kernels import sampling as smp
-from minisgl.kernels.options import current_options, use_options
 from minisgl.kernels.pdl import pdl_enter
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
@@ -238,13 +236,11 @@ def record_launches() -> list[tuple]:
         gv.gemv(rnd(1, hidden), rnd(3 * hidden, hidden))
         gv.gemv(rnd(4, hidden), rnd(512, hidden), rnd(512))
         gv.gemv(rnd(1, 2 * 3072), rnd(hidden, 3072), silu_mul=True)
-        # fewer programs than blocks (the interpreter's one "SM": the option is the grid)
-        with use_options(dataclasses.replace(current_options(), gemv_stream_programs=2)):
-            gv.gemv(rnd(1, hidden), rnd(3 * hidden, hidden))
-            gv.gemv(rnd(1, 2 * 3072), rnd(hidden, 3072), silu_mul=True, add=rnd(1, hidden))
-            gv.gemv_rms_norm(rnd(1, hidden), rnd(1, hidden), rnd(hidden), 1e-6, rnd(3 * hidden, hidden))
+        # the norm fold's two ends: the residual add after a GEMV, the norm before one
+        gv.gemv(rnd(1, 2 * 3072), rnd(hidden, 3072), silu_mul=True, add=rnd(1, hidden))
+        gv.gemv_rms_norm(rnd(1, hidden), rnd(1, hidden), rnd(hidden), 1e-6, rnd(3 * hidden, hidden))
 
-    _record(gv, ["_gemv_kernel", "_gemv_stream_kernel"], gemv, calls)
+    _record(gv, ["_gemv_kernel"], gemv, calls)
 
     vocab = 5000
     logits = rnd(2, vocab)

@@ -17,12 +17,13 @@ tile table is the kernel option `gemv_configs` or the GPU's tuned table, resolve
 so each keeps its engine's tiles. Like the other kernel modules, CPU tensors take the torch path unless the kernel
 option `triton_on_cpu` is on (then the Triton interpreter).
 
-`GemvNormLayer` (the kernel option `gemv_norm_fold`, off by default) goes one step further: a decoder layer's
+`GemvNormLayer` (the kernel option `gemv_norm_fold`, on by default) goes one step further: a decoder layer's
 RMSNorms run inside the GEMVs around them, the residual add in the epilogue of the GEMV before (`gemv(add=)`)
 and the norm in the prologue of the GEMV after (`gemv_rms_norm`: every program computes the row's rstd itself),
-the same outputs to the bit. Its first version, the add in the prologue too, made batch-1 decode 0.6-1.1% slower
-on an H100 (reports/h100/run22): every program of the GEMV read the hidden row and the residual row, where an
-unfolded GEMV's read one, and all of them read the same few lines of L2 at once.
+the same outputs to the bit. Batch-1 decode (W2) on an H100: 0.962 -> 0.935 ms a token on Qwen3-0.6B
+(reports/h100/run29). Its first version, the add in the prologue too, was 0.6-1.1% slower (run22): every program
+of the GEMV read the hidden row and the residual row where an unfolded GEMV's read one (every program reads the
+same few lines of L2 at once), and the sum was made in every program.
 
 With programmatic dependent launch (kernels/pdl.py) the GEMV may start while the kernel before it still runs. It
 waits for it before reading x or writing y, but it loads its first weight tiles *before* the wait (up to the kernel
@@ -214,13 +215,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, N, K
         w = _load_w(w_ptr, offs_n, n_mask, k, k_mask, stride_wn)
         acc = _gemv_tile(acc, w, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm, stride_rm,
                          SILU_MUL, NORM, HAS_RES)
-    _store_rows(acc, b_ptr, y_ptr, a_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, stride_am, HAS_BIAS, ADD_OUT)
-
-
-@_jit
-def _store_rows(acc, b_ptr, y_ptr, a_ptr, offs_m, m_mask, offs_n, n_mask, stride_ym, stride_am,
-                HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr):
-    """Output columns offs_n of every row: the sums (+ bias) rounded, (+ the residual, rounded again)."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     dt = y_ptr.dtype.element_ty
@@ -230,63 +224,6 @@ def _store_rows(acc, b_ptr, y_ptr, a_ptr, offs_m, m_mask, offs_n, n_mask, stride
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_n[None, :], mask=out_mask, other=0.0)
         y = (y.to(tl.float32) + a.to(tl.float32)).to(dt)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=out_mask)
-
-
-@_jit
-def _stream_w(w_ptr, i, steps, pid, programs, num_kb, N, K, stride_wn, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """A streaming program's weight tile number i: output block pid + (i // num_kb) * programs, columns
-    (i % num_kb) * BLOCK_K on; nothing (all masked) once i reaches its steps."""
-    offs_n = (pid + (i // num_kb) * programs) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = (i % num_kb) * BLOCK_K + tl.arange(0, BLOCK_K)
-    return _load_w(w_ptr, offs_n, (offs_n < N) & (i < steps), k, k < K, stride_wn)
-
-
-@_jit
-def _gemv_stream_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, N, K, stride_xm, stride_wn,
-                        stride_ym, stride_rm, stride_om, stride_am, eps,
-                        ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                        ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr):
-    """_gemv_kernel's sums with fewer programs than output blocks (the kernel option `gemv_stream_programs`):
-    program p takes blocks p, p + P, p + 2P, ... of the P programs, each block's K tiles in order, and loads the
-    tile after the current one before it adds the current one up, so its weight stream goes on while it reduces
-    and stores (a program per block stops streaming for that, and a new one starts cold). The same products in
-    the same order per output as _gemv_kernel with these tiles: the same bits. With PDL the first tile is loaded
-    before the wait (EARLY_W > 0), and the folded norm's rstd is computed once a program, not once a block."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    num_kb = tl.cdiv(K, BLOCK_K)
-    steps = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, programs) * num_kb  # the grid never exceeds the blocks
-    offs_m = tl.arange(0, ROWS_PAD)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < ROWS
-    acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
-    rstd = tl.zeros((ROWS_PAD,), dtype=tl.float32)  # read only under NORM
-    if USE_PDL:
-        gdc_launch_dependents()
-        if EARLY_W >= 1:  # weights are never written by a kernel (module docstring)
-            w = _stream_w(w_ptr, 0, steps, pid, programs, num_kb, N, K, stride_wn, BLOCK_N, BLOCK_K)
-        gdc_wait()
-        if EARLY_W == 0:
-            w = _stream_w(w_ptr, 0, steps, pid, programs, num_kb, N, K, stride_wn, BLOCK_N, BLOCK_K)
-    else:
-        w = _stream_w(w_ptr, 0, steps, pid, programs, num_kb, N, K, stride_wn, BLOCK_N, BLOCK_K)
-    if NORM:
-        rstd = _norm_prologue(x_ptr, r_ptr, res_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, stride_om,
-                              eps, ROWS_PAD, BLOCK_K, HAS_RES)
-    for i in range(steps):
-        w_next = _stream_w(w_ptr, i + 1, steps, pid, programs, num_kb, N, K, stride_wn, BLOCK_N, BLOCK_K)
-        kb = i % num_kb
-        k = kb * BLOCK_K + offs_k
-        acc = _gemv_tile(acc, w, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k < K, K, stride_xm, stride_rm,
-                         SILU_MUL, NORM, HAS_RES)
-        if kb == num_kb - 1:  # the block's last tile: out with it, and start the next block from zero
-            offs_n = (pid + (i // num_kb) * programs) * BLOCK_N + tl.arange(0, BLOCK_N)
-            _store_rows(acc, b_ptr, y_ptr, a_ptr, offs_m, m_mask, offs_n, offs_n < N, stride_ym, stride_am,
-                        HAS_BIAS, ADD_OUT)
-            acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
-        w = w_next
 
 
 def gemv_config(n: int, k: int, table: GemvTable = NO_TABLE) -> tuple[int, int, int]:
@@ -343,14 +280,6 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     return _launch(x, weight, bias, tiles, norm=(residual, norm_weight, eps))
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """SMs of the device (1 for a CPU tensor under the interpreter: `gemv_stream_programs` programs in all)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None,
             silu_mul: bool = False, norm: tuple | None = None,
             add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -381,11 +310,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
     early_tiles = min(early, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
     r = residual if residual is not None else x
     a = add if add is not None else y
-    blocks = triton.cdiv(n, block_n)
-    per_sm = current_options().gemv_stream_programs
-    stream = per_sm > 0 and blocks > per_sm * _num_sms(x.device)
-    kernel = _gemv_stream_kernel if stream else _gemv_kernel
-    kernel[(per_sm * _num_sms(x.device) if stream else blocks,)](
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, r, norm_weight, res_out, a, n, k, x.stride(0),
         weight.stride(0), y.stride(0), r.stride(0), res_out.stride(0), a.stride(0), eps,
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
