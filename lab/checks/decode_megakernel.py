@@ -287,7 +287,10 @@ def main() -> None:
         return
     from lab.engines import with_engine
 
-    per_model_main("decode_megakernel", __doc__, lambda name: with_engine(name, measure, max_model_len=4096,
+    # the layers it stands for are the unfolded ones (engine_layers): the engine's norms in launches of their own
+    per_model_main("decode_megakernel", __doc__, lambda name: with_engine(name, measure,
+                                                                           kernel={"gemv_norm_fold": False},
+                                                                           max_model_len=4096,
                                                                            kv_memory_fraction=0.3), min_capability=9)
 
 
