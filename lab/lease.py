@@ -326,7 +326,9 @@ ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06"
 ANATOMY = Check("anatomy", 120, ("decode_anatomy.json",), module="decode_anatomy")
 BARRIER = Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier")
 PERSISTENT = Check("persistent", 90, ("persistent_gemv.json",), module="persistent_gemv")
-# issue 29's open questions after run28
+# issue 29's open questions after run29: the norm fold (on by default since) on Qwen3-8B, where a 0.6B step's time
+# goes now; each a call of its own, and together the `next31` call
+FOLD8 = Lab("fold8", 300, ("fold8.json",), ("fold8",))
 MEGAKERNEL = Check("megakernel", 180, ("decode_megakernel.json",), module="decode_megakernel")
 FUSED_MERGE06 = Lab("fused_merge06", 120, ("fused_merge06.json",), ("fused_merge06",))
 # the full lease: the headline, its diagnoses and SGLang beside it
@@ -442,6 +444,11 @@ CALLS: dict[str, Call] = {
         "the engine's layers from 909 to 827 us",
         carry=(),
         steps=(WIDE_AB06,)),
+    "next31": Call(
+        "optional, a session's first call: issue 29 after run29: the batch-1 step's anatomy on Qwen3-0.6B (its parts "
+        "with the norms unfolded), then the norm fold off and on on Qwen3-8B (tokens, W2 one round)",
+        carry=(),
+        steps=(ANATOMY, FOLD8)),
     "decode_mid": Call(
         "optional: Qwen3-0.6B's decode step at 1-16 requests of 1k-token prompts under the profiler (run26, H100: "
         "1.0, 1.64, 2.24 ms a step at 1, 4, 16), then the decode attention's split count (kernel option "
@@ -509,8 +516,7 @@ CALLS: dict[str, Call] = {
         carry=(),
         budget_s=400,  # what a session's last device minutes may allow
         steps=(Lab("fold06", 200, ("fold06.json",), ("fold06",)),)),
-    "fold8": Call("optional: the same on Qwen3-8B, W2 in one round", carry=(),
-                  steps=(Lab("fold8", 300, ("fold8.json",), ("fold8",)),)),
+    "fold8": Call("optional: the same on Qwen3-8B, W2 in one round", carry=(), steps=(FOLD8,)),
     "early_meta": Call(
         "optional: issue 29, the decode kernels reading each request's length, row and slot, and RoPE each token's "
         "position and cos/sin, before their PDL wait (kernel option early_metadata): tokens off and on (greedy and "
