@@ -21,9 +21,9 @@ option `triton_on_cpu` is on (then the Triton interpreter).
 RMSNorms run inside the GEMVs around them, the residual add in the epilogue of the GEMV before (`gemv(add=)`)
 and the norm in the prologue of the GEMV after (`gemv_rms_norm`: every program computes the row's rstd itself),
 the same outputs to the bit. Batch-1 decode (W2) on an H100: 0.962 -> 0.935 ms a token on Qwen3-0.6B
-(reports/h100/run29). Its first version, the add in the prologue too, was 0.6-1.1% slower (run22): every program
-of the GEMV read the hidden row and the residual row where an unfolded GEMV's read one (every program reads the
-same few lines of L2 at once), and the sum was made in every program.
+(reports/h100/run29). Its first version, the add in the next GEMV's prologue too, was 0.6-1.1% slower (run22):
+every program of that GEMV read the hidden row and the residual row and added them, where now each reads the one
+stream row (the add made once, in the GEMV before).
 
 With programmatic dependent launch (kernels/pdl.py) the GEMV may start while the kernel before it still runs. It
 waits for it before reading x or writing y, but it loads its first weight tiles *before* the wait (up to the kernel
