@@ -128,6 +128,36 @@ def test_an_arm_whose_engine_fails_is_recorded_and_the_others_still_run(monkeypa
     assert timed == ["off", "no_early_kv"] and not res["ok"]
 
 
+def test_anatomy_folds_the_layers_for_its_probe_only():
+    """decode_anatomy's folded probes: inside the block the model's layers are GemvNormLayers around the same
+    modules (the fold's layers, sharing every parameter); after it, the original layers, unchanged."""
+    from torch import nn
+
+    from lab.checks import decode_anatomy
+    from minisgl.kernels.gemv import GemvNormLayer
+    from minisgl.models.config import ModelConfig
+    from minisgl.models.decoder import DecoderLM
+
+    cfg = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_q_heads=2,
+                      num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+                      max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False, qk_norm=True)
+    model = DecoderLM(cfg)
+    layers = model.layers
+
+    def params():  # name -> the tensor object itself
+        return {name: id(p) for name, p in model.named_parameters()}
+
+    before = params()
+    with decode_anatomy._folded(model, False):
+        assert model.layers is layers
+    with decode_anatomy._folded(model, True):
+        assert isinstance(model.layers, nn.ModuleList) and model.layers is not layers
+        assert all(isinstance(f, GemvNormLayer) and f.self_attn is layer.self_attn and f.mlp is layer.mlp
+                   for f, layer in zip(model.layers, layers))
+        assert params() == before  # the same tensors under the same names
+    assert model.layers is layers and params() == before
+
+
 def test_mixes_section_records_throughput_batch_steps_and_resolved_rows(tiny_model, monkeypatch):
     """Issue 29's mixes section, on the tiny model with the mixes shrunk (same kinds of cells)."""
     from minisgl.bench import workloads

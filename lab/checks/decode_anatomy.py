@@ -8,7 +8,9 @@ back on the live request's buffers (a 1,024-token context). `full - no_X` is wha
 More probes: the decode attention in one split (a program per kv head over the whole context, no merge
 launch); kernel options a launch reads (each captured graph keeps its own): PDL off, the decode splits at one wave
 of SMs, the splits merged in the first launch, the early keys and the early metadata off, the GEMV's early weight
-tiles at 0 and 3. `option_us` gives each against `full` (negative: faster). (run27 also took the L2 prefetch of
+tiles at 0 and 3; the layers as the norm fold runs them (the engine's default since run29; the parts above are
+the unfolded layer's, the engine being built with the fold off), alone and with the merge in the first launch.
+`option_us` gives each against `full` (negative: faster). (run27 also took the L2 prefetch of
 commit 96611da, since removed.)
 
 Then chains: each matmul kind's GEMVs (the model's own weights, every layer's in turn) replayed as one graph with
@@ -35,8 +37,10 @@ from lab.timing import capture, time_replay_us
 
 PROMPT_LEN = 1024
 # The parts are the unfolded layer's: with the norm fold (on by default since run29) each norm runs inside a GEMV
-# and cannot be taken out alone. What the fold saves is W2's A/B (reports/h100/run29).
+# and cannot be taken out alone. The engine is built unfolded; the probes `folded` and `folded_fused_merge` wrap its
+# layers as the fold does (GemvNormLayer) for their capture only.
 UNFOLDED = {"gemv_norm_fold": False}
+FOLDED = ("folded", "folded_fused_merge")
 ITERS = 15
 PER = 10  # replays between a pair of events
 
@@ -88,7 +92,28 @@ def _variants() -> dict:
         "no_early_metadata": ([], {"early_metadata": False}),
         "gemv_early_tiles0": ([], {"gemv_pdl_early_tiles": 0}),
         "gemv_early_tiles3": ([], {"gemv_pdl_early_tiles": 3}),
+        # the engine's default layers (the norm fold), and the one launch a layer that could go next (the merge)
+        "folded": ([], {}),
+        "folded_fused_merge": ([], {"decode_fused_merge": True}),
     }
+
+
+@contextlib.contextmanager
+def _folded(model, on: bool) -> Iterator[None]:
+    """The model's decoder layers as the norm fold runs them (GemvNormLayer around each, sharing its modules), for
+    the block; the layers themselves come back after it."""
+    if not on:
+        yield
+        return
+    from torch import nn
+
+    from minisgl.kernels.gemv import GemvNormLayer
+    layers = model.layers
+    model.layers = nn.ModuleList(GemvNormLayer(layer) for layer in layers)
+    try:
+        yield
+    finally:
+        model.layers = layers
 
 
 @contextlib.contextmanager
@@ -117,11 +142,15 @@ def step_anatomy(llm) -> dict:
     req = decoding_request(llm, PROMPT_LEN)
     live = runner.graph_runner
     out: dict = {"context_tokens": PROMPT_LEN + len(req.output_ids), "replay_us": {}}
+    from minisgl.models.decoder import DecoderLayer
+
     variants = _variants()
+    if not all(type(layer) is DecoderLayer for layer in runner.model.layers):  # a hybrid model: no fold
+        variants = {name: v for name, v in variants.items() if name not in FOLDED}
     for round_ in range(2):
         for name, (patches, kernel) in variants.items():
             options = dataclasses.replace(llm.config.kernels, **kernel)
-            with _patched(patches, runner.attn), use_options(options):
+            with _patched(patches, runner.attn), _folded(runner.model, name in FOLDED), use_options(options):
                 gr = CudaGraphRunner(runner, 1, batch_sizes=[1])
             for buf in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "token_dst"):
                 getattr(gr, buf)[:1].copy_(getattr(live, buf)[:1])
