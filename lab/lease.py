@@ -446,7 +446,8 @@ CALLS: dict[str, Call] = {
         steps=(WIDE_AB06,)),
     "next31": Call(
         "optional, a session's first call: issue 29 after run29: the batch-1 step's anatomy on Qwen3-0.6B (its parts "
-        "with the norms unfolded), then the norm fold off and on on Qwen3-8B (tokens, W2 one round)",
+        "with the norms unfolded; the layers folded, the engine's default, alone and with the fused merge), then "
+        "the norm fold off and on on Qwen3-8B (tokens, W2 one round)",
         carry=(),
         steps=(ANATOMY, FOLD8)),
     "decode_mid": Call(
