@@ -326,11 +326,9 @@ ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06"
 ANATOMY = Check("anatomy", 120, ("decode_anatomy.json",), module="decode_anatomy")
 BARRIER = Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier")
 PERSISTENT = Check("persistent", 90, ("persistent_gemv.json",), module="persistent_gemv")
-# issue 29's open questions after run29: the norm fold (on by default since) on Qwen3-8B, where a 0.6B step's time
-# goes now; each a call of its own, and together the `next31` call
+# issue 29's open questions after run29: the norm fold (on by default since) on Qwen3-8B, and where a 0.6B step's
+# time goes now (ANATOMY); each a call of its own, and together the `next31` call
 FOLD8 = Lab("fold8", 300, ("fold8.json",), ("fold8",))
-MEGAKERNEL = Check("megakernel", 180, ("decode_megakernel.json",), module="decode_megakernel")
-FUSED_MERGE06 = Lab("fused_merge06", 120, ("fused_merge06.json",), ("fused_merge06",))
 # the full lease: the headline, its diagnoses and SGLang beside it
 HEADLINE_CALLS = ("call1", "call2", "call3", "call4")
 CALLS: dict[str, Call] = {
@@ -482,7 +480,7 @@ CALLS: dict[str, Call] = {
         "theirs and the engine's step, and each phase's time from the kernel's own stamps "
         "(lab.checks.decode_megakernel; run28: 66-142 s)",
         carry=(),
-        steps=(MEGAKERNEL,)),
+        steps=(Check("megakernel", 180, ("decode_megakernel.json",), module="decode_megakernel"),)),
     "mega_ab": Call(
         "optional: issue 29, the engine with the decode-layers kernel (kernel option decode_megakernel) off, on, and "
         "on with 168 registers a thread: tokens (greedy and seeded sampling, batch 1 and 8, graphs and eager), then "
@@ -546,7 +544,7 @@ CALLS: dict[str, Call] = {
         "decode_fused_merge; run10, before PDL's early loads, found it slower): tokens off and on, then W2 off and "
         "on, two rounds; Qwen3-0.6B",
         carry=(),
-        steps=(FUSED_MERGE06,)),
+        steps=(Lab("fused_merge06", 120, ("fused_merge06.json",), ("fused_merge06",)),)),
     "mixes": Call(
         "optional, on a machine calls 1-4 staged: issue 29's Qwen3.5 mixes (512 requests of 16-2k prompts; 384 in 24 "
         "shared-prefix groups, mixed sampling), minisgl with its rows sized from memory and at the old 256, then "

@@ -137,13 +137,12 @@ def step_anatomy(llm) -> dict:
     """The batch-1 graph's replay time at the defaults and with each part taken out, on a live request."""
     from minisgl.engine.cuda_graph import CudaGraphRunner
     from minisgl.kernels.options import use_options
+    from minisgl.models.decoder import DecoderLayer
 
     runner = llm.engine.runner
     req = decoding_request(llm, PROMPT_LEN)
     live = runner.graph_runner
     out: dict = {"context_tokens": PROMPT_LEN + len(req.output_ids), "replay_us": {}}
-    from minisgl.models.decoder import DecoderLayer
-
     variants = _variants()
     if not all(type(layer) is DecoderLayer for layer in runner.model.layers):  # a hybrid model: no fold
         variants = {name: v for name, v in variants.items() if name not in FOLDED}
