@@ -323,11 +323,9 @@ WIDE_AB06 = Lab("wide_ab06", 100, ("wide06.json",), ("wide_ab06",))  # run13: 96
 # issue 29's quick probes: each a call of its own, and together the `probes` call
 ROPE_BITS = Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits")
 ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",))
-ANATOMY = Check("anatomy", 120, ("decode_anatomy.json",), module="decode_anatomy")
+ANATOMY = Check("anatomy", 60, ("decode_anatomy.json",), module="decode_anatomy")  # run30 (H100): 43 s
 BARRIER = Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier")
 PERSISTENT = Check("persistent", 90, ("persistent_gemv.json",), module="persistent_gemv")
-# issue 29's open questions after run29: the norm fold (on by default since) on Qwen3-8B, and where a 0.6B step's
-# time goes now (ANATOMY); each a call of its own, and together the `next31` call
 FOLD8 = Lab("fold8", 300, ("fold8.json",), ("fold8",))
 # the full lease: the headline, its diagnoses and SGLang beside it
 HEADLINE_CALLS = ("call1", "call2", "call3", "call4")
@@ -442,12 +440,13 @@ CALLS: dict[str, Call] = {
         "the engine's layers from 909 to 827 us",
         carry=(),
         steps=(WIDE_AB06,)),
-    "next31": Call(
-        "optional, a session's first call: issue 29 after run29: the batch-1 step's anatomy on Qwen3-0.6B (its parts "
-        "with the norms unfolded; the layers folded, the engine's default, alone and with the fused merge), then "
-        "the norm fold off and on on Qwen3-8B (tokens, W2 one round)",
+    "next32": Call(
+        "optional, a session's first call: issue 29 after run30 (the fold 4% slower on Qwen3-8B on an H100): the norm "
+        "fold off, on, and on with the sums of squares handed on (gemv_fold_sum_squares) on Qwen3-8B (tokens, W2 one "
+        "round) and Qwen3-0.6B (tokens, W2 two rounds), then the 0.6B step's anatomy (its probe folded_sums)",
         carry=(),
-        steps=(ANATOMY, FOLD8)),
+        steps=(Lab("fold_sums8", 270, ("fold_sums8.json",), ("fold_sums8",)),
+               Lab("fold_sums06", 160, ("fold_sums06.json",), ("fold_sums06",)), ANATOMY)),
     "decode_mid": Call(
         "optional: Qwen3-0.6B's decode step at 1-16 requests of 1k-token prompts under the profiler (run26, H100: "
         "1.0, 1.64, 2.24 ms a step at 1, 4, 16), then the decode attention's split count (kernel option "

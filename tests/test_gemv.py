@@ -273,6 +273,40 @@ def test_gemv_add_is_the_residual_add_to_the_bit(force_triton, rows, silu_mul):
         gv.gemv(x, w, b, silu_mul=silu_mul, tiles=(16, 32, 4), add=r[:, :20])
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_sums_of_squares_handed_on_give_the_same_norm(force_triton, rows):
+    """gemv(add=, sums_out=) adds up each stream row's sum of squares (over 16-wide tiles: several programs, each in
+    its lane); gemv_rms_norm(sums=) takes its rstd from them: the same output as reading the row, bit for bit; a
+    wrong sum changes the output (the sums are what it reads); the zeroing launch clears a buffer."""
+    from minisgl.kernels import elementwise as ew
+
+    gen = torch.Generator().manual_seed(rows)
+    x = (2 * torch.randn(rows, 80, generator=gen)).to(torch.bfloat16)
+    w = torch.randn(40, 80, generator=gen).to(torch.bfloat16)
+    r = (8 * torch.randn(rows, 40, generator=gen)).to(torch.bfloat16)
+    sums = torch.zeros(gv.GEMV_MAX_ROWS, gv.SUM_LANES, dtype=torch.float64)
+    stream = gv.gemv(x, w, tiles=(16, 32, 4), add=r, sums_out=sums)
+    assert torch.equal(stream, gv.gemv(x, w, tiles=(16, 32, 4), add=r))
+    assert torch.equal(sums.sum(1)[:rows], (stream.double() ** 2).sum(1)) and not sums[rows:].any()
+    assert (sums[:rows] != 0).sum(1).tolist() == [3] * rows  # 40 outputs in 16-wide tiles: three programs' lanes
+    norm_w = (1 + 0.1 * torch.randn(40, generator=gen)).to(torch.bfloat16)
+    w2 = torch.randn(24, 40, generator=gen).to(torch.bfloat16)
+    want = gv.gemv(ew.rms_norm(stream, norm_w, 1e-6), w2, tiles=(8, 16, 4))
+    got, res = gv.gemv_rms_norm(stream, None, norm_w, 1e-6, w2, tiles=(8, 16, 4), sums=sums)
+    assert torch.equal(got, want) and res is stream
+    wrong, _ = gv.gemv_rms_norm(stream, None, norm_w, 1e-6, w2, tiles=(8, 16, 4), sums=4 * sums)
+    assert not torch.equal(wrong, want)
+    dirty = torch.ones(3, gv.GEMV_MAX_ROWS, gv.SUM_LANES, dtype=torch.float64)
+    gv.gemv_rms_norm(stream, None, norm_w, 1e-6, w2, tiles=(8, 16, 4), zero_sums=dirty)
+    assert not dirty.any()
+    with pytest.raises(ValueError, match="needs add"):
+        gv.gemv(x, w, tiles=(16, 32, 4), sums_out=sums)
+    with pytest.raises(ValueError, match="fp64 buffer"):
+        gv.gemv(x, w, tiles=(16, 32, 4), add=r, sums_out=sums.float())
+    with pytest.raises(ValueError, match="cannot include a residual"):
+        gv.gemv_rms_norm(stream, r, norm_w, 1e-6, w2, sums=sums)
+
+
 def test_gemv_rms_norm_refuses_mixed_dtypes(force_triton):
     x = torch.randn(1, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="one dtype"):
@@ -338,15 +372,18 @@ def test_norm_fold_layer_matches_the_decoder_layer_to_the_bit(force_triton, arch
 
 
 
-def test_decoder_lm_with_folded_layers_gives_the_same_logits(force_triton):
+@pytest.mark.parametrize("sum_squares", [False, True])
+def test_decoder_lm_with_folded_layers_gives_the_same_logits(force_triton, sum_squares):
     """The whole model with the norm fold (the layers hand the stream back whole, the final norm takes it
     without a residual) against the model with only its linears and MLPs swapped: the same logits, bit for bit.
-    (A layer-level test passed while DecoderLM still unpacked the final norm's result as a pair: run29.)"""
+    (A layer-level test passed while DecoderLM still unpacked the final norm's result as a pair: run29.) With
+    the sums of squares handed on (kernel option gemv_fold_sum_squares): the same, from a buffer left dirty (the
+    first launch zeroes it), and the stack's slots are written but the last layer's, which no GEMV reads."""
     from minisgl.models.config import ModelConfig
     from minisgl.models.decoder import DecoderLayer, DecoderLM
     from minisgl.models.layers import MLP
 
-    cfg = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_q_heads=4,
+    cfg = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3, num_q_heads=4,
                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
                       max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False, qk_norm=True)
     torch.manual_seed(0)
@@ -356,4 +393,10 @@ def test_decoder_lm_with_folded_layers_gives_the_same_logits(force_triton):
     gv.use_gemv(plain, fold=(MLP,))
     gv.use_gemv(folded, fold=(MLP,), norm_fold=(DecoderLayer,))
     ids, positions = torch.tensor([3, 7]), torch.tensor([4, 5])
-    assert torch.equal(folded(ids, positions, _Attn()), plain(ids, positions, _Attn()))
+    sums = folded.layers[0].sums
+    assert all(layer.sums is sums for layer in folded.layers) and sums.buffer.shape[0] == 6
+    sums.buffer.fill_(1e6)
+    with kernel_options(triton_on_cpu=True, gemv_fold_sum_squares=sum_squares):
+        assert torch.equal(folded(ids, positions, _Attn()), plain(ids, positions, _Attn()))
+    written = sums.buffer[:, :2].sum(-1).ne(0).all(-1).tolist()
+    assert written == ([True] * 5 + [False] if sum_squares else [True] * 6), written  # 1e6 left: never zeroed

@@ -9,7 +9,8 @@ More probes: the decode attention in one split (a program per kv head over the w
 launch); kernel options a launch reads (each captured graph keeps its own): PDL off, the decode splits at one wave
 of SMs, the splits merged in the first launch, the early keys and the early metadata off, the GEMV's early weight
 tiles at 0 and 3; the layers as the norm fold runs them (the engine's default since run29; the parts above are
-the unfolded layer's, the engine being built with the fold off), alone and with the merge in the first launch.
+the unfolded layer's, the engine being built with the fold off), alone, with the merge in the first launch, and
+with the norms' sums of squares added up by the GEMV before (kernel option gemv_fold_sum_squares).
 `option_us` gives each against `full` (negative: faster). (run27 also took the L2 prefetch of
 commit 96611da, since removed.)
 
@@ -40,7 +41,7 @@ PROMPT_LEN = 1024
 # and cannot be taken out alone. The engine is built unfolded; the probes `folded` and `folded_fused_merge` wrap its
 # layers as the fold does (GemvNormLayer) for their capture only.
 UNFOLDED = {"gemv_norm_fold": False}
-FOLDED = ("folded", "folded_fused_merge")
+FOLDED = ("folded", "folded_fused_merge", "folded_sums")
 ITERS = 15
 PER = 10  # replays between a pair of events
 
@@ -95,21 +96,24 @@ def _variants() -> dict:
         # the engine's default layers (the norm fold), and the one launch a layer that could go next (the merge)
         "folded": ([], {}),
         "folded_fused_merge": ([], {"decode_fused_merge": True}),
+        # folded, each norm's sums of squares added up by the GEMV before (no row read first in the GEMV after)
+        "folded_sums": ([], {"gemv_fold_sum_squares": True}),
     }
 
 
 @contextlib.contextmanager
 def _folded(model, on: bool) -> Iterator[None]:
-    """The model's decoder layers as the norm fold runs them (GemvNormLayer around each, sharing its modules), for
-    the block; the layers themselves come back after it."""
+    """The model's decoder layers as the norm fold runs them (GemvNormLayer around each, sharing its modules, linked
+    as use_gemv links them), for the block; the layers themselves come back after it."""
     if not on:
         yield
         return
     from torch import nn
 
-    from minisgl.kernels.gemv import GemvNormLayer
+    from minisgl.kernels.gemv import GemvNormLayer, link_norm_layers
     layers = model.layers
     model.layers = nn.ModuleList(GemvNormLayer(layer) for layer in layers)
+    link_norm_layers(list(model.layers))
     try:
         yield
     finally:

@@ -55,8 +55,9 @@ except ImportError:  # CPU-only installs: GemvLinear is plain F.linear
     triton = None
     tl = None
 
-__all__ = ["GEMV_MAX_ROWS", "GemvLinear", "GemvMLP", "GemvNormLayer", "device_table", "gemv", "gemv_config",
-           "gemv_max_rows", "gemv_rms_norm", "load_table", "table_for", "use_gemv"]
+__all__ = ["GEMV_MAX_ROWS", "SUM_LANES", "FoldSums", "GemvLinear", "GemvMLP", "GemvNormLayer", "device_table", "gemv",
+           "gemv_config", "gemv_max_rows", "gemv_rms_norm", "link_norm_layers", "load_table", "table_for",
+           "use_gemv"]
 
 # Rows (tokens) up to which the GEMV replaces cuBLAS; above it a GEMM's tiles reuse each weight load across rows.
 GEMV_MAX_ROWS = 4
@@ -108,6 +109,14 @@ _jit = ew._jit  # triton.jit where Triton is installed
 # Qwen3-0.6B in reports/h200/run12 (early_ab06, means of two rounds: 1.006 ms, against 1.014 with 1 and 1.035
 # with 3, whose rounds were 1.060 and 1.011).
 MAX_EARLY_TILES = 3
+
+# The folded norm's sums of squares taken in the epilogue of the GEMV that writes the residual stream (kernel option
+# `gemv_fold_sum_squares`): every program adds its share of a row into one of SUM_LANES fp64 slots (program id mod
+# SUM_LANES), so a thousand programs do not queue on one address; the GEMV after adds the lanes up. fp64 sums of
+# half-precision squares are exact (ew.sum_squares: all but the rarest spreads of magnitude), so neither the order of
+# the atomic adds nor the lanes change the rstd: it is the norm kernel's to the bit.
+SUM_LANES = 16
+_SUM_LANES = tl.constexpr(SUM_LANES) if tl is not None else SUM_LANES
 
 
 @_jit
@@ -169,11 +178,35 @@ def _norm_prologue(x_ptr, r_ptr, res_ptr, offs_m, m_mask, offs_k, K, stride_xm, 
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, N, K, stride_xm, stride_wn, stride_ym,
-                 stride_rm, stride_om, stride_am, eps,
+def _rstd(x_ptr, r_ptr, res_ptr, ss_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, stride_om, eps,
+          ROWS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr, SS_IN: tl.constexpr):
+    """The folded norm's rstd of each row: from the sums of squares the GEMV before added up (SS_IN: its
+    SUM_LANES partial sums a row), or from the row itself (`_norm_prologue`)."""
+    if SS_IN:
+        lanes = tl.arange(0, _SUM_LANES)
+        part = tl.load(ss_ptr + offs_m[:, None] * _SUM_LANES + lanes[None, :], mask=m_mask[:, None], other=0.0)
+        return tl.rsqrt(tl.sum(part, 1).to(tl.float32) / K + eps)
+    return _norm_prologue(x_ptr, r_ptr, res_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, stride_om, eps,
+                          ROWS_PAD, BLOCK_K, HAS_RES)
+
+
+@_jit
+def _zero_sums(ss_ptr, pid, COUNT: tl.constexpr):
+    """Program 0 zeroes the step's sums-of-squares buffer (COUNT fp64 values): its first launch does this after
+    its wait, when every kernel of the step before (all that read the buffer) has finished."""
+    if pid == 0:
+        for z0 in range(0, COUNT, 1024):
+            offs = z0 + tl.arange(0, 1024)
+            tl.store(ss_ptr + offs, tl.zeros((1024,), dtype=tl.float64), mask=offs < COUNT)
+
+
+@_jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_in_ptr, ss_out_ptr, ss_zero_ptr,
+                 N, K, stride_xm, stride_wn, stride_ym, stride_rm, stride_om, stride_am, eps,
                  ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                 ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr):
+                 ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr,
+                 SS_IN: tl.constexpr, SS_OUT: tl.constexpr, SS_ZERO: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, ROWS_PAD)
@@ -194,9 +227,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, N, K
         if EARLY_W >= 3:
             w2 = _load_w(w_ptr, offs_n, n_mask, kc, kc < K, stride_wn)
         gdc_wait()
+        if SS_ZERO > 0:
+            _zero_sums(ss_zero_ptr, pid, SS_ZERO)
         if NORM:
-            rstd = _norm_prologue(x_ptr, r_ptr, res_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm,
-                                  stride_om, eps, ROWS_PAD, BLOCK_K, HAS_RES)
+            rstd = _rstd(x_ptr, r_ptr, res_ptr, ss_in_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm,
+                         stride_om, eps, ROWS_PAD, BLOCK_K, HAS_RES, SS_IN)
         if EARLY_W >= 1:
             acc = _gemv_tile(acc, w0, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, ka, ka < K, K, stride_xm,
                              stride_rm, SILU_MUL, NORM, HAS_RES)
@@ -206,9 +241,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, N, K
         if EARLY_W >= 3:
             acc = _gemv_tile(acc, w2, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, kc, kc < K, K, stride_xm,
                              stride_rm, SILU_MUL, NORM, HAS_RES)
-    elif NORM:
-        rstd = _norm_prologue(x_ptr, r_ptr, res_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, stride_om,
-                              eps, ROWS_PAD, BLOCK_K, HAS_RES)
+    else:
+        if SS_ZERO > 0:
+            _zero_sums(ss_zero_ptr, pid, SS_ZERO)
+        if NORM:
+            rstd = _rstd(x_ptr, r_ptr, res_ptr, ss_in_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm,
+                         stride_om, eps, ROWS_PAD, BLOCK_K, HAS_RES, SS_IN)
     for k0 in range(EARLY_W * BLOCK_K, K, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < K
@@ -224,6 +262,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, N, K
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_n[None, :], mask=out_mask, other=0.0)
         y = (y.to(tl.float32) + a.to(tl.float32)).to(dt)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=out_mask)
+    if SS_OUT:  # this program's share of each output row's sum of squares, for the norm in the GEMV after
+        part = ew.sum_squares(tl.where(out_mask, y.to(tl.float32), 0.0), 1)
+        lane = pid % _SUM_LANES
+        tl.atomic_add(ss_out_ptr + offs_m * _SUM_LANES + lane, part, mask=m_mask, sem="relaxed")
 
 
 def gemv_config(n: int, k: int, table: GemvTable = NO_TABLE) -> tuple[int, int, int]:
@@ -248,27 +290,35 @@ def gemv_max_rows(n: int, k: int, table: GemvTable = NO_TABLE) -> int:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          silu_mul: bool = False, tiles: tuple[int, int, int] | None = None,
-         add: torch.Tensor | None = None) -> torch.Tensor:
+         add: torch.Tensor | None = None, sums_out: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for x `[rows, K]` (rows <= GEMV_MAX_ROWS) and weight `[N, K]`; fp32 accumulation.
     silu_mul=True: x is `[rows, 2K]` (gate | up) and the product is `silu_and_mul(x) @ weight.T`, the MLP's down
     projection with its activation folded in (one launch fewer per layer). `add` (`[rows, N]`, x's dtype): the
     product, rounded, plus `add`, rounded again: to the bit the residual stream's add that `ew.fused_add_rms_norm`
     does after the matmul. `tiles`: (BLOCK_N, BLOCK_K, warps), by default from `table_for(x.device)` (a GemvLinear
-    passes the ones it resolved when it was swapped in)."""
+    passes the ones it resolved when it was swapped in). `sums_out` (`[GEMV_MAX_ROWS, SUM_LANES]` fp64, zeroed
+    before this launch; with `add`): each output row's sum of squares is added into it, for a `gemv_rms_norm` after
+    that takes it as `sums` (the torch path leaves it alone: its norm reads the row)."""
     if not ew.use_triton(x) or x.shape[0] == 0:
         y = F.linear(ew.silu_and_mul(x) if silu_mul else x, weight, bias)
         return y if add is None else y + add
-    return _launch(x, weight, bias, tiles, silu_mul=silu_mul, add=add)[0]
+    if sums_out is not None and add is None:
+        raise ValueError("gemv's sums_out is the residual stream's: it needs add")
+    return _launch(x, weight, bias, tiles, silu_mul=silu_mul, add=add, sums_out=sums_out)[0]
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  tiles: tuple[int, int, int] | None = None, sums: torch.Tensor | None = None,
+                  zero_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder layer's RMSNorm and the projection after it in one launch: `(rms_norm(x + residual) @ weight.T +
     bias, x + residual)`, to the bit what `ew.fused_add_rms_norm` then `gemv` return (residual None: `ew.rms_norm`
     then `gemv`, and the residual returned is x). Every program computes the rows' rstd itself (the rows are a few
     KB, read from L2), so the norm's own launch and its wait in the chain of kernels are gone. The norm weight and
-    the residual must have x's dtype (a bf16 or fp16 model's)."""
+    the residual must have x's dtype (a bf16 or fp16 model's). `sums`: x's rows' sums of squares, as a
+    `gemv(sums_out=)` before added them up (no residual then): the rstd comes from them instead of every program
+    reading the row first. `zero_sums`: a buffer of such sums that program 0 zeroes after the launch's wait (a
+    step's first folded launch resets the step's buffer)."""
     if not ew.use_triton(x) or x.shape[0] == 0:
         if residual is None:
             return F.linear(ew.rms_norm(x, norm_weight, eps), weight, bias), x
@@ -277,12 +327,15 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     if norm_weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
         raise ValueError(f"gemv_rms_norm needs x, residual and norm weight in one dtype, got {x.dtype}, "
                          f"{None if residual is None else residual.dtype}, {norm_weight.dtype}")
-    return _launch(x, weight, bias, tiles, norm=(residual, norm_weight, eps))
+    if sums is not None and residual is not None:
+        raise ValueError("gemv_rms_norm's sums are x's own: they cannot include a residual added here")
+    return _launch(x, weight, bias, tiles, norm=(residual, norm_weight, eps), sums=sums, zero_sums=zero_sums)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None,
-            silu_mul: bool = False, norm: tuple | None = None,
-            add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            silu_mul: bool = False, norm: tuple | None = None, add: torch.Tensor | None = None,
+            sums: torch.Tensor | None = None, sums_out: torch.Tensor | None = None,
+            zero_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, k = x.shape
     n = weight.shape[0]
     if silu_mul:
@@ -308,14 +361,22 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
     kw = pdl_launch(x)
     early = current_options().gemv_pdl_early_tiles
     early_tiles = min(early, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
+    for buf in (sums, sums_out):
+        if buf is not None and (buf.dtype != torch.float64 or buf.shape != (GEMV_MAX_ROWS, SUM_LANES)
+                                or not buf.is_contiguous()):
+            raise ValueError(f"sums of squares are a contiguous [{GEMV_MAX_ROWS}, {SUM_LANES}] fp64 buffer, "
+                             f"got {list(buf.shape)} in {buf.dtype}")
     r = residual if residual is not None else x
     a = add if add is not None else y
+    zero_count = zero_sums.numel() if zero_sums is not None else 0
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, r, norm_weight, res_out, a, n, k, x.stride(0),
+        x, weight, bias if bias is not None else weight, y, r, norm_weight, res_out, a,
+        *(buf if buf is not None else y for buf in (sums, sums_out, zero_sums)), n, k, x.stride(0),
         weight.stride(0), y.stride(0), r.stride(0), res_out.stride(0), a.stride(0), eps,
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RES=residual is not None,
-        ADD_OUT=add is not None, USE_PDL=bool(kw), EARLY_W=early_tiles, num_warps=warps, **kw)
+        ADD_OUT=add is not None, USE_PDL=bool(kw), EARLY_W=early_tiles, SS_IN=sums is not None,
+        SS_OUT=sums_out is not None, SS_ZERO=zero_count, num_warps=warps, **kw)
     return y, (res_out if norm is not None else None)
 
 
@@ -380,18 +441,29 @@ class GemvNormLayer(nn.Module):
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.mlp = layer.mlp
         self._layer_forward = layer.forward  # a bound method, not a submodule (as GemvMLP's)
+        # set by link_norm_layers: the stack's shared sums of squares and this layer's place in it
+        self.sums: FoldSums | None = None
+        self.index = 0
 
     def forward(self, x, residual, positions, rotary, attn):
         a, mlp = self.self_attn, self.mlp
         t = x.shape[0]
         folds = (x.dim() == 2 and _takes_gemv(a.qkv_proj, t) and _takes_gemv(a.o_proj, t)
                  and isinstance(mlp, GemvMLP) and _takes_gemv(mlp.gate_up_proj, t) and t <= mlp.max_rows)
+        sums = self.sums if self.sums is not None and current_options().gemv_fold_sum_squares else None
+        i = self.index
+        # the sums are used only in a run of the stack's layers from the first, each folded: the first zeroes them
+        if sums is not None and not (i == 0 or (sums.next_layer == i and residual is None)):
+            sums = None
+        if self.sums is not None:
+            self.sums.next_layer = None
         if not folds:
             return self._layer_forward(x, residual, positions, rotary, attn)
         norm = self.input_layernorm
         # a residual comes only from a layer before that ran its own forward (or none: the first layer's input)
         qkv, stream = gemv_rms_norm(x, residual, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias,
-                                    a.qkv_proj.tiles)
+                                    a.qkv_proj.tiles, sums=sums.slot(2 * i - 1) if sums and i else None,
+                                    zero_sums=sums.buffer if sums and not i else None)
         # the rest of Attention.forward (models/decoder.py), after its projection
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         q = q.view(t, a.num_q_heads, a.head_dim)
@@ -399,11 +471,44 @@ class GemvNormLayer(nn.Module):
         v = v.view(t, a.num_kv_heads, a.head_dim)
         q, k = rotary(q, k, positions, a.q_norm, a.k_norm)
         o = attn.forward(q, k, v, a.layer_id).reshape(t, a.q_size)
-        stream = gemv(o, a.o_proj.weight, a.o_proj.bias, tiles=a.o_proj.tiles, add=stream)
+        stream = gemv(o, a.o_proj.weight, a.o_proj.bias, tiles=a.o_proj.tiles, add=stream,
+                      sums_out=sums.slot(2 * i) if sums else None)
         norm = self.post_attention_layernorm
         gate_up, _ = gemv_rms_norm(stream, None, norm.weight, norm.eps, mlp.gate_up_proj.weight, None,
-                                   mlp.gate_up_proj.tiles)
-        return gemv(gate_up, mlp.down_proj.weight, silu_mul=True, tiles=mlp.down_proj.tiles, add=stream), None
+                                   mlp.gate_up_proj.tiles, sums=sums.slot(2 * i) if sums else None)
+        # the last layer's stream goes to the model's own final norm: no sums for it
+        last = sums is None or i + 1 == sums.layers
+        out = gemv(gate_up, mlp.down_proj.weight, silu_mul=True, tiles=mlp.down_proj.tiles, add=stream,
+                   sums_out=None if last else sums.slot(2 * i + 1))
+        if not last:
+            sums.next_layer = i + 1
+        return out, None
+
+
+class FoldSums:
+    """The sums of squares a stack of folded layers hands from GEMV to GEMV (kernel option `gemv_fold_sum_squares`):
+    two slots a layer (o_proj's stream for the MLP's norm, down_proj's for the next layer's), each `[GEMV_MAX_ROWS,
+    SUM_LANES]` fp64. The first layer's first launch zeroes them all, after its wait, so every step starts from
+    zeros whether or not the step before finished (a CUDA graph replays that launch too). `next_layer` is which layer
+    may read the slot the last one wrote (None: none), set while the layers run (or are captured) in order."""
+
+    def __init__(self, layers: int, device: torch.device) -> None:
+        self.layers = layers
+        self.buffer = torch.zeros(2 * layers, GEMV_MAX_ROWS, SUM_LANES, dtype=torch.float64, device=device)
+        self.next_layer: int | None = None
+
+    def slot(self, j: int) -> torch.Tensor:
+        return self.buffer[j]
+
+
+def link_norm_layers(layers: list[GemvNormLayer]) -> FoldSums | None:
+    """Give a stack of folded layers (in the order a forward runs them) one FoldSums; None for an empty stack."""
+    if not layers:
+        return None
+    sums = FoldSums(len(layers), layers[0].input_layernorm.weight.device)
+    for i, layer in enumerate(layers):
+        layer.sums, layer.index = sums, i
+    return sums
 
 
 def _takes_gemv(linear: nn.Module, rows: int) -> bool:
@@ -425,7 +530,9 @@ def use_gemv(model: nn.Module, fold: tuple[type, ...] = (), max_rows: int = GEMV
     if table is None:
         weight = next(model.parameters(), None)
         table = table_for(weight.device) if weight is not None else NO_TABLE
-    return _swap(model, fold, max_rows, table, norm_fold)
+    swapped = _swap(model, fold, max_rows, table, norm_fold)
+    link_norm_layers([m for m in model.modules() if isinstance(m, GemvNormLayer)])
+    return swapped
 
 
 def _swap(model: nn.Module, fold: tuple[type, ...], max_rows: int, table: GemvTable,
