@@ -34,7 +34,7 @@ ALL_FLAGS = ["--prefill-graph-max-tokens", "512", "--prefill-graph-max-reqs", "4
              "--disable-mixed-decode-split", "--gemv-configs", "t.json", "--gemv-pdl-early-tiles", "1",
              "--decode-split-waves", "4",
              "--disable-sampler-skip-blocks", "--disable-sampler-top-k-bound", "--disable-gemv-norm-fold",
-             "--enable-gemv-fold-sum-squares",
+             "--disable-gemv-fold-sum-squares",
              "--disable-extend-tiles", "--disable-early-metadata", "--disable-early-kv", "--disable-decode-fused-rope",
              "--enable-decode-megakernel", "--decode-megakernel-regs", "168", "--attention-backend", "torch",
              "--state-snapshots", "5",
@@ -46,7 +46,7 @@ ALL_KWARGS = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, ma
                   overlap=False, cuda_graph=False,
                   cuda_graph_max_bs=16, cuda_graph_split=False, gemv=False, pdl=False, decode_fused_store=False,
                   decode_fused_merge=True, mixed_decode_split=False, gemv_configs="t.json", gemv_pdl_early_tiles=1,
-                  decode_split_waves=4, gemv_norm_fold=False, gemv_fold_sum_squares=True, extend_tiles=False,
+                  decode_split_waves=4, gemv_norm_fold=False, gemv_fold_sum_squares=False, extend_tiles=False,
                   early_metadata=False, early_kv=False, decode_fused_rope=False, decode_megakernel=True,
                   decode_megakernel_regs=168,
                   sampler_skip_blocks=False, sampler_top_k_bound=False, attention_backend="torch",
@@ -72,7 +72,7 @@ def test_every_field_has_one_flag():
     # the kernel flags land in the engine's KernelOptions
     assert cfg.kernels == KernelOptions(pdl=False, decode_fused_store=False, decode_fused_merge=True,
                                         mixed_decode_split=False, gemv_configs="t.json", gemv_pdl_early_tiles=1,
-                                        decode_split_waves=4, gemv_norm_fold=False, gemv_fold_sum_squares=True,
+                                        decode_split_waves=4, gemv_norm_fold=False, gemv_fold_sum_squares=False,
                                         extend_tiles=False, early_metadata=False, early_kv=False,
                                         decode_fused_rope=False, decode_megakernel=True, decode_megakernel_regs=168,
                                         sampler_skip_blocks=False, sampler_top_k_bound=False)

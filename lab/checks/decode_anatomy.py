@@ -10,7 +10,8 @@ launch); kernel options a launch reads (each captured graph keeps its own): PDL 
 of SMs, the splits merged in the first launch, the early keys and the early metadata off, the GEMV's early weight
 tiles at 0 and 3; the layers as the norm fold runs them (the engine's default since run29; the parts above are
 the unfolded layer's, the engine being built with the fold off), alone, with the merge in the first launch, and
-with the norms' sums of squares added up by the GEMV before (kernel option gemv_fold_sum_squares).
+with each norm's rstd taken from its row in the GEMV after, not from the sums of squares the GEMV before added up
+(kernel option gemv_fold_sum_squares off; run31 measured it as `folded_sums` against `folded`).
 `option_us` gives each against `full` (negative: faster). (run27 also took the L2 prefetch of
 commit 96611da, since removed.)
 
@@ -41,7 +42,7 @@ PROMPT_LEN = 1024
 # and cannot be taken out alone. The engine is built unfolded; the probes `folded` and `folded_fused_merge` wrap its
 # layers as the fold does (GemvNormLayer) for their capture only.
 UNFOLDED = {"gemv_norm_fold": False}
-FOLDED = ("folded", "folded_fused_merge", "folded_sums")
+FOLDED = ("folded", "folded_fused_merge", "folded_row_rstd")
 ITERS = 15
 PER = 10  # replays between a pair of events
 
@@ -96,8 +97,8 @@ def _variants() -> dict:
         # the engine's default layers (the norm fold), and the one launch a layer that could go next (the merge)
         "folded": ([], {}),
         "folded_fused_merge": ([], {"decode_fused_merge": True}),
-        # folded, each norm's sums of squares added up by the GEMV before (no row read first in the GEMV after)
-        "folded_sums": ([], {"gemv_fold_sum_squares": True}),
+        # folded, each norm's rstd from its row, read by every program of the GEMV after (the default till run31)
+        "folded_row_rstd": ([], {"gemv_fold_sum_squares": False}),
     }
 
 

@@ -19,11 +19,15 @@ option `triton_on_cpu` is on (then the Triton interpreter).
 
 `GemvNormLayer` (the kernel option `gemv_norm_fold`, on by default) goes one step further: a decoder layer's
 RMSNorms run inside the GEMVs around them, the residual add in the epilogue of the GEMV before (`gemv(add=)`)
-and the norm in the prologue of the GEMV after (`gemv_rms_norm`: every program computes the row's rstd itself),
-the same outputs to the bit. Batch-1 decode (W2) on an H100: 0.962 -> 0.935 ms a token on Qwen3-0.6B
-(reports/h100/run29). Its first version, the add in the next GEMV's prologue too, was 0.6-1.1% slower (run22):
-every program of that GEMV read the hidden row and the residual row and added them, where now each reads the one
-stream row (the add made once, in the GEMV before).
+and the norm in the prologue of the GEMV after (`gemv_rms_norm`), the same outputs to the bit. Batch-1 decode
+(W2) on an H100: 0.962 -> 0.935 ms a token on Qwen3-0.6B (reports/h100/run29). Its first version, the add in the
+next GEMV's prologue too, was 0.6-1.1% slower (run22): every program of that GEMV read the hidden row and the
+residual row and added them, where now each reads the one stream row (the add made once, in the GEMV before).
+The norm's rstd needs the row's sum of squares. Every program of the GEMV after computing it, reading the whole row
+before its first product, made Qwen3-8B 4.3% slower than no fold (run31: at a 4,096-wide row, thousands of programs
+each read it in four dependent steps). So the GEMV that writes the stream also adds its rows' squares into a small
+fp64 buffer (`FoldSums`, kernel option `gemv_fold_sum_squares`, on by default), and the GEMV after reads the sums:
+W2 0.932 -> 0.911 ms on Qwen3-0.6B, 5.963 -> 5.658 ms on Qwen3-8B, now 1.0% under no fold (reports/h100/run31).
 
 With programmatic dependent launch (kernels/pdl.py) the GEMV may start while the kernel before it still runs. It
 waits for it before reading x or writing y, but it loads its first weight tiles *before* the wait (up to the kernel
