@@ -447,6 +447,11 @@ CALLS: dict[str, Call] = {
         carry=(),
         steps=(Lab("fold_sums8", 270, ("fold_sums8.json",), ("fold_sums8",)),
                Lab("fold_sums06", 160, ("fold_sums06.json",), ("fold_sums06",)), ANATOMY)),
+    "fold_sums_w2": Call(
+        "optional: a session's last minutes: Qwen3-0.6B's W2 unfolded, folded, and folded with the sums handed on, one "
+        "round (run31's next32 stopped before fold_sums06 wrote its JSON)",
+        carry=(),
+        steps=(Lab("fold_sums06_w2", 100, ("fold_sums06_w2.json",), ("fold_sums06_w2",)),)),
     "decode_mid": Call(
         "optional: Qwen3-0.6B's decode step at 1-16 requests of 1k-token prompts under the profiler (run26, H100: "
         "1.0, 1.64, 2.24 ms a step at 1, 4, 16), then the decode attention's split count (kernel option "

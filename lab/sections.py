@@ -563,6 +563,10 @@ def pdl_tokens(model: str = "qwen3-0.6b") -> dict:
 
 FOLD_ABOUT = "RMSNorms folded into the GEMVs (the add after the one before, the norm before the one after)"
 FOLD_SUMS_ABOUT = "each folded norm's sums of squares added up in the epilogue of the GEMV before"
+FOLD_SUMS_ARMS = {
+    "off": ({"gemv_norm_fold": False, "gemv_fold_sum_squares": False}, ""),
+    "fold": ({"gemv_norm_fold": True, "gemv_fold_sum_squares": False}, FOLD_ABOUT),
+    "fold_sums": ({"gemv_norm_fold": True, "gemv_fold_sum_squares": True}, f"{FOLD_ABOUT}; {FOLD_SUMS_ABOUT}")}
 EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot, and RoPE each token's position "
                     "and its cos/sin, before their PDL wait")
 FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"
@@ -608,10 +612,7 @@ def fold_sums_ab(model: str, rounds: int = 2) -> dict:
     """The norm fold off, on (each norm's rstd from its row, read by every program of the GEMV after), and on with
     the sums of squares added up by the GEMV before (kernel option gemv_fold_sum_squares): tokens against off, then
     W2 in each arm."""
-    arms = {"off": ({"gemv_norm_fold": False, "gemv_fold_sum_squares": False}, ""),
-            "fold": ({"gemv_norm_fold": True, "gemv_fold_sum_squares": False}, FOLD_ABOUT),
-            "fold_sums": ({"gemv_norm_fold": True, "gemv_fold_sum_squares": True}, f"{FOLD_ABOUT}; {FOLD_SUMS_ABOUT}")}
-    return arms_ab(model, arms, rounds)
+    return arms_ab(model, FOLD_SUMS_ARMS, rounds)
 
 
 def megakernel_ab(model: str, rounds: int = 2) -> dict:
@@ -791,6 +792,9 @@ SECTIONS: dict[str, Section] = {
                            "Qwen3-0.6B: tokens and W2 unfolded, folded, and folded with each norm's sums of squares "
                            "added up by the GEMV before"),
     "fold_sums8": section(lambda: fold_sums_ab("qwen3-8b", rounds=1), "the same on Qwen3-8B, one round"),
+    "fold_sums06_w2": section(Bench("qwen3-0.6b", tuple(Arm(label, ("w2",), kernel=kernel, about=about)
+                                                      for label, (kernel, about) in FOLD_SUMS_ARMS.items()), 1),
+                              "fold_sums06's W2 alone, one round (run31's call stopped before its JSON)"),
     "early_meta06": section(lambda: kernel_option_ab("qwen3-0.6b", {"early_metadata": EARLY_META_ABOUT}),
                             "Qwen3-0.6B: tokens and W2 with the decode kernels' and RoPE's metadata read before "
                             "their PDL wait, off and on"),
