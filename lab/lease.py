@@ -320,6 +320,8 @@ class Call:
 # issue 29's sweep in a fresh process: a call of its own, and the first step of `gemv`
 WARMUP_SWEEP = Lab("warmup_sweep", 170, ("warmup_sweep.json",), ("warmup_sweep",))
 WIDE_AB06 = Lab("wide_ab06", 100, ("wide06.json",), ("wide_ab06",))  # run13: 96 s
+WIDE_AB8 = Lab("wide_ab8", 200, ("wide8.json",), ("wide_ab8",))  # run13: 191 s
+FOLD_SUMS06_W2 = Lab("fold_sums06_w2", 100, ("fold_sums06_w2.json",), ("fold_sums06_w2",))
 # issue 29's quick probes: each a call of its own, and together the `probes` call
 ROPE_BITS = Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits")
 ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",))
@@ -431,9 +433,7 @@ CALLS: dict[str, Call] = {
         "Qwen3-8B",
         carry=(),
         # run13: wide_ab06 96 s, wide_ab8 191 s
-        steps=(WARMUP_SWEEP,
-               WIDE_AB06,
-               Lab("wide_ab8", 200, ("wide8.json",), ("wide_ab8",)))),
+        steps=(WARMUP_SWEEP, WIDE_AB06, WIDE_AB8)),
     "gemv06": Call(
         "optional: the gemv call's Qwen3-0.6B part alone (the GEMV tuned, then W2 with the card's table against the "
         "picks, two rounds); on an H100, which has no table, run28's megakernel check saw the H200 table's tiles take "
@@ -451,7 +451,14 @@ CALLS: dict[str, Call] = {
         "optional: a session's last minutes: Qwen3-0.6B's W2 unfolded, folded, and folded with the sums handed on, one "
         "round (run31's next32 stopped before fold_sums06 wrote its JSON)",
         carry=(),
-        steps=(Lab("fold_sums06_w2", 100, ("fold_sums06_w2.json",), ("fold_sums06_w2",)),)),
+        steps=(FOLD_SUMS06_W2,)),
+    "next33": Call(
+        "optional, a session's first call, best on an H100 (no tuned GEMV table in the repo: the tiles come from "
+        "gemv_config's rule; run28 saw the H200 table's tiles take the 0.6B layers from 909 to 827 us there): the "
+        "decode GEMV tuned on this card and W2 with the repo's table against the picks, Qwen3-0.6B and Qwen3-8B "
+        "(the gemv call without its sweep), then fold_sums_w2",
+        carry=(),
+        steps=(WIDE_AB06, WIDE_AB8, FOLD_SUMS06_W2)),
     "decode_mid": Call(
         "optional: Qwen3-0.6B's decode step at 1-16 requests of 1k-token prompts under the profiler (run26, H100: "
         "1.0, 1.64, 2.24 ms a step at 1, 4, 16), then the decode attention's split count (kernel option "
