@@ -436,7 +436,12 @@ class GemvNormLayer(nn.Module):
     layer (or the model's final norm) reads as an input without a residual, exactly as a decoder layer's forward
     treats the first layer's. So each GEMV's programs read one input row, as an unfolded GEMV's do, not the hidden
     row and the residual row. Holds the same submodules under the same names; more rows, or a projection the table
-    left to cuBLAS, run the layer's own forward."""
+    left to cuBLAS, run the layer's own forward.
+
+    A stack of them linked by `link_norm_layers` (use_gemv does it) shares a FoldSums: with the kernel option
+    `gemv_fold_sum_squares` (on by default) o_proj and down_proj add their output rows' squares into it and the
+    norm after takes its rstd from those sums, in a forward that runs the stack in order from its first layer.
+    A layer alone, or after one that ran its own forward, reads the row instead."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
