@@ -440,13 +440,6 @@ CALLS: dict[str, Call] = {
         "the engine's layers from 909 to 827 us",
         carry=(),
         steps=(WIDE_AB06,)),
-    "next32": Call(
-        "optional, a session's first call: issue 29 after run30 (the fold 4% slower on Qwen3-8B on an H100): the norm "
-        "fold off, on, and on with the sums of squares handed on (gemv_fold_sum_squares) on Qwen3-8B (tokens, W2 one "
-        "round) and Qwen3-0.6B (tokens, W2 two rounds), then the 0.6B step's anatomy (its probe folded_sums)",
-        carry=(),
-        steps=(Lab("fold_sums8", 270, ("fold_sums8.json",), ("fold_sums8",)),
-               Lab("fold_sums06", 160, ("fold_sums06.json",), ("fold_sums06",)), ANATOMY)),
     "fold_sums_w2": Call(
         "optional: a session's last minutes: Qwen3-0.6B's W2 unfolded, folded, and folded with the sums handed on, one "
         "round (run31's next32 stopped before fold_sums06 wrote its JSON)",
