@@ -39,8 +39,8 @@ from lab.timing import capture, time_replay_us
 
 PROMPT_LEN = 1024
 # The parts are the unfolded layer's: with the norm fold (on by default since run29) each norm runs inside a GEMV
-# and cannot be taken out alone. The engine is built unfolded; the probes `folded` and `folded_fused_merge` wrap its
-# layers as the fold does (GemvNormLayer) for their capture only.
+# and cannot be taken out alone. The engine is built unfolded; the probes in FOLDED wrap its layers as the fold does
+# (GemvNormLayer, linked) for their capture only.
 UNFOLDED = {"gemv_norm_fold": False}
 FOLDED = ("folded", "folded_fused_merge", "folded_row_rstd")
 ITERS = 15
