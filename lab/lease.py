@@ -319,8 +319,9 @@ class Call:
 # four are on the machine.
 # issue 29's sweep in a fresh process: a call of its own, and the first step of `gemv`
 WARMUP_SWEEP = Lab("warmup_sweep", 170, ("warmup_sweep.json",), ("warmup_sweep",))
-WIDE_AB06 = Lab("wide_ab06", 100, ("wide06.json",), ("wide_ab06",))  # run13: 96 s
-WIDE_AB8 = Lab("wide_ab8", 200, ("wide8.json",), ("wide_ab8",))  # run13: 191 s
+# run13 (H200, three tables): 96 s and 191 s; elsewhere a fourth table (the H200's) adds a W2 arm
+WIDE_AB06 = Lab("wide_ab06", 125, ("wide06.json",), ("wide_ab06",))
+WIDE_AB8 = Lab("wide_ab8", 240, ("wide8.json",), ("wide_ab8",))
 FOLD_SUMS06_W2 = Lab("fold_sums06_w2", 100, ("fold_sums06_w2.json",), ("fold_sums06_w2",))
 # issue 29's quick probes: each a call of its own, and together the `probes` call
 ROPE_BITS = Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits")
@@ -427,13 +428,12 @@ CALLS: dict[str, Call] = {
         carry=(),
         steps=(WARMUP_SWEEP,)),
     "gemv": Call(
-        "optional, best as a fresh machine's first call: issue 29's sweep in a fresh process (as warmup_sweep), then "
-        "the decode GEMV tuned again with the down projections timed as the engine runs them (the activation folded "
-        "in) and batch-1 decode (W2) with the repo's table against the new picks, two rounds each, Qwen3-0.6B then "
-        "Qwen3-8B",
+        "optional: the decode GEMV tuned again with the down projections timed as the engine runs them (the "
+        "activation folded in) and batch-1 decode (W2) with the repo's table against the new picks (and, on another "
+        "card, the H200's table), two rounds each, Qwen3-0.6B then Qwen3-8B (issue 29's sweep in a fresh process, "
+        "which this call began with before run31: warmup_sweep)",
         carry=(),
-        # run13: wide_ab06 96 s, wide_ab8 191 s
-        steps=(WARMUP_SWEEP, WIDE_AB06, WIDE_AB8)),
+        steps=(WIDE_AB06, WIDE_AB8)),
     "gemv06": Call(
         "optional: the gemv call's Qwen3-0.6B part alone (the GEMV tuned, then W2 with the card's table against the "
         "picks, two rounds); on an H100, which has no table, run28's megakernel check saw the H200 table's tiles take "
@@ -448,8 +448,8 @@ CALLS: dict[str, Call] = {
     "next33": Call(
         "optional, a session's first call, best on an H100 (no tuned GEMV table in the repo: the tiles come from "
         "gemv_config's rule; run28 saw the H200 table's tiles take the 0.6B layers from 909 to 827 us there): the "
-        "decode GEMV tuned on this card and W2 with the repo's table against the picks, Qwen3-0.6B and Qwen3-8B "
-        "(the gemv call without its sweep), then fold_sums_w2",
+        "decode GEMV tuned on this card and W2 with the repo's table against the picks and the H200's table, "
+        "Qwen3-0.6B and Qwen3-8B (the gemv call), then fold_sums_w2",
         carry=(),
         steps=(WIDE_AB06, WIDE_AB8, FOLD_SUMS06_W2)),
     "decode_mid": Call(

@@ -677,7 +677,8 @@ def wide_gemv_ab(model: str, rounds: int = 2) -> dict:
     W2 with three tables, interleaved: `default` (the card's table in the repo), `wide` (the repo's table with the
     tune's picks where the GEMV beat cuBLAS standalone) and `all_gemv` (every projection on the GEMV with the
     tune's best tile, at least at one row: under PDL the GEMV streams weights while its predecessor ends, which
-    a standalone time does not show)."""
+    a standalone time does not show). On a card other than the H200, a fourth: `h200_table`, the H200's table in
+    the repo (whether another card's picks carry over, e.g. to a card the repo has no table for)."""
     from lab.tune import gemv as tune_gemv
     from minisgl.kernels import gemv
 
@@ -689,8 +690,10 @@ def wide_gemv_ab(model: str, rounds: int = 2) -> dict:
     all_gemv = dict(repo, **{f"{r['n']},{r['k']}": [*r["best"], max(1, (tune["picks"][f"{r['n']},{r['k']}"]
                                                                         or [0, 0, 0, 1])[3])]
                              for r in tune["shapes"]})
+    h200 = {f"{n},{k}": (list(v[:4]) if v is not None else None)
+            for (n, k), v in gemv.device_table("NVIDIA H200").items()}
     tables = {"default": repo}
-    for label, table in (("wide", wide), ("all_gemv", all_gemv)):
+    for label, table in (("wide", wide), ("all_gemv", all_gemv), ("h200_table", h200)):
         if table not in tables.values():  # an arm the same as an earlier one would only repeat it
             tables[label] = table
     arms = tuple(Arm(label, ("w2",), kernel={"gemv_table": table}) for label, table in tables.items())
