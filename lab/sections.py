@@ -603,9 +603,13 @@ def arms_ab(model: str, arms: dict[str, tuple[dict, str]], rounds: int,
     tokens = same_tokens_by_mode(model, {label: kernel for label, (kernel, _) in arms.items()}, "off", probe=probe)
     # an arm whose engine failed in either mode is not timed (its error is in `tokens`)
     timed = {label: arm for label, arm in arms.items() if not any("error" in t.get(label, {}) for t in tokens.values())}
-    runs = Bench(model, tuple(Arm(label, ("w2",), kernel=kernel, about=about)
-                              for label, (kernel, about) in timed.items()), rounds)() if rounds and timed else {}
+    runs = Bench(model, w2_arms(timed), rounds)() if rounds and timed else {}
     return {"tokens": tokens, "runs": runs, "ok": all(t["ok"] for t in tokens.values())}
+
+
+def w2_arms(arms: dict[str, tuple[dict, str]]) -> tuple[Arm, ...]:
+    """W2 in each arm (label: (kernel options, what they change))."""
+    return tuple(Arm(label, ("w2",), kernel=kernel, about=about) for label, (kernel, about) in arms.items())
 
 
 def fold_sums_ab(model: str, rounds: int = 2) -> dict:
@@ -684,16 +688,17 @@ def wide_gemv_ab(model: str, rounds: int = 2) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         tune = tune_gemv.main(tmp, models=(model,), wide=True)
-    repo = {f"{n},{k}": (list(v[:4]) if v is not None else None)
-            for (n, k), v in gemv.device_table(torch.cuda.get_device_name()).items()}
+    def as_json(device_name: str) -> dict:  # a device's table in the repo, as the tune's JSON writes one
+        return {f"{n},{k}": (list(v[:4]) if v is not None else None)
+                for (n, k), v in gemv.device_table(device_name).items()}
+
+    repo = as_json(torch.cuda.get_device_name())
     wide = dict(repo, **{shape: pick for shape, pick in tune["picks"].items() if pick is not None})
     all_gemv = dict(repo, **{f"{r['n']},{r['k']}": [*r["best"], max(1, (tune["picks"][f"{r['n']},{r['k']}"]
                                                                         or [0, 0, 0, 1])[3])]
                              for r in tune["shapes"]})
-    h200 = {f"{n},{k}": (list(v[:4]) if v is not None else None)
-            for (n, k), v in gemv.device_table("NVIDIA H200").items()}
     tables = {"default": repo}
-    for label, table in (("wide", wide), ("all_gemv", all_gemv), ("h200_table", h200)):
+    for label, table in (("wide", wide), ("all_gemv", all_gemv), ("h200_table", as_json("NVIDIA H200"))):
         if table not in tables.values():  # an arm the same as an earlier one would only repeat it
             tables[label] = table
     arms = tuple(Arm(label, ("w2",), kernel={"gemv_table": table}) for label, table in tables.items())
@@ -795,8 +800,7 @@ SECTIONS: dict[str, Section] = {
                            "Qwen3-0.6B: tokens and W2 unfolded, folded, and folded with each norm's sums of squares "
                            "added up by the GEMV before"),
     "fold_sums8": section(lambda: fold_sums_ab("qwen3-8b", rounds=1), "the same on Qwen3-8B, one round"),
-    "fold_sums06_w2": section(Bench("qwen3-0.6b", tuple(Arm(label, ("w2",), kernel=kernel, about=about)
-                                                      for label, (kernel, about) in FOLD_SUMS_ARMS.items()), 1),
+    "fold_sums06_w2": section(Bench("qwen3-0.6b", w2_arms(FOLD_SUMS_ARMS), 1),
                               "fold_sums06's W2 alone, one round (run31's call stopped before its JSON)"),
     "early_meta06": section(lambda: kernel_option_ab("qwen3-0.6b", {"early_metadata": EARLY_META_ABOUT}),
                             "Qwen3-0.6B: tokens and W2 with the decode kernels' and RoPE's metadata read before "

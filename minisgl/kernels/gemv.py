@@ -510,14 +510,13 @@ class FoldSums:
         return self.buffer[j]
 
 
-def link_norm_layers(layers: list[GemvNormLayer]) -> FoldSums | None:
-    """Give a stack of folded layers (in the order a forward runs them) one FoldSums; None for an empty stack."""
+def link_norm_layers(layers: list[GemvNormLayer]) -> None:
+    """Give a stack of folded layers (in the order a forward runs them) one FoldSums (an empty stack: none)."""
     if not layers:
-        return None
+        return
     sums = FoldSums(len(layers), layers[0].input_layernorm.weight.device)
     for i, layer in enumerate(layers):
         layer.sums, layer.index = sums, i
-    return sums
 
 
 def _takes_gemv(linear: nn.Module, rows: int) -> bool:
