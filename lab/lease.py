@@ -452,6 +452,20 @@ CALLS: dict[str, Call] = {
         "Qwen3-0.6B and Qwen3-8B (the gemv call), then fold_sums_w2",
         carry=(),
         steps=(WIDE_AB06, WIDE_AB8, FOLD_SUMS06_W2)),
+    "act": Call(
+        "optional, issue 29: the MLP's SiLU-and-mul in the epilogue of the gate_up GEMV (kernel option "
+        "gemv_act_epilogue; run32's chain tune on an H200 timed Qwen3-8B's down GEMV at 35.7 us with the activation "
+        "in every program against 27.5 without): the batch-1 step's anatomy of Qwen3-0.6B and Qwen3-8B (probe "
+        "folded_act), then Qwen3-8B's tokens off and on (greedy and seeded sampling, batch 1 and 8, graphs and "
+        "eager) and W2 off and on, one round",
+        carry=(),
+        steps=(Check("anatomy_both", 120, ("decode_anatomy.json",), module="decode_anatomy",
+                     args=("--models", "qwen3-0.6b,qwen3-8b")),  # run32 (H200): 36 s and 65 s
+               # as fold8's two arms (run31's fold_sums8 took 307 s for three)
+               Lab("act8", 300, ("act8.json",), ("act8",)))),
+    "act06": Call(
+        "optional: the same A/B on Qwen3-0.6B, W2 in two rounds", carry=(),
+        steps=(Lab("act06", 200, ("act06.json",), ("act06",)),)),
     "decode_mid": Call(
         "optional: Qwen3-0.6B's decode step at 1-16 requests of 1k-token prompts under the profiler (run26, H100: "
         "1.0, 1.64, 2.24 ms a step at 1, 4, 16), then the decode attention's split count (kernel option "

@@ -567,6 +567,7 @@ FOLD_SUMS_ARMS = {
     "off": ({"gemv_norm_fold": False, "gemv_fold_sum_squares": False}, ""),
     "fold": ({"gemv_norm_fold": True, "gemv_fold_sum_squares": False}, FOLD_ABOUT),
     "fold_sums": ({"gemv_norm_fold": True, "gemv_fold_sum_squares": True}, f"{FOLD_ABOUT}; {FOLD_SUMS_ABOUT}")}
+ACT_ABOUT = "the MLP's SiLU-and-mul in the epilogue of its gate_up GEMV, not in every program of its down GEMV"
 EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot, and RoPE each token's position "
                     "and its cos/sin, before their PDL wait")
 FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"
@@ -802,6 +803,10 @@ SECTIONS: dict[str, Section] = {
     "fold_sums8": section(lambda: fold_sums_ab("qwen3-8b", rounds=1), "the same on Qwen3-8B, one round"),
     "fold_sums06_w2": section(Bench("qwen3-0.6b", w2_arms(FOLD_SUMS_ARMS), 1),
                               "fold_sums06's W2 alone, one round (run31's call stopped before its JSON)"),
+    "act06": section(lambda: kernel_option_ab("qwen3-0.6b", {"gemv_act_epilogue": ACT_ABOUT}),
+                     "Qwen3-0.6B: tokens and W2 with the MLP's activation in the gate_up GEMV's epilogue, off and on"),
+    "act8": section(lambda: kernel_option_ab("qwen3-8b", {"gemv_act_epilogue": ACT_ABOUT}, rounds=1),
+                    "the same on Qwen3-8B, one round"),
     "early_meta06": section(lambda: kernel_option_ab("qwen3-0.6b", {"early_metadata": EARLY_META_ABOUT}),
                             "Qwen3-0.6B: tokens and W2 with the decode kernels' and RoPE's metadata read before "
                             "their PDL wait, off and on"),

@@ -166,6 +166,32 @@ def test_silu_mul_folded_into_the_gemv(force_triton, dtype):
     torch.testing.assert_close(gv.gemv(gate_up, w, silu_mul=True), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("tiles", [(8, 32, 4), (1, 64, 4)])
+def test_silu_mul_out_is_the_activation_to_the_bit(force_triton, rows, tiles):
+    """gemv(silu_mul_out=True) on a [gate; up] weight: silu_and_mul of the plain GEMV's output, bit for bit (40
+    pairs: the last program's partial at 8-row tiles; 1-row tiles run as pairs), and the same with the norm in
+    front (gemv_rms_norm); a weight of odd rows, or an add, is refused."""
+    from minisgl.kernels import elementwise as ew
+
+    gen = torch.Generator().manual_seed(rows)
+    x = (2 * torch.randn(rows, 96, generator=gen)).to(torch.bfloat16)
+    w = torch.randn(80, 96, generator=gen).to(torch.bfloat16)
+    b = torch.randn(80, generator=gen).to(torch.bfloat16)
+    got = gv.gemv(x, w, b, tiles=tiles, silu_mul_out=True)
+    assert got.shape == (rows, 40)
+    assert torch.equal(got, ew.silu_and_mul(gv.gemv(x, w, b, tiles=tiles)))
+    norm_w = (1 + 0.1 * torch.randn(96, generator=gen)).to(torch.bfloat16)
+    residual = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    act, stream = gv.gemv_rms_norm(x, residual, norm_w, 1e-6, w, None, tiles=tiles, silu_mul_out=True)
+    want, want_stream = gv.gemv_rms_norm(x, residual, norm_w, 1e-6, w, None, tiles=tiles)
+    assert torch.equal(act, ew.silu_and_mul(want)) and torch.equal(stream, want_stream)
+    with pytest.raises(ValueError, match="even number"):
+        gv.gemv(x, w[:79], tiles=tiles, silu_mul_out=True)
+    with pytest.raises(ValueError, match="no add"):
+        gv.gemv(x, w, tiles=tiles, silu_mul_out=True, add=torch.zeros(rows, 40, dtype=torch.bfloat16))
+
+
 def test_use_gemv_folds_the_decoder_mlp(force_triton):
     """The MLPs of the classes the caller names (the engine names the decoder's) fold; others are left alone."""
     from minisgl.models.layers import MLP
@@ -372,13 +398,14 @@ def test_norm_fold_layer_matches_the_decoder_layer_to_the_bit(force_triton, arch
 
 
 
-@pytest.mark.parametrize("sum_squares", [False, True])
-def test_decoder_lm_with_folded_layers_gives_the_same_logits(force_triton, sum_squares):
+@pytest.mark.parametrize("sum_squares,act_epilogue", [(False, False), (True, False), (True, True)])
+def test_decoder_lm_with_folded_layers_gives_the_same_logits(force_triton, sum_squares, act_epilogue):
     """The whole model with the norm fold (the layers hand the stream back whole, the final norm takes it
     without a residual) against the model with only its linears and MLPs swapped: the same logits, bit for bit.
     (A layer-level test passed while DecoderLM still unpacked the final norm's result as a pair: run29.) With
     the sums of squares handed on (kernel option gemv_fold_sum_squares): the same, from a buffer left dirty (the
-    first launch zeroes it), and the stack's slots are written but the last layer's, which no GEMV reads."""
+    first launch zeroes it), and the stack's slots are written but the last layer's, which no GEMV reads. With the
+    MLP's activation in the gate_up GEMV's epilogue (kernel option gemv_act_epilogue): the same again."""
     from minisgl.models.config import ModelConfig
     from minisgl.models.decoder import DecoderLayer, DecoderLM
     from minisgl.models.layers import MLP
@@ -397,6 +424,9 @@ def test_decoder_lm_with_folded_layers_gives_the_same_logits(force_triton, sum_s
     assert all(layer.sums is sums for layer in folded.layers) and sums.buffer.shape[0] == 6
     sums.buffer.fill_(1e6)
     with kernel_options(triton_on_cpu=True, gemv_fold_sum_squares=sum_squares):
-        assert torch.equal(folded(ids, positions, _Attn()), plain(ids, positions, _Attn()))
+        want = plain(ids, positions, _Attn())
+    with kernel_options(triton_on_cpu=True, gemv_fold_sum_squares=sum_squares, gemv_act_epilogue=act_epilogue):
+        assert torch.equal(folded(ids, positions, _Attn()), want)
+        assert torch.equal(plain(ids, positions, _Attn()), want)  # GemvMLP alone, the activation where the option says
     written = sums.buffer[:, :2].sum(-1).ne(0).all(-1).tolist()
     assert written == ([True] * 5 + [False] if sum_squares else [True] * 6), written  # 1e6 left: never zeroed

@@ -210,12 +210,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
                  ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr,
-                 SS_IN: tl.constexpr, SS_OUT: tl.constexpr, SS_ZERO: tl.constexpr):
+                 SS_IN: tl.constexpr, SS_OUT: tl.constexpr, SS_ZERO: tl.constexpr, ACT_OUT: tl.constexpr):
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ACT_OUT:  # W is [gate; up] (N = 2I rows): this program's rows are gate rows p.. and the up rows I + p..
+        offs_p = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        offs_n = tl.reshape(tl.join(offs_p, offs_p + N // 2), (BLOCK_N,))  # pairs: gate p, up p, gate p+1, ...
+        n_mask = offs_n < N
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     offs_m = tl.arange(0, ROWS_PAD)
     offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
     m_mask = offs_m < ROWS
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
     rstd = tl.zeros((ROWS_PAD,), dtype=tl.float32)  # read only under NORM
@@ -261,15 +266,23 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     dt = y_ptr.dtype.element_ty
     y = acc.to(dt)
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if ADD_OUT:  # the residual add after the matmul: its output rounded, plus the residual, rounded (a bf16 add)
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_n[None, :], mask=out_mask, other=0.0)
-        y = (y.to(tl.float32) + a.to(tl.float32)).to(dt)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=out_mask)
-    if SS_OUT:  # this program's share of each output row's sum of squares, for the norm in the GEMV after
-        part = ew.sum_squares(tl.where(out_mask, y.to(tl.float32), 0.0), 1)
-        lane = pid % _SUM_LANES
-        tl.atomic_add(ss_out_ptr + offs_m * _SUM_LANES + lane, part, mask=m_mask, sem="relaxed")
+    if ACT_OUT:  # silu(gate) * up from the rounded products, rounded as ew.silu_and_mul rounds (no add, no sums)
+        gate, up = tl.split(tl.reshape(y, (ROWS_PAD, BLOCK_N // 2, 2)))
+        gate = gate.to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        act = (silu * up.to(tl.float32)).to(dt)
+        act_mask = m_mask[:, None] & (offs_p < N // 2)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_p[None, :], act, mask=act_mask)
+    else:
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        if ADD_OUT:  # the residual add after the matmul: its output rounded, plus the residual, rounded (a bf16 add)
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_n[None, :], mask=out_mask, other=0.0)
+            y = (y.to(tl.float32) + a.to(tl.float32)).to(dt)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=out_mask)
+        if SS_OUT:  # this program's share of each output row's sum of squares, for the norm in the GEMV after
+            part = ew.sum_squares(tl.where(out_mask, y.to(tl.float32), 0.0), 1)
+            lane = pid % _SUM_LANES
+            tl.atomic_add(ss_out_ptr + offs_m * _SUM_LANES + lane, part, mask=m_mask, sem="relaxed")
 
 
 def gemv_config(n: int, k: int, table: GemvTable = NO_TABLE) -> tuple[int, int, int]:
@@ -294,7 +307,8 @@ def gemv_max_rows(n: int, k: int, table: GemvTable = NO_TABLE) -> int:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          silu_mul: bool = False, tiles: tuple[int, int, int] | None = None,
-         add: torch.Tensor | None = None, sums_out: torch.Tensor | None = None) -> torch.Tensor:
+         add: torch.Tensor | None = None, sums_out: torch.Tensor | None = None,
+         silu_mul_out: bool = False) -> torch.Tensor:
     """`x @ weight.T + bias` for x `[rows, K]` (rows <= GEMV_MAX_ROWS) and weight `[N, K]`; fp32 accumulation.
     silu_mul=True: x is `[rows, 2K]` (gate | up) and the product is `silu_and_mul(x) @ weight.T`, the MLP's down
     projection with its activation folded in (one launch fewer per layer). `add` (`[rows, N]`, x's dtype): the
@@ -302,19 +316,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     does after the matmul. `tiles`: (BLOCK_N, BLOCK_K, warps), by default from `table_for(x.device)` (a GemvLinear
     passes the ones it resolved when it was swapped in). `sums_out` (`[GEMV_MAX_ROWS, SUM_LANES]` fp64, zeroed
     before this launch; with `add`): each output row's sum of squares is added into it, for a `gemv_rms_norm` after
-    that takes it as `sums` (the torch path leaves it alone: its norm reads the row)."""
+    that takes it as `sums` (the torch path leaves it alone: its norm reads the row). `silu_mul_out=True`: weight
+    is an MLP's `[gate; up]` (2I rows) and the output is `silu_and_mul(x @ weight.T)`, `[rows, I]`: the activation
+    in the epilogue, once per element, where `silu_mul` computes it in every program of the down projection."""
     if not ew.use_triton(x) or x.shape[0] == 0:
         y = F.linear(ew.silu_and_mul(x) if silu_mul else x, weight, bias)
+        y = ew.silu_and_mul(y) if silu_mul_out else y
         return y if add is None else y + add
     if sums_out is not None and add is None:
         raise ValueError("gemv's sums_out is the residual stream's: it needs add")
-    return _launch(x, weight, bias, tiles, silu_mul=silu_mul, add=add, sums_out=sums_out)[0]
+    return _launch(x, weight, bias, tiles, silu_mul=silu_mul, add=add, sums_out=sums_out,
+                   silu_mul_out=silu_mul_out)[0]
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, bias: torch.Tensor | None = None,
                   tiles: tuple[int, int, int] | None = None, sums: torch.Tensor | None = None,
-                  zero_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  zero_sums: torch.Tensor | None = None,
+                  silu_mul_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoder layer's RMSNorm and the projection after it in one launch: `(rms_norm(x + residual) @ weight.T +
     bias, x + residual)`, to the bit what `ew.fused_add_rms_norm` then `gemv` return (residual None: `ew.rms_norm`
     then `gemv`, and the residual returned is x). Every program computes the rows' rstd itself (the rows are a few
@@ -322,34 +341,42 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     the residual must have x's dtype (a bf16 or fp16 model's). `sums`: x's rows' sums of squares, as a
     `gemv(sums_out=)` before added them up (no residual then): the rstd comes from them instead of every program
     reading the row first. `zero_sums`: a buffer of such sums that program 0 zeroes after the launch's wait (a
-    step's first folded launch resets the step's buffer)."""
+    step's first folded launch resets the step's buffer). `silu_mul_out`: the output is the MLP's activation, as
+    `gemv`'s."""
     if not ew.use_triton(x) or x.shape[0] == 0:
         if residual is None:
-            return F.linear(ew.rms_norm(x, norm_weight, eps), weight, bias), x
-        h, residual = ew.fused_add_rms_norm(x, residual, norm_weight, eps)
-        return F.linear(h, weight, bias), residual
+            h = ew.rms_norm(x, norm_weight, eps)
+        else:
+            h, residual = ew.fused_add_rms_norm(x, residual, norm_weight, eps)
+        y = F.linear(h, weight, bias)
+        return (ew.silu_and_mul(y) if silu_mul_out else y), (x if residual is None else residual)
     if norm_weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
         raise ValueError(f"gemv_rms_norm needs x, residual and norm weight in one dtype, got {x.dtype}, "
                          f"{None if residual is None else residual.dtype}, {norm_weight.dtype}")
     if sums is not None and residual is not None:
         raise ValueError("gemv_rms_norm's sums are x's own: they cannot include a residual added here")
-    return _launch(x, weight, bias, tiles, norm=(residual, norm_weight, eps), sums=sums, zero_sums=zero_sums)
+    return _launch(x, weight, bias, tiles, norm=(residual, norm_weight, eps), sums=sums, zero_sums=zero_sums,
+                   silu_mul_out=silu_mul_out)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None,
             silu_mul: bool = False, norm: tuple | None = None, add: torch.Tensor | None = None,
             sums: torch.Tensor | None = None, sums_out: torch.Tensor | None = None,
-            zero_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            zero_sums: torch.Tensor | None = None,
+            silu_mul_out: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, k = x.shape
     n = weight.shape[0]
     if silu_mul:
         k //= 2
     if rows > GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {rows}")
+    if silu_mul_out and (n % 2 or add is not None or sums_out is not None):
+        raise ValueError(f"silu_mul_out needs an even number of weight rows ([gate; up]) and no add or sums_out, got "
+                         f"{n} rows")
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert weight.stride(-1) == 1 and weight.shape[1] == k
-    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(rows, n // 2 if silu_mul_out else n, dtype=x.dtype, device=x.device)
     if add is not None:
         if add.shape != y.shape or add.dtype != y.dtype:
             raise ValueError(f"gemv's add must be [{rows}, {n}] in {y.dtype}, got {list(add.shape)} in {add.dtype}")
@@ -362,6 +389,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
             residual = residual.contiguous()
         res_out = torch.empty_like(x)
     block_n, block_k, warps = tiles or gemv_config(n, k, table_for(x.device))
+    if silu_mul_out:  # a program's rows are pairs (gate row, its up row)
+        block_n = max(block_n, 2)
     kw = pdl_launch(x)
     early = current_options().gemv_pdl_early_tiles
     early_tiles = min(early, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
@@ -373,14 +402,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
     r = residual if residual is not None else x
     a = add if add is not None else y
     zero_count = zero_sums.numel() if zero_sums is not None else 0
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(triton.cdiv(n, block_n),)](  # with silu_mul_out: n / 2 pairs, block_n / 2 a program
         x, weight, bias if bias is not None else weight, y, r, norm_weight, res_out, a,
         *(buf if buf is not None else y for buf in (sums, sums_out, zero_sums)), n, k, x.stride(0),
         weight.stride(0), y.stride(0), r.stride(0), res_out.stride(0), a.stride(0), eps,
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RES=residual is not None,
         ADD_OUT=add is not None, USE_PDL=bool(kw), EARLY_W=early_tiles, SS_IN=sums is not None,
-        SS_OUT=sums_out is not None, SS_ZERO=zero_count, num_warps=warps, **kw)
+        SS_OUT=sums_out is not None, SS_ZERO=zero_count, ACT_OUT=silu_mul_out, num_warps=warps, **kw)
     return y, (res_out if norm is not None else None)
 
 
@@ -422,7 +451,11 @@ class GemvMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
-            return gemv(self.gate_up_proj(x), self.down_proj.weight, silu_mul=True, tiles=self.down_proj.tiles)
+            gate_up, down = self.gate_up_proj, self.down_proj
+            if _act_epilogue(gate_up, x.shape[0]):
+                act = gemv(x, gate_up.weight, gate_up.bias, tiles=gate_up.tiles, silu_mul_out=True)
+                return gemv(act, down.weight, tiles=down.tiles)
+            return gemv(gate_up(x), down.weight, silu_mul=True, tiles=down.tiles)
         return self._mlp_forward(x)
 
 
@@ -483,11 +516,13 @@ class GemvNormLayer(nn.Module):
         stream = gemv(o, a.o_proj.weight, a.o_proj.bias, tiles=a.o_proj.tiles, add=stream,
                       sums_out=sums.slot(2 * i) if sums else None)
         norm = self.post_attention_layernorm
+        act_out = _act_epilogue(mlp.gate_up_proj, t)  # else the down GEMV computes the activation
         gate_up, _ = gemv_rms_norm(stream, None, norm.weight, norm.eps, mlp.gate_up_proj.weight, None,
-                                   mlp.gate_up_proj.tiles, sums=sums.slot(2 * i) if sums else None)
+                                   mlp.gate_up_proj.tiles, sums=sums.slot(2 * i) if sums else None,
+                                   silu_mul_out=act_out)
         # the last layer's stream goes to the model's own final norm: no sums for it
         last = sums is None or i + 1 == sums.layers
-        out = gemv(gate_up, mlp.down_proj.weight, silu_mul=True, tiles=mlp.down_proj.tiles, add=stream,
+        out = gemv(gate_up, mlp.down_proj.weight, silu_mul=not act_out, tiles=mlp.down_proj.tiles, add=stream,
                    sums_out=None if last else sums.slot(2 * i + 1))
         if not last:
             sums.next_layer = i + 1
@@ -521,6 +556,12 @@ def link_norm_layers(layers: list[GemvNormLayer]) -> None:
 
 def _takes_gemv(linear: nn.Module, rows: int) -> bool:
     return isinstance(linear, GemvLinear) and rows <= linear.max_rows
+
+
+def _act_epilogue(gate_up: nn.Module, rows: int) -> bool:
+    """Whether an MLP's activation goes in its gate_up GEMV's epilogue (kernel option `gemv_act_epilogue`): only
+    where gate_up itself takes the GEMV (the table may leave it to cuBLAS)."""
+    return current_options().gemv_act_epilogue and _takes_gemv(gate_up, rows)
 
 
 def _gemv_shape(linear: nn.Module, table: GemvTable) -> bool:
