@@ -455,9 +455,9 @@ CALLS: dict[str, Call] = {
     "act": Call(
         "optional, issue 29: the MLP's SiLU-and-mul in the epilogue of the gate_up GEMV (kernel option "
         "gemv_act_epilogue; run32's chain tune on an H200 timed Qwen3-8B's down GEMV at 35.7 us with the activation "
-        "in every program against 27.5 without): the batch-1 step's anatomy of Qwen3-0.6B and Qwen3-8B (probe "
-        "folded_act), then Qwen3-8B's tokens off and on (greedy and seeded sampling, batch 1 and 8, graphs and "
-        "eager) and W2 off and on, one round",
+        "in every program against 27.5 without; on by default since run32): the batch-1 step's anatomy of "
+        "Qwen3-0.6B and Qwen3-8B (probe folded_down_act), then Qwen3-8B's tokens off and on (greedy and seeded "
+        "sampling, batch 1 and 8, graphs and eager) and W2 off and on, one round",
         carry=(),
         steps=(Check("anatomy_both", 120, ("decode_anatomy.json",), module="decode_anatomy",
                      args=("--models", "qwen3-0.6b,qwen3-8b")),  # run32 (H200): 36 s and 65 s

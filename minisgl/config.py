@@ -117,12 +117,13 @@ class KernelOptions:
                                        "first launch zeroes; kernels/gemv.py, FoldSums; the same tokens). Handed on: "
                                        "W2 TPOT 0.932 -> 0.911 ms on Qwen3-0.6B, 5.963 -> 5.658 ms on Qwen3-8B (off: "
                                        "5.716, unfolded) on an H100 (reports/h100/run31)", disable=True)
-    gemv_act_epilogue: bool = _opt(False, "--enable-gemv-act-epilogue",
-                                   "a decode MLP's SiLU-and-mul in the epilogue of its gate_up GEMV (each program "
-                                   "owns gate rows and their up rows, and writes the activation once) instead of "
-                                   "in the prologue of its down GEMV, where every program reads the whole [gate | "
-                                   "up] row and computes the activation of all of it (kernels/gemv.py; the same "
-                                   "tokens)", enable=True)
+    gemv_act_epilogue: bool = _opt(True, "--disable-gemv-act-epilogue",
+                                   "a decode MLP's SiLU-and-mul in the prologue of its down GEMV, where every "
+                                   "program reads the whole [gate | up] row and computes the activation of all of "
+                                   "it, instead of in the epilogue of its gate_up GEMV (each program owns gate rows "
+                                   "and their up rows and writes their activation once; kernels/gemv.py; the same "
+                                   "tokens). Epilogue: W2 TPOT 0.929 / 0.918 -> 0.904 / 0.904 ms on Qwen3-0.6B, "
+                                   "5.761 -> 5.744 ms on Qwen3-8B on an H100 (reports/h100/run32)", disable=True)
     mixed_decode_split: bool = _opt(True, "--disable-mixed-decode-split",
                                     "a mixed step's decode rows go through the extend kernel with the prefill "
                                     "chunks instead of the decode kernel (attention/triton_backend.py)",

@@ -12,7 +12,8 @@ tiles at 0 and 3; the layers as the norm fold runs them (the engine's default si
 the unfolded layer's, the engine being built with the fold off), alone, with the merge in the first launch, and
 with each norm's rstd taken from its row in the GEMV after, not from the sums of squares the GEMV before added up
 (kernel option gemv_fold_sum_squares off; run31 measured it as `folded_sums` against `folded`), and with the
-MLP's activation in the gate_up GEMV's epilogue (kernel option gemv_act_epilogue).
+MLP's activation in every program of the down GEMV (kernel option gemv_act_epilogue off; run32 measured it as
+`folded` against `folded_act`).
 `option_us` gives each against `full` (negative: faster). (run27 also took the L2 prefetch of
 commit 96611da, since removed.)
 
@@ -43,7 +44,7 @@ PROMPT_LEN = 1024
 # and cannot be taken out alone. The engine is built unfolded; the probes in FOLDED wrap its layers as the fold does
 # (GemvNormLayer, linked) for their capture only.
 UNFOLDED = {"gemv_norm_fold": False}
-FOLDED = ("folded", "folded_fused_merge", "folded_row_rstd", "folded_act")
+FOLDED = ("folded", "folded_fused_merge", "folded_row_rstd", "folded_down_act")
 ITERS = 15
 PER = 10  # replays between a pair of events
 
@@ -100,8 +101,9 @@ def _variants() -> dict:
         "folded_fused_merge": ([], {"decode_fused_merge": True}),
         # folded, each norm's rstd from its row, read by every program of the GEMV after (the default till run31)
         "folded_row_rstd": ([], {"gemv_fold_sum_squares": False}),
-        # folded, the MLP's activation in the gate_up GEMV's epilogue, not in every program of the down GEMV
-        "folded_act": ([], {"gemv_act_epilogue": True}),
+        # folded, the MLP's activation in every program of the down GEMV (the default till run32), not in the gate_up
+        # GEMV's epilogue
+        "folded_down_act": ([], {"gemv_act_epilogue": False}),
     }
 
 

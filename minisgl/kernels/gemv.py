@@ -10,12 +10,15 @@ cross-program reduction, so one launch per matmul.
 
 `GemvLinear` wraps an `nn.Linear` (sharing its parameters): up to `GEMV_MAX_ROWS` rows (fewer where the card's
 tuned table says cuBLAS wins from there on) take the GEMV, more rows `F.linear`; `GemvMLP` also folds the MLP's
-SiLU-and-mul into its down projection's GEMV. `use_gemv(model, fold=...)` swaps every plain `nn.Linear` of a model,
-and every MLP of the classes it is given (the caller's: this module knows no model), for them; the engine does that
-on a GPU for half-precision weights unless the `gemv` switch is off (`EngineConfig.gemv`, `--disable-gemv`). The
-tile table is the kernel option `gemv_configs` or the GPU's tuned table, resolved when the modules are swapped in,
-so each keeps its engine's tiles. Like the other kernel modules, CPU tensors take the torch path unless the kernel
-option `triton_on_cpu` is on (then the Triton interpreter).
+SiLU-and-mul into a GEMV: into the epilogue of gate_up's (kernel option `gemv_act_epilogue`, on by default: each
+program owns gate rows and their up rows and writes their activation once; W2 0.92 -> 0.90 ms on Qwen3-0.6B on an
+H100, reports/h100/run32), or, where gate_up stays on cuBLAS or the option is off, into the prologue of down's
+(every program computes the activation of the whole row it reads). `use_gemv(model, fold=...)` swaps every plain
+`nn.Linear` of a model, and every MLP of the classes it is given (the caller's: this module knows no model), for
+them; the engine does that on a GPU for half-precision weights unless the `gemv` switch is off (`EngineConfig.gemv`,
+`--disable-gemv`). The tile table is the kernel option `gemv_configs` or the GPU's tuned table, resolved when the
+modules are swapped in, so each keeps its engine's tiles. Like the other kernel modules, CPU tensors take the torch
+path unless the kernel option `triton_on_cpu` is on (then the Triton interpreter).
 
 `GemvNormLayer` (the kernel option `gemv_norm_fold`, on by default) goes one step further: a decoder layer's
 RMSNorms run inside the GEMVs around them, the residual add in the epilogue of the GEMV before (`gemv(add=)`)
@@ -435,9 +438,10 @@ class GemvLinear(nn.Module):
 
 
 class GemvMLP(nn.Module):
-    """A decoder MLP (gate_up_proj, SiLU-and-mul, down_proj; models/layers.py) with its SiLU-and-mul folded into the
-    down projection's GEMV when a call has few rows; more rows run the MLP's own forward (with plain cuBLAS
-    matmuls). Holds the same parameters under the same names."""
+    """A decoder MLP (gate_up_proj, SiLU-and-mul, down_proj; models/layers.py) with its SiLU-and-mul folded into a
+    GEMV when a call has few rows (the gate_up GEMV's epilogue, or the down GEMV's prologue: the module docstring);
+    more rows run the MLP's own forward (with plain cuBLAS matmuls). Holds the same parameters under the same
+    names."""
 
     def __init__(self, mlp: nn.Module, max_rows: int = GEMV_MAX_ROWS, table: GemvTable = NO_TABLE) -> None:
         super().__init__()
