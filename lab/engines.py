@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from lab.models import model_path
+from lab.timing import time_replay_us
 from minisgl.config import KernelOptions
 from minisgl.kernels.options import current_options, use_options
 
@@ -147,6 +148,28 @@ def with_engine(model: str, body: Callable[[Any], T], settings: dict | None = No
             llm.close()
             del llm
             free_gpu()
+
+
+STEP_BUFFERS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "token_dst")
+
+
+def step_replay_us(llm, iters: int = 15, per: int = 10) -> float:
+    """The engine's batch-1 decode graph (the forward, the argmax, the token write) captured again under whatever
+    the caller has in force (kernel options, patched modules, changed tiles) and replayed back to back on the live
+    request's buffers (`decoding_request` first): microseconds a step. The live graph's metadata is back after."""
+    from minisgl.engine.cuda_graph import CudaGraphRunner
+
+    runner = llm.engine.runner
+    live = runner.graph_runner
+    graph = CudaGraphRunner(runner, 1, batch_sizes=[1])
+    for buf in STEP_BUFFERS:
+        getattr(graph, buf)[:1].copy_(getattr(live, buf)[:1])
+    runner.attn.prepare_for_replay(graph._meta(1))
+    try:
+        return time_replay_us(graph.graphs[1, "greedy"], iters=iters, warmups=3, per=per)
+    finally:
+        del graph
+        runner.attn.prepare_for_replay(live._meta(1))
 
 
 def decoding_request(llm, prompt_len: int = 1024, steps: int = 8):

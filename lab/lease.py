@@ -466,6 +466,16 @@ CALLS: dict[str, Call] = {
     "act06": Call(
         "optional: the same A/B on Qwen3-0.6B, W2 in two rounds", carry=(),
         steps=(Lab("act06", 200, ("act06.json",), ("act06",)),)),
+    "step_tiles8": Call(
+        "optional, issue 29: Qwen3-8B's decode GEMV tiles tuned inside its batch-1 step (lab.tune.gemv_step: each "
+        "GEMV kind's candidates in the step's graph, replayed on a live request; run32's standalone picks made W2 "
+        "8% slower on an H200), at most 240 s of candidates, then W2 with the card's table and with the picks, one "
+        "round",
+        carry=(),
+        steps=(Lab("step_tiles8", 420, ("step_tiles8.json",), ("step_tiles8",)),)),
+    "step_tiles06": Call(
+        "optional: the same on Qwen3-0.6B (at most 150 s of candidates), W2 in two rounds", carry=(),
+        steps=(Lab("step_tiles06", 300, ("step_tiles06.json",), ("step_tiles06",)),)),
     "decode_mid": Call(
         "optional: Qwen3-0.6B's decode step at 1-16 requests of 1k-token prompts under the profiler (run26, H100: "
         "1.0, 1.64, 2.24 ms a step at 1, 4, 16), then the decode attention's split count (kernel option "

@@ -706,6 +706,18 @@ def wide_gemv_ab(model: str, rounds: int = 2) -> dict:
     return {"tune": tune, "tables": tables, "runs": Bench(model, arms, rounds)()}
 
 
+def step_tiles(model: str, budget_s: float, rounds: int) -> dict:
+    """The decode GEMV's tiles tuned inside the batch-1 step (lab.tune.gemv_step, at most `budget_s` seconds of
+    candidates), then W2 with the card's table (`default`) and with the step's picks (`step_picks`), interleaved
+    `rounds` times."""
+    from lab.tune import gemv_step
+
+    tune = gemv_step.tune(model, budget_s)
+    arms = (Arm("default", ("w2",)), Arm("step_picks", ("w2",), kernel={"gemv_table": tune["table"]},
+                                         about="the GEMV tiles picked inside the batch-1 decode step"))
+    return {"tune": tune, "runs": Bench(model, arms, rounds)()}
+
+
 def flashinfer_section() -> dict:
     """The FlashInfer backend: kernel checks and timings against Triton and torch, greedy parity in bf16 next to
     the Triton backend, then W2 and W1 on Qwen3-0.6B."""
@@ -793,6 +805,10 @@ SECTIONS: dict[str, Section] = {
     "early_ab8": section(early_tiles("qwen3-8b", (1, 3), rounds=1)),
     "wide_ab06": section(lambda: wide_gemv_ab("qwen3-0.6b"),
                          "Qwen3-0.6B: the GEMV tuned with wide K tiles, then W2 with three GEMV tables"),
+    "step_tiles06": section(lambda: step_tiles("qwen3-0.6b", 150, rounds=2),
+                            "Qwen3-0.6B: the GEMV's tiles tuned inside the batch-1 decode step, then W2 with the "
+                            "card's table and with the picks"),
+    "step_tiles8": section(lambda: step_tiles("qwen3-8b", 240, rounds=1), "the same on Qwen3-8B, one round"),
     "fold06": section(lambda: kernel_option_ab("qwen3-0.6b", {"gemv_norm_fold": FOLD_ABOUT}),
                       "Qwen3-0.6B: tokens and W2 with the RMSNorms folded into the GEMVs, off and on"),
     "fold8": section(lambda: kernel_option_ab("qwen3-8b", {"gemv_norm_fold": FOLD_ABOUT}, rounds=1),

@@ -430,3 +430,30 @@ def test_decoder_lm_with_folded_layers_gives_the_same_logits(force_triton, sum_s
         assert torch.equal(plain(ids, positions, _Attn()), want)  # GemvMLP alone, the activation where the option says
     written = sums.buffer[:, :2].sum(-1).ne(0).all(-1).tolist()
     assert written == ([True] * 5 + [False] if sum_squares else [True] * 6), written  # 1e6 left: never zeroed
+
+
+def test_step_tune_candidates_and_kinds(force_triton):
+    """lab.tune.gemv_step: its tiles fit the weight (no K tile wider than K needs; no 1-row tiles where gate_up's
+    programs hold row pairs) and hold the tuned tables' tiles; a swapped model's GEMVs grouped by kind."""
+    from lab.tune import gemv_step
+    from minisgl.models.config import ModelConfig
+    from minisgl.models.decoder import DecoderLayer, DecoderLM
+    from minisgl.models.layers import MLP
+
+    for k in (1024, 2048, 3072, 4096, 12288):
+        tiles = gemv_step.candidates(k, pairs=False)
+        assert tiles and all(bk <= max(1024, 1 << (k - 1).bit_length()) for _, bk, _ in tiles), k
+        assert all(bn > 1 for bn, _, _ in gemv_step.candidates(k, pairs=True))
+    assert (4, 4096, 4) in gemv_step.candidates(4096, pairs=False)
+    assert (8, 1024, 4) in gemv_step.candidates(1024, pairs=True)
+    assert max(bk for _, bk, _ in gemv_step.candidates(1024, pairs=False)) == 1024
+    cfg = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_q_heads=4,
+                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+                      max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False, qk_norm=True)
+    model = DecoderLM(cfg)
+    gv.use_gemv(model, fold=(MLP,), norm_fold=(DecoderLayer,))
+    kinds = gemv_step.gemv_kinds(model)
+    assert {kind: len(mods) for kind, mods in kinds.items() if kind in gemv_step.KINDS} == {
+        "qkv_proj": 2, "o_proj": 2, "gate_up_proj": 2, "down_proj": 2, "lm_head": 1}
+    gemv_step.set_tiles(kinds["o_proj"], (2, 512, 4))
+    assert all(m.tiles == (2, 512, 4) for m in kinds["o_proj"])

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from lab.checks import per_model_main
-from lab.engines import decoding_request, with_engine
+from lab.engines import decoding_request, step_replay_us, with_engine
 from lab.timing import capture, time_replay_us
 
 PROMPT_LEN = 1024
@@ -145,7 +145,6 @@ def _patched(patches: list, attn) -> Iterator[None]:
 
 def step_anatomy(llm) -> dict:
     """The batch-1 graph's replay time at the defaults and with each part taken out, on a live request."""
-    from minisgl.engine.cuda_graph import CudaGraphRunner
     from minisgl.kernels.options import use_options
     from minisgl.models.decoder import DecoderLayer
 
@@ -160,13 +159,8 @@ def step_anatomy(llm) -> dict:
         for name, (patches, kernel) in variants.items():
             options = dataclasses.replace(llm.config.kernels, **kernel)
             with _patched(patches, runner.attn), _folded(runner.model, name in FOLDED), use_options(options):
-                gr = CudaGraphRunner(runner, 1, batch_sizes=[1])
-            for buf in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "token_dst"):
-                getattr(gr, buf)[:1].copy_(getattr(live, buf)[:1])
-            runner.attn.prepare_for_replay(gr._meta(1))
-            us = time_replay_us(gr.graphs[1, "greedy"], iters=ITERS, warmups=3, per=PER)
+                us = step_replay_us(llm, iters=ITERS, per=PER)
             out["replay_us"].setdefault(name, []).append(round(us, 2))
-            del gr
             print(f"round {round_} {name}: {us:.1f} us", flush=True)
     best = {name: min(v) for name, v in out["replay_us"].items()}
     # a part taken out (no kernel option moved): what it costs; every other probe but the baselines: its change
