@@ -37,12 +37,13 @@ ITERS, PER = 10, 10  # each candidate's replays: the median of ITERS timings of 
 
 
 def candidates(k: int, pairs: bool) -> list[tuple[int, int, int]]:
-    """(BLOCK_N, BLOCK_K, warps) to try on a weight of K inputs: 1-8 rows a program, K tiles of 512 up to K (a
+    """(BLOCK_N, BLOCK_K, warps) to try on a weight of K inputs: 1-16 rows a program (16: fewer, longer programs,
+    all resident at once, so more of them load their weights before their PDL wait), K tiles of 512 up to K (a
     power of 2 at least K at most), 4 warps and, from 2,048-wide tiles, 8; 1,024 to 32,768 weights a tile.
     `pairs`: gate_up with the activation in its epilogue, whose programs hold (gate, up) row pairs (no 1-row
     tiles)."""
     widest = max(1024, 1 << (k - 1).bit_length())
-    return [(bn, bk, w) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048, 4096) for w in (4, 8)
+    return [(bn, bk, w) for bn in (1, 2, 4, 8, 16) for bk in (512, 1024, 2048, 4096) for w in (4, 8)
             if bk <= widest and 1024 <= bn * bk <= 32768 and (w == 4 or bk >= 2048) and not (pairs and bn == 1)]
 
 
