@@ -466,6 +466,15 @@ CALLS: dict[str, Call] = {
     "act06": Call(
         "optional: the same A/B on Qwen3-0.6B, W2 in two rounds", carry=(),
         steps=(Lab("act06", 200, ("act06.json",), ("act06",)),)),
+    "prefetch8": Call(
+        "optional, issue 29: Qwen3-8B's GEMVs with the next weight tile's load issued before the current tile's "
+        "products (kernel option gemv_prefetch; Triton pipelines none of these loads: the down projection's "
+        "six-tile loop waits on each load): the batch-1 step's anatomy (probe folded_prefetch), then tokens off "
+        "and on (greedy and seeded sampling, batch 1 and 8, graphs and eager) and W2 off and on, one round",
+        carry=(),
+        steps=(Check("anatomy8", 90, ("decode_anatomy.json",), module="decode_anatomy",
+                     args=("--models", "qwen3-8b")),  # run32 (H200): 65 s with two probes fewer
+               Lab("prefetch8", 300, ("prefetch8.json",), ("prefetch8",)))),  # as act8: run32 (H100) 226 s
     "step_tiles8": Call(
         "optional, issue 29: Qwen3-8B's decode GEMV tiles tuned inside its batch-1 step (lab.tune.gemv_step: each "
         "GEMV kind's candidates in the step's graph, replayed on a live request; run32's standalone picks made W2 "

@@ -124,6 +124,10 @@ class KernelOptions:
                                    "and their up rows and writes their activation once; kernels/gemv.py; the same "
                                    "tokens). Epilogue: W2 TPOT 0.929 / 0.918 -> 0.904 / 0.904 ms on Qwen3-0.6B, "
                                    "5.761 -> 5.744 ms on Qwen3-8B on an H100 (reports/h100/run32)", disable=True)
+    gemv_prefetch: bool = _opt(False, "--enable-gemv-prefetch",
+                               "each program of a decode GEMV whose K loop runs twice or more issues its next "
+                               "weight tile's load before multiplying the current one (register double buffering; "
+                               "kernels/gemv.py; the same sums in the same order)", enable=True)
     mixed_decode_split: bool = _opt(True, "--disable-mixed-decode-split",
                                     "a mixed step's decode rows go through the extend kernel with the prefill "
                                     "chunks instead of the decode kernel (attention/triton_backend.py)",

@@ -457,3 +457,29 @@ def test_step_tune_candidates_and_kinds(force_triton):
         "qkv_proj": 2, "o_proj": 2, "gate_up_proj": 2, "down_proj": 2, "lm_head": 1}
     gemv_step.set_tiles(kinds["o_proj"], (2, 512, 4))
     assert all(m.tiles == (2, 512, 4) for m in kinds["o_proj"])
+
+
+@pytest.mark.parametrize("fold", ["plain", "silu_mul", "norm"])
+def test_prefetch_gives_the_same_sums(force_triton, fold):
+    """Kernel option gemv_prefetch (the next weight tile loaded before the current one's products): the same output
+    to the bit, over a K loop of seven tiles, the last partial (and a single-tile K, where it stays off)."""
+    from minisgl.kernels import elementwise as ew
+
+    gen = torch.Generator().manual_seed(11)
+    x = (2 * torch.randn(3, 400 if fold == "silu_mul" else 200, generator=gen)).to(torch.bfloat16)
+    w = torch.randn(40, 200, generator=gen).to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(200, generator=gen)).to(torch.bfloat16)
+
+    def run(tiles):
+        if fold == "norm":
+            return gv.gemv_rms_norm(x, None, norm_w, 1e-6, w, tiles=tiles)[0]
+        return gv.gemv(x, w, silu_mul=fold == "silu_mul", tiles=tiles)
+
+    for tiles in ((8, 32, 4), (8, 256, 4)):
+        with kernel_options(triton_on_cpu=True, gemv_prefetch=False):
+            want = run(tiles)
+        with kernel_options(triton_on_cpu=True, gemv_prefetch=True):
+            assert torch.equal(run(tiles), want), tiles
+    want_ref = F.linear(ew.silu_and_mul(x) if fold == "silu_mul" else (
+        ew.rms_norm(x, norm_w, 1e-6) if fold == "norm" else x), w)
+    torch.testing.assert_close(want.float(), want_ref.float(), rtol=2e-2, atol=2e-2)

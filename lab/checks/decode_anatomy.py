@@ -13,7 +13,8 @@ the unfolded layer's, the engine being built with the fold off), alone, with the
 with each norm's rstd taken from its row in the GEMV after, not from the sums of squares the GEMV before added up
 (kernel option gemv_fold_sum_squares off; run31 measured it as `folded_sums` against `folded`), and with the
 MLP's activation in every program of the down GEMV (kernel option gemv_act_epilogue off; run32 measured it as
-`folded` against `folded_act`).
+`folded` against `folded_act`), and with the next weight tile loaded before the current one's products (kernel
+option gemv_prefetch).
 `option_us` gives each against `full` (negative: faster). (run27 also took the L2 prefetch of
 commit 96611da, since removed.)
 
@@ -44,7 +45,7 @@ PROMPT_LEN = 1024
 # and cannot be taken out alone. The engine is built unfolded; the probes in FOLDED wrap its layers as the fold does
 # (GemvNormLayer, linked) for their capture only.
 UNFOLDED = {"gemv_norm_fold": False}
-FOLDED = ("folded", "folded_fused_merge", "folded_row_rstd", "folded_down_act")
+FOLDED = ("folded", "folded_fused_merge", "folded_row_rstd", "folded_down_act", "folded_prefetch")
 ITERS = 15
 PER = 10  # replays between a pair of events
 
@@ -104,6 +105,9 @@ def _variants() -> dict:
         # folded, the MLP's activation in every program of the down GEMV (the default till run32), not in the gate_up
         # GEMV's epilogue
         "folded_down_act": ([], {"gemv_act_epilogue": False}),
+        # folded, each GEMV program's next weight tile loaded before the current tile's products (kernel option
+        # gemv_prefetch: only GEMVs whose K loop runs twice or more, e.g. Qwen3-8B's down projection)
+        "folded_prefetch": ([], {"gemv_prefetch": True}),
     }
 
 

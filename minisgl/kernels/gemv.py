@@ -117,6 +117,11 @@ _jit = ew._jit  # triton.jit where Triton is installed
 # with 3, whose rounds were 1.060 and 1.011).
 MAX_EARLY_TILES = 3
 
+# The weight loads of a program's loop over K (after its early tiles) are not pipelined by Triton here: each tile's
+# load is issued, then waited on by its products (the PTX of Qwen3-8B's down GEMV has no cp.async). With the kernel
+# option `gemv_prefetch` a program issues the next tile's load before it multiplies the current one (two tiles of
+# registers), where the loop runs twice or more: Qwen3-8B's down projection (K = 12,288 in 2,048-wide tiles).
+
 # The folded norm's sums of squares taken in the epilogue of the GEMV that writes the residual stream (kernel option
 # `gemv_fold_sum_squares`): every program adds its share of a row into one of SUM_LANES fp64 slots (program id mod
 # SUM_LANES), so a thousand programs do not queue on one address; the GEMV after adds the lanes up. fp64 sums of
@@ -213,7 +218,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
                  ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr,
-                 SS_IN: tl.constexpr, SS_OUT: tl.constexpr, SS_ZERO: tl.constexpr, ACT_OUT: tl.constexpr):
+                 SS_IN: tl.constexpr, SS_OUT: tl.constexpr, SS_ZERO: tl.constexpr, ACT_OUT: tl.constexpr,
+                 PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     if ACT_OUT:  # W is [gate; up] (N = 2I rows): this program's rows are gate rows p.. and the up rows I + p..
         offs_p = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -259,12 +265,23 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
         if NORM:
             rstd = _rstd(x_ptr, r_ptr, res_ptr, ss_in_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm,
                          stride_om, eps, ROWS_PAD, BLOCK_K, HAS_RES, SS_IN)
-    for k0 in range(EARLY_W * BLOCK_K, K, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < K
-        w = _load_w(w_ptr, offs_n, n_mask, k, k_mask, stride_wn)
-        acc = _gemv_tile(acc, w, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm, stride_rm,
-                         SILU_MUL, NORM, HAS_RES)
+    if PREFETCH:  # the next tile's load issued before this tile's products (the same sums in the same order)
+        k = EARLY_W * BLOCK_K + offs_k
+        w_next = _load_w(w_ptr, offs_n, n_mask, k, k < K, stride_wn)
+        for k0 in range(EARLY_W * BLOCK_K, K, BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < K
+            w = w_next
+            w_next = _load_w(w_ptr, offs_n, n_mask, k + BLOCK_K, k + BLOCK_K < K, stride_wn)  # past K: masked off
+            acc = _gemv_tile(acc, w, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm,
+                             stride_rm, SILU_MUL, NORM, HAS_RES)
+    else:
+        for k0 in range(EARLY_W * BLOCK_K, K, BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < K
+            w = _load_w(w_ptr, offs_n, n_mask, k, k_mask, stride_wn)
+            acc = _gemv_tile(acc, w, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm,
+                             stride_rm, SILU_MUL, NORM, HAS_RES)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     dt = y_ptr.dtype.element_ty
@@ -395,8 +412,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
     if silu_mul_out:  # a program's rows are pairs (gate row, its up row)
         block_n = max(block_n, 2)
     kw = pdl_launch(x)
-    early = current_options().gemv_pdl_early_tiles
-    early_tiles = min(early, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
+    options = current_options()
+    early_tiles = min(options.gemv_pdl_early_tiles, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
+    # register double buffering only where the loop after the early tiles runs twice or more
+    prefetch = options.gemv_prefetch and triton.cdiv(k, block_k) - early_tiles >= 2
     for buf in (sums, sums_out):
         if buf is not None and (buf.dtype != torch.float64 or buf.shape != (GEMV_MAX_ROWS, SUM_LANES)
                                 or not buf.is_contiguous()):
@@ -412,7 +431,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RES=residual is not None,
         ADD_OUT=add is not None, USE_PDL=bool(kw), EARLY_W=early_tiles, SS_IN=sums is not None,
-        SS_OUT=sums_out is not None, SS_ZERO=zero_count, ACT_OUT=silu_mul_out, num_warps=warps, **kw)
+        SS_OUT=sums_out is not None, SS_ZERO=zero_count, ACT_OUT=silu_mul_out, PREFETCH=prefetch, num_warps=warps,
+        **kw)
     return y, (res_out if norm is not None else None)
 
 
