@@ -268,20 +268,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
     if PREFETCH:  # the next tile's load issued before this tile's products (the same sums in the same order)
         k = EARLY_W * BLOCK_K + offs_k
         w_next = _load_w(w_ptr, offs_n, n_mask, k, k < K, stride_wn)
-        for k0 in range(EARLY_W * BLOCK_K, K, BLOCK_K):
-            k = k0 + offs_k
-            k_mask = k < K
+    for k0 in range(EARLY_W * BLOCK_K, K, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        if PREFETCH:
             w = w_next
             w_next = _load_w(w_ptr, offs_n, n_mask, k + BLOCK_K, k + BLOCK_K < K, stride_wn)  # past K: masked off
-            acc = _gemv_tile(acc, w, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm,
-                             stride_rm, SILU_MUL, NORM, HAS_RES)
-    else:
-        for k0 in range(EARLY_W * BLOCK_K, K, BLOCK_K):
-            k = k0 + offs_k
-            k_mask = k < K
+        else:
             w = _load_w(w_ptr, offs_n, n_mask, k, k_mask, stride_wn)
-            acc = _gemv_tile(acc, w, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm,
-                             stride_rm, SILU_MUL, NORM, HAS_RES)
+        acc = _gemv_tile(acc, w, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm, stride_rm,
+                         SILU_MUL, NORM, HAS_RES)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     dt = y_ptr.dtype.element_ty
