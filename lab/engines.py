@@ -65,12 +65,17 @@ def _module_value(module: str, name: str, value: Any):
 _TABLES: list[Path] = []  # the folder of GEMV tables written for `gemv_configs` (made on first use)
 
 
+def table_json(table) -> dict:
+    """A GEMV tile table ({(N, K): tiles and rows, or None}) in the tuned tables' JSON form ({"N,K": [...] or
+    None}), as lab.tune.gemv writes one and `gemv_configs` reads it."""
+    return {f"{n},{k}": (list(v) if v is not None else None) for (n, k), v in table.items()}
+
+
 def gemv_table_file(updates: dict) -> str:
     """A JSON tile table for the `gemv_configs` option: the GPU's tuned table with some shapes' entries replaced
     ({"N,K": [BLOCK_N, BLOCK_K, warps, rows] or None for cuBLAS}), written once per distinct table."""
     from minisgl.kernels import gemv
-    base = gemv.device_table(torch.cuda.get_device_name()) if torch.cuda.is_available() else {}
-    table = {f"{n},{k}": (list(v) if v is not None else None) for (n, k), v in base.items()}
+    table = table_json(gemv.device_table(torch.cuda.get_device_name()) if torch.cuda.is_available() else {})
     table.update({(k if isinstance(k, str) else ",".join(map(str, k))): (list(v) if v is not None else None)
                   for k, v in updates.items()})
     text = json.dumps(table, indent=1, sort_keys=True)
@@ -148,6 +153,18 @@ def with_engine(model: str, body: Callable[[Any], T], settings: dict | None = No
             llm.close()
             del llm
             free_gpu()
+
+
+def gemv_kinds(model) -> dict[str, list]:
+    """A model's GemvLinear modules by kind, the last part of each module's name (qkv_proj, o_proj, ...,
+    lm_head), in the model's order."""
+    from minisgl.kernels.gemv import GemvLinear
+
+    kinds: dict[str, list] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, GemvLinear):
+            kinds.setdefault(name.rsplit(".", 1)[-1], []).append(module)
+    return kinds
 
 
 STEP_BUFFERS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "token_dst")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from lab import REPO
-from lab.engines import KERNEL_OPTIONS, free_gpu, log, replaced, with_engine
+from lab.engines import KERNEL_OPTIONS, free_gpu, log, replaced, table_json, with_engine
 from lab.hf import hf_peer, parity
 from lab.timing import time_us
 from minisgl import SamplingParams
@@ -690,17 +690,14 @@ def wide_gemv_ab(model: str, rounds: int = 2) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         tune = tune_gemv.main(tmp, models=(model,), wide=True)
-    def as_json(device_name: str) -> dict:  # a device's table in the repo, as the tune's JSON writes one
-        return {f"{n},{k}": (list(v[:4]) if v is not None else None)
-                for (n, k), v in gemv.device_table(device_name).items()}
-
-    repo = as_json(torch.cuda.get_device_name())
+    repo = table_json(gemv.device_table(torch.cuda.get_device_name()))
     wide = dict(repo, **{shape: pick for shape, pick in tune["picks"].items() if pick is not None})
     all_gemv = dict(repo, **{f"{r['n']},{r['k']}": [*r["best"], max(1, (tune["picks"][f"{r['n']},{r['k']}"]
                                                                         or [0, 0, 0, 1])[3])]
                              for r in tune["shapes"]})
+    h200 = table_json(gemv.device_table("NVIDIA H200"))
     tables = {"default": repo}
-    for label, table in (("wide", wide), ("all_gemv", all_gemv), ("h200_table", as_json("NVIDIA H200"))):
+    for label, table in (("wide", wide), ("all_gemv", all_gemv), ("h200_table", h200)):
         if table not in tables.values():  # an arm the same as an earlier one would only repeat it
             tables[label] = table
     arms = tuple(Arm(label, ("w2",), kernel={"gemv_table": table}) for label, table in tables.items())

@@ -435,6 +435,7 @@ def test_decoder_lm_with_folded_layers_gives_the_same_logits(force_triton, sum_s
 def test_step_tune_candidates_and_kinds(force_triton):
     """lab.tune.gemv_step: its tiles fit the weight (no K tile wider than K needs; no 1-row tiles where gate_up's
     programs hold row pairs) and hold the tuned tables' tiles; a swapped model's GEMVs grouped by kind."""
+    from lab.engines import gemv_kinds
     from lab.tune import gemv_step
     from minisgl.models.config import ModelConfig
     from minisgl.models.decoder import DecoderLayer, DecoderLM
@@ -452,7 +453,7 @@ def test_step_tune_candidates_and_kinds(force_triton):
                       max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False, qk_norm=True)
     model = DecoderLM(cfg)
     gv.use_gemv(model, fold=(MLP,), norm_fold=(DecoderLayer,))
-    kinds = gemv_step.gemv_kinds(model)
+    kinds = gemv_kinds(model)
     assert {kind: len(mods) for kind, mods in kinds.items() if kind in gemv_step.KINDS} == {
         "qkv_proj": 2, "o_proj": 2, "gate_up_proj": 2, "down_proj": 2, "lm_head": 1}
     gemv_step.set_tiles(kinds["o_proj"], (2, 512, 4))

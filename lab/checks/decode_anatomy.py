@@ -37,7 +37,7 @@ from collections.abc import Iterator
 import torch
 
 from lab.checks import per_model_main
-from lab.engines import decoding_request, step_replay_us, with_engine
+from lab.engines import decoding_request, gemv_kinds, step_replay_us, with_engine
 from lab.timing import capture, time_replay_us
 
 PROMPT_LEN = 1024
@@ -154,7 +154,6 @@ def step_anatomy(llm) -> dict:
 
     runner = llm.engine.runner
     req = decoding_request(llm, PROMPT_LEN)
-    live = runner.graph_runner
     out: dict = {"context_tokens": PROMPT_LEN + len(req.output_ids), "replay_us": {}}
     variants = _variants()
     if not all(type(layer) is DecoderLayer for layer in runner.model.layers):  # a hybrid model: no fold
@@ -172,7 +171,6 @@ def step_anatomy(llm) -> dict:
     out["cost_us"] = {name[3:]: round(best["full"] - best[name], 2) for name in removed}
     out["option_us"] = {name: round(us - best["full"], 2) for name, us in best.items()
                         if name not in removed and name not in ("full", "gemv_only")}
-    runner.attn.prepare_for_replay(live._meta(1))
     return out
 
 
@@ -180,17 +178,13 @@ def chains(llm) -> dict:
     """Each GEMV kind's launches over every layer's weight as one graph (one input row): time a launch and the
     bandwidth it reaches; and 256 RMSNorms of one row chained (a kernel boundary's bare cost under PDL)."""
     from minisgl.kernels import elementwise as ew
-    from minisgl.kernels.gemv import GemvLinear, gemv
+    from minisgl.kernels.gemv import gemv
     from minisgl.kernels.options import use_options
 
     model = llm.engine.runner.model
     out: dict = {}
     with use_options(llm.config.kernels):
-        kinds: dict = {}
-        for name, m in model.named_modules():
-            if isinstance(m, GemvLinear):
-                kinds.setdefault(name.rsplit(".", 1)[-1], []).append(m)
-        for kind, mods in kinds.items():
+        for kind, mods in gemv_kinds(model).items():
             k = mods[0].in_features
             x = torch.randn(1, k, dtype=mods[0].weight.dtype, device=mods[0].weight.device)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from lab.engines import decoding_request, step_replay_us, with_engine
+from lab.engines import decoding_request, gemv_kinds, step_replay_us, table_json, with_engine
 
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 ROUNDS = 3  # the start against the picks, interleaved
@@ -45,17 +45,6 @@ def candidates(k: int, pairs: bool) -> list[tuple[int, int, int]]:
     widest = max(1024, 1 << (k - 1).bit_length())
     return [(bn, bk, w) for bn in (1, 2, 4, 8, 16) for bk in (512, 1024, 2048, 4096) for w in (4, 8)
             if bk <= widest and 1024 <= bn * bk <= 32768 and (w == 4 or bk >= 2048) and not (pairs and bn == 1)]
-
-
-def gemv_kinds(model) -> dict[str, list]:
-    """The model's GemvLinear modules by kind (the last part of each module's name)."""
-    from minisgl.kernels.gemv import GemvLinear
-
-    kinds: dict[str, list] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, GemvLinear):
-            kinds.setdefault(name.rsplit(".", 1)[-1], []).append(module)
-    return kinds
 
 
 def set_tiles(modules: list, tiles: tuple[int, int, int]) -> None:
@@ -111,7 +100,7 @@ def tune_in_step(llm, budget_s: float = 600.0) -> dict:
     out["picks"] = {kind: list(t) for kind, t in picks.items()}
     out["gain_us"] = round(statistics.median(rounds["start"]) - statistics.median(rounds["picks"]), 2)
     table = gv.table_for(next(runner.model.parameters()).device)
-    out["table"] = {f"{n},{k}": (list(v) if v is not None else None) for (n, k), v in table.items()}
+    out["table"] = table_json(table)
     for kind, mods in kinds.items():
         n, k = mods[0].weight.shape
         rows = gv.gemv_max_rows(n, k, table)
