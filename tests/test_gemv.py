@@ -448,6 +448,12 @@ def test_step_tune_candidates_and_kinds(force_triton):
     assert (4, 4096, 4) in gemv_step.candidates(4096, pairs=False)
     assert (8, 1024, 4) in gemv_step.candidates(1024, pairs=True)
     assert max(bk for _, bk, _ in gemv_step.candidates(1024, pairs=False)) == 1024
+    tiles = gemv_step.candidates(12288, pairs=False)
+    order = gemv_step.nearest_first(tiles, (4, 2048, 4))
+    assert order[0] == (4, 2048, 4) and sorted(order) == sorted(tiles)  # each tile once, the start first
+    assert set(order[1:6]) == {(2, 2048, 4), (8, 2048, 4), (4, 1024, 4), (4, 4096, 4), (4, 2048, 8)}  # one step
+    assert order[-1] == (16, 512, 4)  # two doublings of rows and two of K tile away: last
+    assert gemv_step.nearest_first(tiles, (3, 2048, 4))[0] == (3, 2048, 4)  # a start off the grid is timed first
     cfg = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_q_heads=4,
                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
                       max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False, qk_norm=True)

@@ -5,12 +5,14 @@ the same tile can do worse: on an H200 (reports/h200/run32, `wide_ab8`) the chai
 W2 8% slower than the repo's table. A GEMV there runs between other kernels under PDL, folded with a norm, an add or
 the MLP's activation, and what it can overlap depends on its neighbours.
 
-Here each GEMV kind of the model (qkv_proj, o_proj, gate_up_proj, down_proj, lm_head; every layer's module of that
-kind at once) takes each candidate tile in turn, the engine's batch-1 decode graph is captured again and replayed
-on a live request (a 1,024-token context; lab.checks.decode_anatomy's method), and the fastest step keeps it. The
-kinds go one after another, each starting from the picks before it (one pass of coordinate descent). Last, the
-tiles it started from and the picks are replayed interleaved, `ROUNDS` times. Only one row is timed (the bs-1
-graph): a pick also serves 2-4 rows, where the table allows the GEMV that many.
+Here each GEMV kind of the model (down_proj, qkv_proj, o_proj, gate_up_proj, lm_head: every layer's module of that kind
+at once; in the order of what run32's chains lost against the card's bandwidth on Qwen3-8B, most first) takes candidate
+tiles in turn, nearest the tile it starts from first, for an equal share of what is left of the budget; for each, the
+engine's batch-1 decode graph is captured again and replayed on a live request (a 1,024-token context;
+lab.checks.decode_anatomy's method), and the fastest step keeps it. The kinds go one after another, each starting from
+the picks before it (one pass of coordinate descent). Last, the tiles it started from and the picks are replayed
+interleaved, `ROUNDS` times. Only one row is timed (the bs-1 graph): a pick also serves 2-4 rows, where the table allows
+the GEMV that many.
 
     python -m lab.tune.gemv_step --out DIR [--model qwen3-8b]
 
@@ -31,7 +33,7 @@ import torch
 
 from lab.engines import decoding_request, gemv_kinds, step_replay_us, table_json, with_engine
 
-KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+KINDS = ("down_proj", "qkv_proj", "o_proj", "gate_up_proj", "lm_head")  # the order they are tuned in
 ROUNDS = 3  # the start against the picks, interleaved
 ITERS, PER = 10, 10  # each candidate's replays: the median of ITERS timings of PER replays
 
@@ -47,6 +49,15 @@ def candidates(k: int, pairs: bool) -> list[tuple[int, int, int]]:
             if bk <= widest and 1024 <= bn * bk <= 32768 and (w == 4 or bk >= 2048) and not (pairs and bn == 1)]
 
 
+def nearest_first(tiles: list[tuple[int, int, int]], start: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+    """`start`, then `tiles` by their distance from it (doublings of rows and of K tile apart, plus 1 for other warps):
+    a kind cut short by the budget has tried the tiles around its start, not one corner of the grid."""
+    def distance(t: tuple[int, int, int]) -> tuple[int, tuple[int, int, int]]:
+        return (abs(t[0].bit_length() - start[0].bit_length()) + abs(t[1].bit_length() - start[1].bit_length())
+                + (t[2] != start[2]), t)
+    return list(dict.fromkeys([tuple(start), *sorted(tiles, key=distance)]))
+
+
 def set_tiles(modules: list, tiles: tuple[int, int, int]) -> None:
     for m in modules:
         m.tiles = tuple(tiles)
@@ -54,7 +65,8 @@ def set_tiles(modules: list, tiles: tuple[int, int, int]) -> None:
 
 def tune_in_step(llm, budget_s: float = 600.0) -> dict:
     """The coordinate descent on a live engine (see the module docstring). Past `budget_s` seconds no new candidate
-    is tried (each kind still times its current tile): what was skipped is listed under `skipped`."""
+    is tried, and each kind may spend an equal share of what is left when it begins (each kind still times its
+    current tile): what was skipped is listed under `skipped`."""
     from minisgl.kernels import gemv as gv
     from minisgl.kernels.options import use_options
 
@@ -67,15 +79,15 @@ def tune_in_step(llm, budget_s: float = 600.0) -> dict:
     began = time.time()
     with use_options(llm.config.kernels):
         act = llm.config.kernels.gemv_act_epilogue
-        for kind in KINDS:
-            if kind not in kinds:
-                continue
+        todo = [kind for kind in KINDS if kind in kinds]
+        for i, kind in enumerate(todo):
             mods = kinds[kind]
             n, k = mods[0].weight.shape
             t0 = time.time()
+            share = (budget_s - (t0 - began)) / (len(todo) - i)
             times: dict[str, float] = {}
-            for tiles in dict.fromkeys([picks[kind], *candidates(k, act and kind == "gate_up_proj")]):
-                if times and time.time() - began > budget_s:
+            for tiles in nearest_first(candidates(k, act and kind == "gate_up_proj"), picks[kind]):
+                if times and time.time() - t0 > share:
                     out.setdefault("skipped", []).append(f"{kind} {tiles}")
                     continue
                 set_tiles(mods, tiles)
