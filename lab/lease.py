@@ -327,6 +327,8 @@ FOLD_SUMS06_W2 = Lab("fold_sums06_w2", 100, ("fold_sums06_w2.json",), ("fold_sum
 ROPE_BITS = Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits")
 ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",))
 ANATOMY = Check("anatomy", 60, ("decode_anatomy.json",), module="decode_anatomy")  # run30 (H100): 43 s
+# 150 s of candidates, the engine's start and W2 twice on Qwen3-8B (run32's wide_ab8 ran W2 four times in ~200 s)
+STEP_TILES8 = Lab("step_tiles8", 330, ("step_tiles8.json",), ("step_tiles8",))
 BARRIER = Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier")
 PERSISTENT = Check("persistent", 90, ("persistent_gemv.json",), module="persistent_gemv")
 FOLD8 = Lab("fold8", 300, ("fold8.json",), ("fold8",))
@@ -478,10 +480,16 @@ CALLS: dict[str, Call] = {
     "step_tiles8": Call(
         "optional, issue 29: Qwen3-8B's decode GEMV tiles tuned inside its batch-1 step (lab.tune.gemv_step: each "
         "GEMV kind's candidates in the step's graph, replayed on a live request; run32's standalone picks made W2 "
-        "8% slower on an H200), at most 240 s of candidates, then W2 with the card's table and with the picks, one "
+        "8% slower on an H200), at most 150 s of candidates, then W2 with the card's table and with the picks, one "
         "round",
         carry=(),
-        steps=(Lab("step_tiles8", 420, ("step_tiles8.json",), ("step_tiles8",)),)),
+        steps=(STEP_TILES8,)),
+    "next34": Call(
+        "optional, issue 29 in one call when device time is short: Qwen3-8B's batch-1 step anatomy (its probe "
+        "folded_prefetch times the GEMV prefetch inside the step), then step_tiles8",
+        carry=(),
+        steps=(Check("anatomy8", 90, ("decode_anatomy.json",), module="decode_anatomy",
+                     args=("--models", "qwen3-8b")), STEP_TILES8)),
     "step_tiles06": Call(
         "optional: the same on Qwen3-0.6B (at most 150 s of candidates), W2 in two rounds", carry=(),
         steps=(Lab("step_tiles06", 300, ("step_tiles06.json",), ("step_tiles06",)),)),

@@ -809,7 +809,7 @@ SECTIONS: dict[str, Section] = {
     "step_tiles06": section(lambda: step_tiles("qwen3-0.6b", 150, rounds=2),
                             "Qwen3-0.6B: the GEMV's tiles tuned inside the batch-1 decode step, then W2 with the "
                             "card's table and with the picks"),
-    "step_tiles8": section(lambda: step_tiles("qwen3-8b", 240, rounds=1), "the same on Qwen3-8B, one round"),
+    "step_tiles8": section(lambda: step_tiles("qwen3-8b", 150, rounds=1), "the same on Qwen3-8B, one round"),
     "fold06": section(lambda: kernel_option_ab("qwen3-0.6b", {"gemv_norm_fold": FOLD_ABOUT}),
                       "Qwen3-0.6B: tokens and W2 with the RMSNorms folded into the GEMVs, off and on"),
     "fold8": section(lambda: kernel_option_ab("qwen3-8b", {"gemv_norm_fold": FOLD_ABOUT}, rounds=1),
