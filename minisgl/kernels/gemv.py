@@ -120,7 +120,9 @@ MAX_EARLY_TILES = 3
 # The weight loads of a program's loop over K (after its early tiles) are not pipelined by Triton here: each tile's
 # load is issued, then waited on by its products (the PTX of Qwen3-8B's down GEMV has no cp.async). With the kernel
 # option `gemv_prefetch` a program issues the next tile's load before it multiplies the current one (two tiles of
-# registers), where the loop runs twice or more: Qwen3-8B's down projection (K = 12,288 in 2,048-wide tiles).
+# registers), where the loop runs twice or more: Qwen3-8B's down projection (K = 12,288 in 2,048-wide tiles). Off:
+# on an H100 at the rule's 1,024-wide tiles (every 8B GEMV looping) it made Qwen3-8B's step 2.6% slower
+# (reports/h100/run33); not yet timed where only the down projection loops.
 
 # The folded norm's sums of squares taken in the epilogue of the GEMV that writes the residual stream (kernel option
 # `gemv_fold_sum_squares`): every program adds its share of a row into one of SUM_LANES fp64 slots (program id mod
