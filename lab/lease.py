@@ -327,6 +327,8 @@ FOLD_SUMS06_W2 = Lab("fold_sums06_w2", 100, ("fold_sums06_w2.json",), ("fold_sum
 ROPE_BITS = Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits")
 ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",))
 ANATOMY = Check("anatomy", 60, ("decode_anatomy.json",), module="decode_anatomy")  # run30 (H100): 43 s
+ANATOMY8 = Check("anatomy8", 120, ("decode_anatomy.json",), module="decode_anatomy",
+                 args=("--models", "qwen3-8b"))  # run33 (H100): 99 s with every probe
 # 150 s of candidates, the engine's start and W2 twice on Qwen3-8B (run32's wide_ab8 ran W2 four times in ~200 s)
 STEP_TILES8 = Lab("step_tiles8", 330, ("step_tiles8.json",), ("step_tiles8",))
 BARRIER = Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier")
@@ -474,9 +476,7 @@ CALLS: dict[str, Call] = {
         "six-tile loop waits on each load): the batch-1 step's anatomy (probe folded_prefetch), then tokens off "
         "and on (greedy and seeded sampling, batch 1 and 8, graphs and eager) and W2 off and on, one round",
         carry=(),
-        steps=(Check("anatomy8", 90, ("decode_anatomy.json",), module="decode_anatomy",
-                     args=("--models", "qwen3-8b")),  # run32 (H200): 65 s with two probes fewer
-               Lab("prefetch8", 300, ("prefetch8.json",), ("prefetch8",)))),  # as act8: run32 (H100) 226 s
+        steps=(ANATOMY8, Lab("prefetch8", 300, ("prefetch8.json",), ("prefetch8",)))),  # as act8: run32 (H100) 226 s
     "step_tiles8": Call(
         "optional, issue 29: Qwen3-8B's decode GEMV tiles tuned inside its batch-1 step (lab.tune.gemv_step: each "
         "GEMV kind's candidates in the step's graph, replayed on a live request; run32's standalone picks made W2 "
@@ -488,8 +488,7 @@ CALLS: dict[str, Call] = {
         "optional, issue 29 in one call when device time is short: Qwen3-8B's batch-1 step anatomy (its probe "
         "folded_prefetch times the GEMV prefetch inside the step), then step_tiles8",
         carry=(),
-        steps=(Check("anatomy8", 90, ("decode_anatomy.json",), module="decode_anatomy",
-                     args=("--models", "qwen3-8b")), STEP_TILES8)),
+        steps=(ANATOMY8, STEP_TILES8)),
     "step_tiles06": Call(
         "optional: the same on Qwen3-0.6B (at most 150 s of candidates), W2 in two rounds", carry=(),
         steps=(Lab("step_tiles06", 300, ("step_tiles06.json",), ("step_tiles06",)),)),
@@ -508,8 +507,7 @@ CALLS: dict[str, Call] = {
         carry=(),
         steps=(ANATOMY,)),
     "anatomy8": Call("optional: the same on Qwen3-8B", carry=(),
-                     steps=(Check("anatomy8", 200, ("decode_anatomy.json",), module="decode_anatomy",
-                                  args=("--models", "qwen3-8b")),)),
+                     steps=(ANATOMY8,)),
     "probes": Call(
         "optional, a session's first call: issue 29's quick probes in one call: the fused RoPE against the RoPE "
         "kernel bit by bit (rope_bits) and in the engine's tokens (rope_tokens06), the batch-1 step's anatomy, the "
