@@ -108,10 +108,10 @@ def tune_in_step(llm, budget_s: float = 600.0) -> dict:
                 for kind, mods in kinds.items():
                     set_tiles(mods, tiles[kind])
                 rounds[label].append(round(step_replay_us(llm), 2))
+        table = gv.table_for(next(runner.model.parameters()).device)  # the engine's gemv_configs, if it has one
     out["step_us"] = rounds
     out["picks"] = {kind: list(t) for kind, t in picks.items()}
     out["gain_us"] = round(statistics.median(rounds["start"]) - statistics.median(rounds["picks"]), 2)
-    table = gv.table_for(next(runner.model.parameters()).device)
     out["table"] = table_json(table)
     for kind, mods in kinds.items():
         n, k = mods[0].weight.shape
