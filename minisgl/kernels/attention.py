@@ -283,6 +283,16 @@ def _decode_stage1_kernel(
     hmask = offs_g < GROUP
 
     if start < end:
+        # The group's q heads first, before the new K/V's store: their loads then go out with the new key's and
+        # value's in one round trip. After the store's CTA barrier, which no load crosses, they would be a second
+        # one, in the program that owns the new token: the split the merge waits for at batch 1.
+        if ROPE:  # the group's q heads as they come from the projection: normalised and rotated here
+            q = _rope_heads_tile(Q + b.to(tl.int64) * stride_qb + kvh * GROUP * stride_qh, stride_qh, WQ, cos, sin,
+                                 sign, rope_eps, GROUP, BLOCK_H, HEAD_DIM, ROPE_NORM)
+        else:
+            q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+            q = tl.load(q_ptrs, mask=hmask[:, None] & dmask[None, :], other=0.0)
+        q = q.to(K.dtype.element_ty)
         if FUSED_STORE:
             if end == seq_len:  # this split holds position seq_len - 1, the new token: store its K/V first
                 # Visibility. No other program reads this slot: the other splits of this row read only their
@@ -314,13 +324,6 @@ def _decode_stage1_kernel(
                     v0 = tl.where(new_row, vn.to(V.dtype.element_ty)[None, :], v0)
         if not EARLY_META:
             row = tl.load(ReqPoolIdx + b).to(tl.int64)
-        if ROPE:  # the group's q heads as they come from the projection: normalised and rotated here
-            q = _rope_heads_tile(Q + b.to(tl.int64) * stride_qb + kvh * GROUP * stride_qh, stride_qh, WQ, cos, sin,
-                                 sign, rope_eps, GROUP, BLOCK_H, HEAD_DIM, ROPE_NORM)
-        else:
-            q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-            q = tl.load(q_ptrs, mask=hmask[:, None] & dmask[None, :], other=0.0)
-        q = q.to(K.dtype.element_ty)
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
