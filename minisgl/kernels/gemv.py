@@ -215,6 +215,21 @@ def _zero_sums(ss_ptr, pid, COUNT: tl.constexpr):
 
 
 @_jit
+def _epilogue_inputs(b_ptr, a_ptr, offs_m, offs_n, n_mask, out_mask, stride_am, ROWS_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_OUT: tl.constexpr):
+    """The epilogue's inputs, the bias and the residual to add (zeros where absent), loaded at the program's start,
+    with its first input loads: after the K loop, each would be one more dependent round trip at the end of every
+    program, the end the next kernel waits for."""
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if ADD_OUT:
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_n[None, :], mask=out_mask, other=0.0).to(tl.float32)
+    return bias, a
+
+
+@_jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_in_ptr, ss_out_ptr, ss_zero_ptr,
                  N, K, stride_xm, stride_wn, stride_ym, stride_rm, stride_om, stride_am, eps,
                  ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -235,6 +250,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
     m_mask = offs_m < ROWS
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
     rstd = tl.zeros((ROWS_PAD,), dtype=tl.float32)  # read only under NORM
+    out_mask = m_mask[:, None] & n_mask[None, :]
     if USE_PDL:  # launched early (kernels/pdl.py): wait before reading x or writing y
         gdc_launch_dependents()
         # EARLY_W (0-3) weight tiles before the wait: weights are never written by a kernel (module docstring).
@@ -247,6 +263,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
         if EARLY_W >= 3:
             w2 = _load_w(w_ptr, offs_n, n_mask, kc, kc < K, stride_wn)
         gdc_wait()
+        bias, a = _epilogue_inputs(b_ptr, a_ptr, offs_m, offs_n, n_mask, out_mask, stride_am, ROWS_PAD, BLOCK_N,
+                                   HAS_BIAS, ADD_OUT)
         if SS_ZERO > 0:
             _zero_sums(ss_zero_ptr, pid, SS_ZERO)
         if NORM:
@@ -262,6 +280,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
             acc = _gemv_tile(acc, w2, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, kc, kc < K, K, stride_xm,
                              stride_rm, SILU_MUL, NORM, HAS_RES)
     else:
+        bias, a = _epilogue_inputs(b_ptr, a_ptr, offs_m, offs_n, n_mask, out_mask, stride_am, ROWS_PAD, BLOCK_N,
+                                   HAS_BIAS, ADD_OUT)
         if SS_ZERO > 0:
             _zero_sums(ss_zero_ptr, pid, SS_ZERO)
         if NORM:
@@ -281,7 +301,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
         acc = _gemv_tile(acc, w, x_ptr, r_ptr, nw_ptr, rstd, offs_m, m_mask, k, k_mask, K, stride_xm, stride_rm,
                          SILU_MUL, NORM, HAS_RES)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc += bias[None, :]
     dt = y_ptr.dtype.element_ty
     y = acc.to(dt)
     if ACT_OUT:  # silu(gate) * up from the rounded products, rounded as ew.silu_and_mul rounds (no add, no sums)
@@ -292,10 +312,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
         act_mask = m_mask[:, None] & (offs_p < N // 2)[None, :]
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_p[None, :], act, mask=act_mask)
     else:
-        out_mask = m_mask[:, None] & n_mask[None, :]
         if ADD_OUT:  # the residual add after the matmul: its output rounded, plus the residual, rounded (a bf16 add)
-            a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_n[None, :], mask=out_mask, other=0.0)
-            y = (y.to(tl.float32) + a.to(tl.float32)).to(dt)
+            y = (y.to(tl.float32) + a).to(dt)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=out_mask)
         if SS_OUT:  # this program's share of each output row's sum of squares, for the norm in the GEMV after
             part = ew.sum_squares(tl.where(out_mask, y.to(tl.float32), 0.0), 1)
