@@ -484,11 +484,11 @@ CALLS: dict[str, Call] = {
         "round",
         carry=(),
         steps=(STEP_TILES8,)),
-    "next34": Call(
-        "optional, issue 29 in one call when device time is short: Qwen3-8B's batch-1 step anatomy (its probe "
-        "folded_prefetch times the GEMV prefetch inside the step), then step_tiles8",
+    "next35": Call(
+        "optional, issue 29 in one call when device time is short: Qwen3-0.6B's batch-1 step anatomy (the step "
+        "replay at the commit's defaults, beside every probe), then step_tiles8",
         carry=(),
-        steps=(ANATOMY8, STEP_TILES8)),
+        steps=(ANATOMY, STEP_TILES8)),
     "step_tiles06": Call(
         "optional: the same on Qwen3-0.6B (at most 150 s of candidates), W2 in two rounds", carry=(),
         steps=(Lab("step_tiles06", 300, ("step_tiles06.json",), ("step_tiles06",)),)),
