@@ -331,6 +331,8 @@ ANATOMY8 = Check("anatomy8", 120, ("decode_anatomy.json",), module="decode_anato
                  args=("--models", "qwen3-8b"))  # run33 (H100): 99 s with every probe
 # 150 s of candidates, the engine's start and W2 twice on Qwen3-8B (run32's wide_ab8 ran W2 four times in ~200 s)
 STEP_TILES8 = Lab("step_tiles8", 330, ("step_tiles8.json",), ("step_tiles8",))
+# the 0.6B candidates time quickly: run34 (H100) tuned for 30 s of its 150 and ran in 105 s with W2 twice
+STEP_TILES06 = Lab("step_tiles06", 150, ("step_tiles06.json",), ("step_tiles06",))
 BARRIER = Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier")
 PERSISTENT = Check("persistent", 90, ("persistent_gemv.json",), module="persistent_gemv")
 FOLD8 = Lab("fold8", 300, ("fold8.json",), ("fold8",))
@@ -484,14 +486,14 @@ CALLS: dict[str, Call] = {
         "round",
         carry=(),
         steps=(STEP_TILES8,)),
-    "next35": Call(
-        "optional, issue 29 in one call when device time is short: Qwen3-0.6B's batch-1 step anatomy (the step "
-        "replay at the commit's defaults, beside every probe), then step_tiles8",
-        carry=(),
-        steps=(ANATOMY, STEP_TILES8)),
     "step_tiles06": Call(
         "optional: the same on Qwen3-0.6B (at most 150 s of candidates), W2 in two rounds", carry=(),
-        steps=(Lab("step_tiles06", 300, ("step_tiles06.json",), ("step_tiles06",)),)),
+        steps=(STEP_TILES06,)),
+    "step_tiles": Call(
+        "optional, issue 29's two bars in one call: step_tiles06 then step_tiles8 (both models' tiles picked in "
+        "the step, W2 at the card's table and at the picks)",
+        carry=(),
+        steps=(STEP_TILES06, STEP_TILES8)),
     "decode_mid": Call(
         "optional: Qwen3-0.6B's decode step at 1-16 requests of 1k-token prompts under the profiler (run26, H100: "
         "1.0, 1.64, 2.24 ms a step at 1, 4, 16), then the decode attention's split count (kernel option "
