@@ -219,18 +219,32 @@ def _rope_cos_sin(Pos, CosSin, b, stride_cs, D: tl.constexpr):
 
 
 @_jit
+def _rope_heads_load(X, stride_h, W, H, live, BLOCK_H: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+    """What `norm_rope_full` takes for the H heads at X (rows of a BLOCK_H tile; the rest zero): the heads and each
+    element's rotary partner [BLOCK_H, D], and with NORM the norm's weights W at both [1, D] (all fp32). Nothing but
+    weights is read unless `live` (a scalar)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, D)
+    partner = (offs + D // 2) % D
+    mask = (offs_h < H)[:, None] & live
+    p = X + offs_h[:, None] * stride_h
+    x = tl.load(p + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(p + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.zeros((1, D), dtype=tl.float32)
+    wp = tl.zeros((1, D), dtype=tl.float32)
+    if NORM:
+        w = tl.load(W + offs).to(tl.float32)[None, :]
+        wp = tl.load(W + partner).to(tl.float32)[None, :]
+    return x, xp, w, wp
+
+
+@_jit
 def _rope_heads_tile(X, stride_h, W, cos, sin, sign, eps, H, BLOCK_H: tl.constexpr, D: tl.constexpr,
                      NORM: tl.constexpr):
     """The H heads at X (rows of a BLOCK_H tile; the rest zero) as the RoPE kernel leaves them (kernels/elementwise.py:
     Qwen3's per-head norm first with NORM, then the rotation over the whole head), as a [BLOCK_H, D] tile."""
-    offs_h = tl.arange(0, BLOCK_H)
-    offs = tl.arange(0, D)
-    partner = (offs + D // 2) % D
-    mask = (offs_h < H)[:, None]
-    p = X + offs_h[:, None] * stride_h
-    x = tl.load(p + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(p + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    return norm_rope_full(x, xp, W, offs, partner, cos, sin, sign, eps, X.dtype.element_ty, D, NORM)
+    x, xp, w, wp = _rope_heads_load(X, stride_h, W, H, True, BLOCK_H, D, NORM)
+    return norm_rope_full(x, xp, w, wp, cos, sin, sign, eps, X.dtype.element_ty, D, NORM)
 
 
 @_jit
@@ -283,18 +297,33 @@ def _decode_stage1_kernel(
     hmask = offs_g < GROUP
 
     if start < end:
-        # The group's q heads first, before the new K/V's store: their loads then go out with the new key's and
-        # value's in one round trip. After the store's CTA barrier, which no load crosses, they would be a second
-        # one, in the program that owns the new token: the split the merge waits for at batch 1.
-        if ROPE:  # the group's q heads as they come from the projection: normalised and rotated here
-            q = _rope_heads_tile(Q + b.to(tl.int64) * stride_qb + kvh * GROUP * stride_qh, stride_qh, WQ, cos, sin,
-                                 sign, rope_eps, GROUP, BLOCK_H, HEAD_DIM, ROPE_NORM)
+        # Every load this program makes before its first products goes out first, in one round trip: the group's
+        # q heads, the new token's key and value (read in every split, kept by the one that stores them) and the
+        # q/k norms' weights. Written after the store's CTA barrier or the norm's cross-warp sum, which no load
+        # crosses, each would be a round trip of its own, in the program that owns the new token: the split the
+        # merge waits for at batch 1.
+        q_row = Q + b.to(tl.int64) * stride_qb
+        if ROPE:  # the group's q heads as they come from the projection: normalised and rotated below
+            qx, qxp, wq, wqp = _rope_heads_load(q_row + kvh * GROUP * stride_qh, stride_qh, WQ, GROUP, True,
+                                                BLOCK_H, HEAD_DIM, ROPE_NORM)
         else:
-            q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-            q = tl.load(q_ptrs, mask=hmask[:, None] & dmask[None, :], other=0.0)
+            q = tl.load(q_row + heads[:, None] * stride_qh + offs_d[None, :], mask=hmask[:, None] & dmask[None, :],
+                        other=0.0)
+        if FUSED_STORE:
+            new_token = end == seq_len  # this split holds position seq_len - 1, the new token
+            k_new = KNew + b.to(tl.int64) * stride_knb + kvh * stride_knh
+            if ROPE:
+                kx, kxp, wk, wkp = _rope_heads_load(k_new, 0, WK, 1, new_token, 1, HEAD_DIM, ROPE_NORM)
+            else:
+                kn = tl.load(k_new + offs_d, mask=dmask & new_token)
+            vn = tl.load(VNew + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=dmask & new_token)
+            if not EARLY_META:
+                slot = tl.load(OutLoc + b).to(tl.int64)
+        if ROPE:
+            q = norm_rope_full(qx, qxp, wq, wqp, cos, sin, sign, rope_eps, Q.dtype.element_ty, HEAD_DIM, ROPE_NORM)
         q = q.to(K.dtype.element_ty)
         if FUSED_STORE:
-            if end == seq_len:  # this split holds position seq_len - 1, the new token: store its K/V first
+            if new_token:  # store the new token's K/V first
                 # Visibility. No other program reads this slot: the other splits of this row read only their
                 # own positions, and a new token's slot is freshly allocated, so no other request's table
                 # points at it. This program is the only reader to order the store against. Its threads store
@@ -306,16 +335,10 @@ def _decode_stage1_kernel(
                 # plain or cp.async gathers issued after the barrier in program order (not TMA, whose async
                 # proxy would need a proxy fence). Padded CUDA-graph rows (slot 0, seq_len 1) store to the
                 # reserved slot 0 here, as store_kv would; no live request ever reads it.
-                if not EARLY_META:
-                    slot = tl.load(OutLoc + b).to(tl.int64)
                 if ROPE:  # this kv head's new key, normalised and rotated as the RoPE kernel would have
-                    kn = tl.reshape(_rope_heads_tile(KNew + b.to(tl.int64) * stride_knb + kvh * stride_knh, 0,
-                                                     WK, cos, sin, sign, rope_eps, 1, 1, HEAD_DIM, ROPE_NORM),
-                                    (BLOCK_D,))
-                else:
-                    kn = tl.load(KNew + b.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d, mask=dmask)
+                    kn = tl.reshape(norm_rope_full(kx, kxp, wk, wkp, cos, sin, sign, rope_eps,
+                                                   KNew.dtype.element_ty, HEAD_DIM, ROPE_NORM), (BLOCK_D,))
                 tl.store(K + slot * stride_kn + kvh * stride_kh + offs_d, kn.to(K.dtype.element_ty), mask=dmask)
-                vn = tl.load(VNew + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=dmask)
                 tl.store(V + slot * stride_vn + kvh * stride_vh + offs_d, vn.to(V.dtype.element_ty), mask=dmask)
                 tl.debug_barrier()
                 if EARLY_KV:  # the early tile read this slot before the store: the new row, from registers

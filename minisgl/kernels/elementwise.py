@@ -265,17 +265,17 @@ def rotate_halves(x1, x2, cos, sin, dt):
 
 
 @_jit
-def norm_rope_full(x, xp, W, offs, partner, cos, sin, sign, eps, dt, D: tl.constexpr, NORM: tl.constexpr):
+def norm_rope_full(x, xp, w, wp, cos, sin, sign, eps, dt, D: tl.constexpr, NORM: tl.constexpr):
     """`norm_rope_halves` on whole heads [heads, D] (fp32) instead of their halves: xp holds each element's rotary
-    partner (x[(d + D/2) % D]), cos and sin [1, D] repeat the half tables, sign is -1 on the first half and +1 on
-    the second. Every element goes through the same operations as in the halves version (the exact fp64 head
-    sums, the same roundings, fma(x1, cos, -(x2 sin)) and fma(x2, cos, x1 sin)), so the results are the same to
-    the bit; the tile needs no join of halves, which made the decode kernel's fused RoPE hand its q·k dot a
-    different operand layout (kWidth 4, not 2), i.e. another order of the products' sum (run27, rope_bits)."""
+    partner (x[(d + D/2) % D]), w and wp [1, D] (fp32, read with NORM only) the norm's weight at each element and at
+    its partner, cos and sin [1, D] repeat the half tables, sign is -1 on the first half and +1 on the second.
+    Every element goes through the same operations as in the halves version (the exact fp64 head sums, the same
+    roundings, fma(x1, cos, -(x2 sin)) and fma(x2, cos, x1 sin)), so the results are the same to the bit; the tile
+    needs no join of halves, which made the decode kernel's fused RoPE hand its q·k dot a different operand layout
+    (kWidth 4, not 2), i.e. another order of the products' sum (run27, rope_bits). Every input comes loaded: the
+    caller issues its loads together, before the sum's cross-warp barrier, which no load crosses."""
     if NORM:
         rstd = tl.rsqrt(sum_squares(x, 1).to(tl.float32) / D + eps)[:, None]
-        w = tl.load(W + offs).to(tl.float32)[None, :]
-        wp = tl.load(W + partner).to(tl.float32)[None, :]
         x = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         xp = (wp * (xp * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     return tl.fma(x, cos, sign * (xp * sin)).to(dt)
