@@ -48,8 +48,8 @@ from minisgl.kernels import gemv as gv
 from minisgl.kernels import sampling as smp
 from minisgl.kernels.pdl import pdl_enter
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-           torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+           torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 _COMPILE_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 
@@ -239,6 +239,14 @@ def record_launches() -> list[tuple]:
         # the norm fold's two ends: the residual add after a GEMV, the norm before one
         gv.gemv(rnd(1, 2 * 3072), rnd(hidden, 3072), silu_mul=True, add=rnd(1, hidden))
         gv.gemv_rms_norm(rnd(1, hidden), rnd(1, hidden), rnd(hidden), 1e-6, rnd(3 * hidden, hidden))
+        # the default fold's launches (FoldSums): o's add handing its stream's sums of squares on, the step's first
+        # qkv taking them and zeroing the buffer, gate_up taking them with the activation in its epilogue
+        sums = torch.zeros(gv.GEMV_MAX_ROWS, gv.SUM_LANES, dtype=torch.float64)
+        gv.gemv(rnd(1, 2 * hidden), rnd(hidden, 2 * hidden), add=rnd(1, hidden), sums_out=sums)
+        gv.gemv_rms_norm(rnd(1, hidden), None, rnd(hidden), 1e-6, rnd(3 * hidden, hidden), sums=sums,
+                         zero_sums=sums)
+        gv.gemv_rms_norm(rnd(1, hidden), None, rnd(hidden), 1e-6, rnd(6 * hidden, hidden), sums=sums,
+                         silu_mul_out=True)
 
     _record(gv, ["_gemv_kernel"], gemv, calls)
 
@@ -334,7 +342,7 @@ def main() -> int:
             metadata = ({"_decode_stage1_kernel": stage1, "_decode_stage2_kernel": 1,
                          "_rope_kernel": 3}[kernel.__name__] if overrides.get("EARLY_META") else None)
             problems = check_ptx(ptx, allow_loads_before_wait=early, max_early_loads=metadata)
-            if (kw.get("NORM") or kw.get("ROPE_NORM")) and not re.search(r"\b(?:add|fma)\.rn\.f64\b", ptx):
+            if (kw.get("NORM") or kw.get("ROPE_NORM")) and not re.search(r"\b(?:add|fma)(?:\.rn)?\.f64\b", ptx):
                 problems.append("no fp64 add: a q/k norm's head sum must be exact (sum_squares), or the fused RoPE "
                                 "and the RoPE kernel round apart (run25)")
             consts = {k: v for k, v in kw.items() if k.isupper() and k != "USE_PDL"} | overrides
