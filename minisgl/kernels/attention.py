@@ -317,7 +317,9 @@ def _decode_stage1_kernel(
             else:
                 kn = tl.load(k_new + offs_d, mask=dmask & new_token)
             vn = tl.load(VNew + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=dmask & new_token)
-            if not EARLY_META:
+        if not EARLY_META:  # the step's metadata, where it was not read before the wait
+            row = tl.load(ReqPoolIdx + b).to(tl.int64)
+            if FUSED_STORE:
                 slot = tl.load(OutLoc + b).to(tl.int64)
         if ROPE:
             q = norm_rope_full(qx, qxp, wq, wqp, cos, sin, sign, rope_eps, Q.dtype.element_ty, HEAD_DIM, ROPE_NORM)
@@ -345,8 +347,6 @@ def _decode_stage1_kernel(
                     new_row = (offs_n0 == seq_len - 1)[:, None]
                     k0 = tl.where(new_row, kn.to(K.dtype.element_ty)[None, :], k0)
                     v0 = tl.where(new_row, vn.to(V.dtype.element_ty)[None, :], v0)
-        if not EARLY_META:
-            row = tl.load(ReqPoolIdx + b).to(tl.int64)
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
