@@ -336,6 +336,8 @@ STEP_TILES06 = Lab("step_tiles06", 150, ("step_tiles06.json",), ("step_tiles06",
 BARRIER = Check("barrier", 60, ("grid_barrier.json",), module="grid_barrier")
 PERSISTENT = Check("persistent", 90, ("persistent_gemv.json",), module="persistent_gemv")
 FOLD8 = Lab("fold8", 300, ("fold8.json",), ("fold8",))
+TIMELINE06 = Timeline("timeline06", 40, ("decode_timeline_06.json",), "qwen3-0.6b", "06")
+TIMELINE8 = Timeline("timeline8", 55, ("decode_timeline_8b.json",), "qwen3-8b", "8b")
 # the full lease: the headline, its diagnoses and SGLang beside it
 HEADLINE_CALLS = ("call1", "call2", "call3", "call4")
 CALLS: dict[str, Call] = {
@@ -344,7 +346,7 @@ CALLS: dict[str, Call] = {
         "(each switch off in turn), the batch-mix sweep, and the batch-1 step's timeline",
         carry=(KIT, f"{WHEEL_DIR}/a"),
         steps=(Lab("minisgl06", 360, ("qwen3_06.json",), ("ceilings", "bench06", "sweep06")),
-               Timeline("timeline06", 40, ("decode_timeline_06.json",), "qwen3-0.6b", "06"))),
+               TIMELINE06)),
     "call2": Call(
         "minisgl on Qwen3.5-0.8B and Qwen3-8B (headline and ablations), transformers on Qwen3-0.6B and 8B",
         carry=(KIT, f"{WHEEL_DIR}/b"),
@@ -356,7 +358,7 @@ CALLS: dict[str, Call] = {
         carry=(KIT, f"{WHEEL_DIR}/c"),
         steps=(Lab("diagnosis", 95, ("diagnosis.json",), ("profile",)),
                Lab("diagnosis8", 45, ("diagnosis8.json",), ("profile8",)),
-               Timeline("timeline8", 55, ("decode_timeline_8b.json",), "qwen3-8b", "8b"))),
+               TIMELINE8)),
     "call4": Call(
         "SGLang beside us, on the machine calls 1-3 staged their parts on: Qwen3-0.6B (W1, W1 top-k/top-p, W2, "
         "W3, W4, the sweep), Qwen3.5-0.8B (W1, W2), Qwen3-8B (W1, W1 top-k/top-p, W2)",
@@ -510,6 +512,12 @@ CALLS: dict[str, Call] = {
         steps=(ANATOMY,)),
     "anatomy8": Call("optional: the same on Qwen3-8B", carry=(),
                      steps=(ANATOMY8,)),
+    "timelines": Call(
+        "optional: issue 29, the batch-1 step with the host around it: Qwen3-0.6B's and Qwen3-8B's timelines (the "
+        "engine's unprofiled time a step against its graphs replayed bare, the host's phases), as calls 1 and 3 "
+        "take them",
+        carry=(),
+        steps=(TIMELINE06, TIMELINE8)),
     "probes": Call(
         "optional, a session's first call: issue 29's quick probes in one call: the fused RoPE against the RoPE "
         "kernel bit by bit (rope_bits) and in the engine's tokens (rope_tokens06), the batch-1 step's anatomy, the "
