@@ -716,6 +716,19 @@ def step_tiles(model: str, budget_s: float, rounds: int) -> dict:
     return {"tune": tune, "runs": Bench(model, arms, rounds)()}
 
 
+STAGED_ABOUT = "a decode graph's inputs in one copy of a block its graphs read (engine/staged_graph.py)"
+
+
+def staged_ab(model: str, workloads: tuple[str, ...], rounds: int, tokens: bool = True) -> dict:
+    """The engine switch graph_staged_inputs off and on: the tokens (`same_tokens`, on against off; the graphs
+    read the same values, so they must be the same), then `workloads` in each arm, interleaved `rounds` times."""
+    arms = {"off": {"graph_staged_inputs": False}, "staged": {"graph_staged_inputs": True}}
+    same = same_tokens(model, {label: (settings, {}) for label, settings in arms.items()}, "off") if tokens else None
+    runs = Bench(model, (Arm("off", workloads, arms["off"]),
+                         Arm("staged", workloads, arms["staged"], about=STAGED_ABOUT)), rounds)()
+    return {"tokens": same, "runs": runs, "ok": same["ok"] if same else None}
+
+
 def flashinfer_section() -> dict:
     """The FlashInfer backend: kernel checks and timings against Triton and torch, greedy parity in bf16 next to
     the Triton backend, then W2 and W1 on Qwen3-0.6B."""
@@ -810,6 +823,11 @@ SECTIONS: dict[str, Section] = {
                             "Qwen3-0.6B: the GEMV's tiles tuned inside the batch-1 decode step, then W2 with the "
                             "card's table and with the picks"),
     "step_tiles8": section(lambda: step_tiles("qwen3-8b", 150, rounds=1), "the same on Qwen3-8B, one round"),
+    "staged06": section(lambda: staged_ab("qwen3-0.6b", ("w2", "w1"), rounds=2),
+                        "Qwen3-0.6B: tokens, then W2 and W1 with a decode graph's inputs copied one by one and "
+                        "staged in one copy, interleaved twice"),
+    "staged8": section(lambda: staged_ab("qwen3-8b", ("w2",), rounds=1, tokens=False),
+                       "the same on Qwen3-8B: W2, one round (the tokens are checked on Qwen3-0.6B)"),
     "fold06": section(lambda: kernel_option_ab("qwen3-0.6b", {"gemv_norm_fold": FOLD_ABOUT}),
                       "Qwen3-0.6B: tokens and W2 with the RMSNorms folded into the GEMVs, off and on"),
     "fold8": section(lambda: kernel_option_ab("qwen3-8b", {"gemv_norm_fold": FOLD_ABOUT}, rounds=1),

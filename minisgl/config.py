@@ -271,6 +271,10 @@ class EngineConfig:
     cuda_graph_split: bool = _opt(True, "--disable-cuda-graph-split",
                                   "decode steps larger than the largest graph run eagerly, not as graph-sized "
                                   "pieces (engine/graph_pieces.py)", disable=True)
+    graph_staged_inputs: bool = _opt(True, "--disable-graph-staged-inputs",
+                                     "a decode graph's inputs reach its fixed buffers by a device copy each, as "
+                                     "notebook 06 writes them, not by one copy of a block the graphs read "
+                                     "(engine/staged_graph.py; dense models)", disable=True)
     gemv: bool = _opt(True, "--disable-gemv", "matmuls of at most 4 rows (batch-1..4 decode) through cuBLAS, not "
                       "minisgl's Triton GEMV (kernels/gemv.py; GPU, bf16/fp16 weights)", disable=True)
     # prefill/extend steps as CUDA Graphs too (with cuda_graph on, Triton attention; engine/prefill_graph.py)

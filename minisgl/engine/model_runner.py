@@ -28,6 +28,7 @@ from minisgl.engine.prefill_graph import pad_extend_step
 from minisgl.engine.runtimes import make_runtime
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.engine.sizing import auto_max_running_requests, graph_max_bs, row_bytes
+from minisgl.engine.staged_graph import StagedCudaGraphRunner
 from minisgl.environment import omp_threads_set
 from minisgl.grammar import bitmask_words
 from minisgl.kernels import sampling as fused_sampling
@@ -96,6 +97,29 @@ class StepLogprobs:
         """(each row's token logprob, its top_n ids, their logprobs), on the host."""
         p, n = self.packed, self.top_n
         return p[:, 0].tolist(), p[:, 1 + n:].contiguous().view(torch.int32).tolist(), p[:, 1:1 + n].tolist()
+
+
+@dataclass
+class HostArrays:
+    """A step's inputs on the host (`ModelRunner.host_arrays`): per token, per request, per sampling request."""
+
+    token_src: np.ndarray  # [tokens] flat token-table index of each input id (row * width + position)
+    positions: np.ndarray  # [tokens]
+    out_cache_loc: np.ndarray  # [tokens] the KV slot each token's K/V goes to
+    rows: np.ndarray  # [requests] each request's row of the tables
+    prefix: np.ndarray  # [requests] tokens already in the KV cache
+    extend: np.ndarray  # [requests] tokens this step adds
+    start: np.ndarray  # [requests] the request's first token in the step
+    logit_idx: np.ndarray  # [sampling] the token whose logits each sampling request samples from
+    token_dst: np.ndarray  # [sampling] flat token-table index of each sampled token
+    seeds: np.ndarray  # [sampling] and the sampler's settings below
+    steps: np.ndarray
+    top_ks: np.ndarray
+    temperatures: list[float]
+    top_ps: list[float]
+    min_ps: list[float]
+    all_greedy: bool
+    any_top_k_p: bool
 
 
 @dataclass
@@ -359,6 +383,33 @@ class ModelRunner:
             out.append(view if p.ndim == 1 else view.view(p.shape))
         return out
 
+    def host_arrays(self, batch: Batch) -> HostArrays:
+        """A step's inputs as host arrays, before any upload (`prepare`; a staged decode graph's `run_staged`)."""
+        b, t = batch.size, batch.num_tokens
+        prefix = np.asarray(batch.prefix_lens, dtype=np.int64)
+        extend = np.asarray(batch.extend_lens, dtype=np.int64)
+        start = np.zeros(b, dtype=np.int64)
+        np.cumsum(extend[:-1], out=start[1:])
+        positions = np.repeat(prefix - start, extend) + np.arange(t, dtype=np.int64)
+        sample_rows = np.asarray(batch.sample_rows, dtype=np.int64)
+        rows = np.asarray([r.row for r in batch.reqs], dtype=np.int64)
+        # flat indices into the token table (row * width + position): where the step reads its input ids, and
+        # where its sampled tokens go (position prefix + extend: each sampling request's next token)
+        width = self.req_pool.max_context_len
+        reqs = [batch.reqs[i] for i in batch.sample_rows]
+        vocab = self.model_config.vocab_size
+        temps = [r.params.temperature for r in reqs]
+        return HostArrays(
+            token_src=np.repeat(rows * width, extend) + positions, positions=positions,
+            out_cache_loc=np.asarray(batch.out_cache_loc, np.int64), rows=rows, prefix=prefix, extend=extend,
+            start=start, logit_idx=start[sample_rows] + extend[sample_rows] - 1,
+            token_dst=rows[sample_rows] * width + (prefix + extend)[sample_rows],
+            seeds=np.asarray([r.seed for r in reqs], dtype=np.int64),
+            steps=np.asarray([r.num_outputs_scheduled for r in reqs], dtype=np.int64),
+            top_ks=np.asarray([r.params.top_k_within(vocab) for r in reqs], dtype=np.int64),
+            temperatures=temps, top_ps=[r.params.top_p for r in reqs], min_ps=[r.params.min_p for r in reqs],
+            all_greedy=all(x == 0 for x in temps), any_top_k_p=any(r.params.cuts(vocab) for r in reqs))
+
     def prepare(self, batch: Batch, pad_to: tuple[int, int] | None = None,
                 writes: tuple[np.ndarray, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, SamplingTensors, torch.Tensor]:
@@ -369,41 +420,22 @@ class ModelRunner:
         inside the decode graph's replay). `pad_to` = (tokens, requests) pads the step to a prefill graph's
         shape."""
         writes, n_slot_writes = writes if writes is not None else self.req_pool.take_writes()
-        b, t = batch.size, batch.num_tokens
-        prefix = np.asarray(batch.prefix_lens, dtype=np.int64)
-        extend = np.asarray(batch.extend_lens, dtype=np.int64)
-        start = np.zeros(b, dtype=np.int64)
-        np.cumsum(extend[:-1], out=start[1:])
-        positions = np.repeat(prefix - start, extend) + np.arange(t, dtype=np.int64)
-        sample_rows = np.asarray(batch.sample_rows, dtype=np.int64)
-        logit_idx = start[sample_rows] + extend[sample_rows] - 1
-        rows = np.asarray([r.row for r in batch.reqs], dtype=np.int64)
-        # flat indices into the token table (row * width + position): where the step reads its input ids, and
-        # where its sampled tokens go (position prefix + extend: each sampling request's next token)
-        width = self.req_pool.max_context_len
-        token_src = np.repeat(rows * width, extend) + positions
-        token_dst = rows[sample_rows] * width + (prefix + extend)[sample_rows]
-        reqs = [batch.reqs[i] for i in batch.sample_rows]
-        s = len(reqs)
-        vocab = self.model_config.vocab_size
-        seeds = np.asarray([r.seed for r in reqs], dtype=np.int64)
-        steps = np.asarray([r.num_outputs_scheduled for r in reqs], dtype=np.int64)
-        top_ks = np.asarray([r.params.top_k_within(vocab) for r in reqs], dtype=np.int64)
-        loc = np.asarray(batch.out_cache_loc, np.int64)
+        a = self.host_arrays(batch)
+        token_src, positions, loc, rows = a.token_src, a.positions, a.out_cache_loc, a.rows
+        prefix, extend, start, logit_idx = a.prefix, a.extend, a.start, a.logit_idx
+        s, t = len(a.temperatures), batch.num_tokens
         extra = self.runtime.step_arrays(rows, start, t, pad_to)  # e.g. a hybrid's state slots and bounds
         if pad_to is not None:  # prefill graph: padded on the host, so the one upload has the graph's shapes
             token_src, positions, loc, rows, prefix, extend, start, logit_idx = pad_extend_step(
                 pad_to, token_src, positions, loc, rows, prefix, extend, start, logit_idx)
-        temps = [r.params.temperature for r in reqs]
         floats = np.zeros((3, s + (-s) % 4), dtype=np.float32)  # rows on 16-byte boundaries too
-        floats[0, :s], floats[1, :s] = temps, [r.params.top_p for r in reqs]
-        floats[2, :s] = [r.params.min_p for r in reqs]
+        floats[0, :s], floats[1, :s], floats[2, :s] = a.temperatures, a.top_ps, a.min_ps
         # the attention metadata's int32 arrays travel as int32: no conversion kernels on the device
-        lens32 = [a.astype(np.int32) for a in (prefix + extend, prefix, extend, start)]
+        lens32 = [x.astype(np.int32) for x in (prefix + extend, prefix, extend, start)]
         (src_d, pos, out_loc, rows_d, logit_d, dst_d, seeds_d, steps_d, topk_d, writes_d, floats_d, seq_lens,
          prefix_d, extend_d, start_d, *extra_d) = self._upload(
-            [token_src, positions, loc, rows, logit_idx, token_dst, seeds, steps, top_ks, writes, floats, *lens32,
-             *extra])
+            [token_src, positions, loc, rows, logit_idx, a.token_dst, a.seeds, a.steps, a.top_ks, writes, floats,
+             *lens32, *extra])
         self.req_pool.apply_writes(writes_d, n_slot_writes)
         input_ids = self.req_pool.token_ids.view(-1)[src_d]
         meta = self.runtime.metadata_cls(
@@ -415,8 +447,7 @@ class ModelRunner:
         self.runtime.attach(meta, extra_d)
         sampling = SamplingTensors(
             temperatures=floats_d[0, :s], top_ps=floats_d[1, :s], top_ks=topk_d, seeds=seeds_d, steps=steps_d,
-            all_greedy=all(x == 0 for x in temps), min_ps=floats_d[2, :s],
-            any_top_k_p=any(r.params.cuts(vocab) for r in reqs))
+            all_greedy=a.all_greedy, min_ps=floats_d[2, :s], any_top_k_p=a.any_top_k_p)
         return input_ids, pos, meta, logit_d, sampling, dst_d
 
     def store_tokens(self, token_dst: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -442,6 +473,9 @@ class ModelRunner:
 
     def _forward(self, batch: Batch, writes: tuple[np.ndarray, int] | None = None) -> StepOutput:
         self.last_batch = batch
+        if (isinstance(self.graph_runner, StagedCudaGraphRunner) and self.graph_runner.can_run(batch)
+                and not any(batch.reqs[i].params.processes_logits for i in batch.sample_rows)):
+            return self._forward_staged(batch, writes)
         shape = self.prefill_graph.shape_for(batch) if self.prefill_graph is not None else None
         input_ids, positions, meta, logit_idx, sampling, token_dst = self.prepare(batch, pad_to=shape, writes=writes)
         self.runtime.before_step(batch)  # e.g. a hybrid's admitted requests start from zeros or a snapshot
@@ -469,6 +503,25 @@ class ModelRunner:
         if not in_graph:
             self.store_tokens(token_dst, tokens)
         return self._to_host(StepOutput(batch, tokens, None, None), copy=in_graph)
+
+    def _forward_staged(self, batch: Batch, writes: tuple[np.ndarray, int] | None) -> StepOutput:
+        """A decode step through a staged graph (engine/staged_graph.py): its inputs and its table writes in
+        one copy. Token ids to write (a prompt's, never a decode step's) or more writes than the block holds
+        take the usual upload first."""
+        packed, n_slot = writes if writes is not None else self.req_pool.take_writes()
+        graphs = self.graph_runner
+        table_writes = None
+        if packed.shape[1] == n_slot and n_slot <= graphs.write_capacity:
+            table_writes = np.stack([packed[0, :n_slot] * self.req_pool.max_context_len + packed[1, :n_slot],
+                                     packed[2, :n_slot]])
+        elif packed.shape[1]:
+            self.req_pool.apply_writes(self._upload([packed])[0], n_slot)
+        arrays = self.host_arrays(batch)
+        self.runtime.before_step(batch)
+        self.last_step_kind = "graph"
+        tokens = graphs.run_staged(arrays, table_writes, self.req_pool.table)
+        self.runtime.after_step(batch)
+        return self._to_host(StepOutput(batch, tokens, None, None), copy=True)
 
     def _to_host(self, out: StepOutput, copy: bool) -> StepOutput:
         """The step's tokens (and logprobs) on their way to the host; `copy`: the tokens are a graph's output

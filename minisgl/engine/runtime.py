@@ -27,6 +27,7 @@ from minisgl.attention import AttentionMetadata
 from minisgl.config import EngineConfig
 from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.sizing import MAX_ROWS, ROW_MEMORY_SHARE
+from minisgl.engine.staged_graph import StagedCudaGraphRunner
 from minisgl.kvcache import NaiveCache, PageAllocator, PrefixCache, RadixCache, ReqToTokenPool
 from minisgl.scheduler import Batch, Scheduler
 
@@ -92,6 +93,8 @@ class ModelRuntime:
 
     # --- CUDA graphs ---------------------------------------------------------------------------------------
     def decode_graphs(self, runner, max_bs: int) -> CudaGraphRunner:
+        if runner.config.graph_staged_inputs:  # the inputs in one copy (engine/staged_graph.py)
+            return StagedCudaGraphRunner(runner, max_bs)
         return CudaGraphRunner(runner, max_bs)
 
     def graph_inputs(self, rows: int, device: torch.device, decode: bool) -> GraphInputs:
