@@ -274,7 +274,9 @@ class EngineConfig:
     graph_staged_inputs: bool = _opt(True, "--disable-graph-staged-inputs",
                                      "a decode graph's inputs reach its fixed buffers by a device copy each, as "
                                      "notebook 06 writes them, not by one copy of a block the graphs read "
-                                     "(engine/staged_graph.py; dense models)", disable=True)
+                                     "(engine/staged_graph.py; Qwen3.5's state slots too). Staged: W2 TPOT 0.800 "
+                                     "-> 0.770 ms (median of four) on Qwen3-0.6B on an H100, the same tokens "
+                                     "(reports/h100/run35)", disable=True)
     gemv: bool = _opt(True, "--disable-gemv", "matmuls of at most 4 rows (batch-1..4 decode) through cuBLAS, not "
                       "minisgl's Triton GEMV (kernels/gemv.py; GPU, bf16/fp16 weights)", disable=True)
     # prefill/extend steps as CUDA Graphs too (with cuda_graph on, Triton attention; engine/prefill_graph.py)

@@ -314,11 +314,12 @@ class CaseFailure(Exception):
 def install_graphs(llm, graphs: dict) -> None:
     """The graph paths on a CPU: prefill graphs run their padded fixed-buffer forward eagerly (capture=False);
     decode graphs are the real runner with replay stand-ins for CUDA graphs (as tests/test_cuda_graph.py)."""
-    from helpers import capture_replay_graphs, graph_runner_view
+    from helpers import capture_replay_graphs, capture_staged_replay_graphs, graph_runner_view
 
     from minisgl.engine import prefill_graph as pg
     from minisgl.engine.cuda_graph import CudaGraphRunner
-    from minisgl.engine.hybrid import StateCudaGraphRunner
+    from minisgl.engine.hybrid import StagedStateCudaGraphRunner, StateCudaGraphRunner
+    from minisgl.engine.staged_graph import StagedCudaGraphRunner
 
     runner = llm.engine.runner
     if "prefill" in graphs:
@@ -329,13 +330,17 @@ def install_graphs(llm, graphs: dict) -> None:
     if "decode" in graphs:
         view = graph_runner_view(runner)
         max_bs = graphs["decode"]["max_bs"]
+        # the engine's own runner class (staged inputs by default: the engine switch graph_staged_inputs)
+        staged = runner.config.graph_staged_inputs
+        capture = {"_capture_all": capture_staged_replay_graphs if staged else capture_replay_graphs}
         if runner.state_pool is not None:
             from minisgl.engine.cuda_graph import default_batch_sizes
-            cls = type("CpuStateGraphs", (StateCudaGraphRunner,), {"_capture_all": capture_replay_graphs})
+            base = StagedStateCudaGraphRunner if staged else StateCudaGraphRunner
+            cls = type("CpuStateGraphs", (base,), capture)
             rows = default_batch_sizes(max_bs)[-1]
             runner.graph_runner = cls(view, max_bs, runner.runtime.graph_inputs(rows, runner.device, decode=True))
         else:
-            cls = type("CpuGraphs", (CudaGraphRunner,), {"_capture_all": capture_replay_graphs})
+            cls = type("CpuGraphs", (StagedCudaGraphRunner if staged else CudaGraphRunner,), capture)
             runner.graph_runner = cls(view, max_bs)
 
 

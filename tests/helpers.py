@@ -315,9 +315,16 @@ def capture_replay_graphs(graph_runner) -> None:
             graph_runner.graphs[bs, s], graph_runner.outputs[bs, s] = graph, graph.output
 
 
+def capture_staged_replay_graphs(graph_runner) -> None:
+    """The same for a staged runner (engine/staged_graph.py): its fixed buffers become the block's rows first, as
+    its own `_capture_all` does on a GPU."""
+    graph_runner._stage_buffers()
+    capture_replay_graphs(graph_runner)
+
+
 def graph_runner_view(runner):
     """What a decode graph runner reads of the model runner, with the attention backend behind GraphHooks."""
     from types import SimpleNamespace
 
     return SimpleNamespace(model=runner.model, attn=GraphHooks(runner.attn), device=runner.device,
-                           max_model_len=runner.max_model_len, req_pool=runner.req_pool)
+                           max_model_len=runner.max_model_len, req_pool=runner.req_pool, config=runner.config)

@@ -17,7 +17,13 @@ import torch
 from minisgl import SamplingParams
 from minisgl.engine.cuda_graph import SAMPLERS, CudaGraphRunner
 from minisgl.engine.staged_graph import StagedCudaGraphRunner
-from tests.helpers import VOCAB, assert_all_pages_back, capture_replay_graphs, graph_runner_view
+from tests.helpers import (
+    VOCAB,
+    assert_all_pages_back,
+    capture_replay_graphs,
+    capture_staged_replay_graphs,
+    graph_runner_view,
+)
 
 PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 10) + 5 for j in range(n)] for i, n in enumerate([5, 17, 9, 30, 2, 12, 8, 21])]
 SETTINGS = [dict(temperature=0.0), dict(temperature=0.9), dict(temperature=1.2, top_k=20, top_p=0.9),
@@ -35,9 +41,7 @@ class CpuStagedGraphs(StagedCudaGraphRunner):
     """The staged runner (engine switch graph_staged_inputs, on by default) with the same stand-ins: its fixed
     buffers become the block's rows first, as on a GPU."""
 
-    def _capture_all(self):
-        self._stage_buffers()
-        capture_replay_graphs(self)
+    _capture_all = capture_staged_replay_graphs
 
 
 @pytest.fixture(params=[CpuGraphs, CpuStagedGraphs], ids=["copies", "staged"])
@@ -202,3 +206,4 @@ def test_staged_steps_take_the_block_and_fall_back_for_other_writes(qwen3_path, 
     batch.reqs[0].output_ids.extend(token)
     llm.engine.run([req])
     assert_all_pages_back(llm)
+

@@ -447,3 +447,29 @@ def test_chunk_cut_at_a_branch_point_keeps_its_pages_without_taking_more(qwen35_
     assert min(counts) >= 0, counts
     assert all(pages <= tokens + 1 for pages, tokens in held), max(held)  # page size 1: a page per token at most
     assert_all_pages_back(llm)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["copies", "staged"])
+def test_decode_graphs_equal_eager(staged, qwen35_path, make_llm):
+    """The hybrid's decode graphs (engine/hybrid.py) read each row's state slot too; staged (the engine switch
+    graph_staged_inputs), the slots are a row of the block. On a CPU with replay stand-ins for the captures (as
+    tests/test_cuda_graph.py): the eager engine's tokens, greedy and seeded sampling, each decode step one replay."""
+    from helpers import capture_replay_graphs, capture_staged_replay_graphs, graph_runner_view
+
+    from minisgl.engine.cuda_graph import default_batch_sizes
+    from minisgl.engine.hybrid import StagedStateCudaGraphRunner, StateCudaGraphRunner
+
+    prompts = SUBSET[:5]
+    all_params = [SamplingParams(max_tokens=8, ignore_eos=True, seed=i, temperature=0.0 if i % 2 else 0.9,
+                                 top_k=-1 if i % 3 else 20) for i in range(len(prompts))]
+    eager = [o.token_ids for o in make_llm(qwen35_path).generate(prompts, all_params)]
+    llm = make_llm(qwen35_path)
+    runner = llm.engine.runner
+    base = StagedStateCudaGraphRunner if staged else StateCudaGraphRunner
+    capture = capture_staged_replay_graphs if staged else capture_replay_graphs
+    cls = type("CpuStateGraphs", (base,), {"_capture_all": capture})
+    inputs = runner.runtime.graph_inputs(default_batch_sizes(8)[-1], runner.device, decode=True)
+    graphs = runner.graph_runner = cls(graph_runner_view(runner), 8, inputs)
+    assert [o.token_ids for o in llm.generate(prompts, all_params)] == eager
+    assert sum(g.replays for g in graphs.graphs.values()) == llm.engine.stats["graph_steps"] > 0
+    assert_all_pages_back(llm)

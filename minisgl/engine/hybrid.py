@@ -35,6 +35,7 @@ from minisgl.engine.prefill_graph import pad_array
 from minisgl.engine.runtime import GraphInputs, ModelRuntime
 from minisgl.engine.sampler import SamplingTensors
 from minisgl.engine.sizing import HYBRID_ROW_MEMORY_SHARE
+from minisgl.engine.staged_graph import StagedCudaGraphRunner
 from minisgl.kvcache import PageAllocator, PrefixCache, ReqToTokenPool
 from minisgl.kvcache.state_pool import HybridAttentionMetadata, StatePool
 from minisgl.scheduler import Batch
@@ -93,6 +94,21 @@ class StateCudaGraphRunner(CudaGraphRunner):
             sampling: SamplingTensors, token_dst: torch.Tensor | None = None) -> torch.Tensor:
         self.inputs.load(meta, meta.batch_size)
         return super().run(input_ids, positions, meta, sampling, token_dst)
+
+
+class StagedStateCudaGraphRunner(StateCudaGraphRunner, StagedCudaGraphRunner):
+    """The hybrid's decode graphs with their inputs staged in one copy (engine switch graph_staged_inputs): the
+    state slots are a row of the block too (a request's slot is its row, padded rows on the dummy slot)."""
+
+    def _stage_buffers(self) -> None:
+        super()._stage_buffers()
+        slots = self._row(self.block, "state_slots")
+        slots.fill_(self.inputs.dummy_slot)
+        self.inputs.state_slots = slots
+
+    def _stage_extra(self, host: dict, arrays, n: int, bs: int) -> None:
+        host["state_slots"][:n] = arrays.rows
+        host["state_slots"][n:bs] = self.inputs.dummy_slot
 
 
 class LinearStateRuntime(ModelRuntime):
@@ -166,7 +182,8 @@ class LinearStateRuntime(ModelRuntime):
 
     def decode_graphs(self, runner, max_bs: int) -> StateCudaGraphRunner:
         rows = default_batch_sizes(max_bs)[-1]
-        return StateCudaGraphRunner(runner, max_bs, self.graph_inputs(rows, runner.device, decode=True))
+        cls = StagedStateCudaGraphRunner if runner.config.graph_staged_inputs else StateCudaGraphRunner
+        return cls(runner, max_bs, self.graph_inputs(rows, runner.device, decode=True))
 
     def graph_inputs(self, rows: int, device: torch.device, decode: bool) -> StateGraphInputs:
         return StateGraphInputs(rows, self.state_pool.dummy_slot, device, decode)

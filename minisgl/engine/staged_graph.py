@@ -22,7 +22,7 @@ from minisgl.engine.sampler import SamplingTensors
 
 # The block's rows, each `width` int64 elements; an int32 or float32 field uses the first half of its row.
 _I64 = ("positions", "out_cache_loc", "req_pool_indices", "token_dst", "token_src", "top_ks", "seeds", "steps",
-        "write_at")
+        "write_at", "state_slots")  # state_slots: a hybrid model's (engine/hybrid.py), unused by a dense one
 _I32 = ("seq_lens", "write_val")
 _F32 = ("temperatures", "top_ps", "min_ps")
 ROWS = {name: i for i, name in enumerate(_I64 + _I32 + _F32)}
@@ -64,6 +64,9 @@ class StagedCudaGraphRunner(CudaGraphRunner):
             steps=rows["steps"], all_greedy=False, any_top_k_p=True, min_ps=rows["min_ps"])
         self.token_src, self.write_at, self.write_val = rows["token_src"], rows["write_at"], rows["write_val"]
 
+    def _stage_extra(self, host: dict, arrays, n: int, bs: int) -> None:
+        """A subclass's own rows of the host block for a step of n rows padded to bs (none here)."""
+
     @staticmethod
     def _row(block, name: str):
         """Row `name` of a block (a tensor or its numpy view) in the field's dtype, `width` elements."""
@@ -97,6 +100,7 @@ class StagedCudaGraphRunner(CudaGraphRunner):
                                   ("seeds", arrays.seeds, 0), ("steps", arrays.steps, 0)):
             h[name][:n] = values
             h[name][n:bs] = pad
+        self._stage_extra(h, arrays, n, bs)
         k = 0 if writes is None else writes.shape[1]
         if k:
             h["write_at"][:k], h["write_val"][:k] = writes
