@@ -514,10 +514,12 @@ CALLS: dict[str, Call] = {
                      steps=(ANATOMY8,)),
     "staged": Call(
         "optional, issue 29: a decode graph's inputs staged in one copy (engine switch graph_staged_inputs) off and "
-        "on: Qwen3-0.6B's tokens, W2 and W1 twice interleaved, Qwen3-8B's W2 once; then Qwen3-0.6B's batch-1 "
-        "timeline at the defaults (the engine's time a step against its graphs replayed bare)",
+        "on: Qwen3-0.6B's tokens, W2 and W1 twice interleaved, Qwen3-8B's W2 once, Qwen3.5-0.8B's tokens and W2 "
+        "once; then Qwen3-0.6B's batch-1 timeline at the defaults (the engine's time a step against its graphs "
+        "replayed bare)",
         carry=(),
-        steps=(Lab("staged", 300, ("staged.json",), ("staged06", "staged8")), TIMELINE06)),
+        # run35 (H100): staged06 + staged8 in 225-233 s
+        steps=(Lab("staged", 320, ("staged.json",), ("staged06", "staged8", "staged35")), TIMELINE06)),
     "timelines": Call(
         "optional: issue 29, the batch-1 step with the host around it: Qwen3-0.6B's and Qwen3-8B's timelines (the "
         "engine's unprofiled time a step against its graphs replayed bare, the host's phases), as calls 1 and 3 "

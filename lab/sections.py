@@ -828,6 +828,8 @@ SECTIONS: dict[str, Section] = {
                         "staged in one copy, interleaved twice"),
     "staged8": section(lambda: staged_ab("qwen3-8b", ("w2",), rounds=1, tokens=False),
                        "the same on Qwen3-8B: W2, one round (the tokens are checked on Qwen3-0.6B)"),
+    "staged35": section(lambda: staged_ab("qwen3.5-0.8b", ("w2",), rounds=1),
+                        "the same on Qwen3.5-0.8B (its state slots staged too): tokens, then W2, one round"),
     "fold06": section(lambda: kernel_option_ab("qwen3-0.6b", {"gemv_norm_fold": FOLD_ABOUT}),
                       "Qwen3-0.6B: tokens and W2 with the RMSNorms folded into the GEMVs, off and on"),
     "fold8": section(lambda: kernel_option_ab("qwen3-8b", {"gemv_norm_fold": FOLD_ABOUT}, rounds=1),
