@@ -14,10 +14,12 @@ through it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
-from minisgl.engine.cuda_graph import CudaGraphRunner, padded_size
+from minisgl.engine.cuda_graph import CudaGraphRunner, padded_size, sampler_of
 from minisgl.engine.sampler import SamplingTensors
 
 # The block's rows, each `width` int64 elements; an int32 or float32 field uses the first half of its row.
@@ -82,8 +84,8 @@ class StagedCudaGraphRunner(CudaGraphRunner):
         `write_capacity`; None: applied already) scattered into `table`, the input ids gathered, one replay.
         The result is a view of the graph's output, valid until the next replay."""
         n = len(arrays.rows)
-        # the captured sampler the batch needs, as notebook 06's sampler_of picks it
-        sampler = "greedy" if arrays.all_greedy else "cuts" if arrays.any_top_k_p else "plain"
+        sampler = sampler_of(replace(self.sampling, all_greedy=arrays.all_greedy, any_top_k_p=arrays.any_top_k_p))
+        seq_lens = arrays.prefix + arrays.extend
         bs = padded_size(self.batch_sizes, n)
         turn, self._turn = self._turn, self._turn ^ 1
         if self._copied[turn] is not None:
@@ -92,7 +94,7 @@ class StagedCudaGraphRunner(CudaGraphRunner):
         # real rows, then padding: K/V to the reserved slot 0, a one-token context, the token to the spare cell,
         # greedy (notebook 06's fill_padding and _load_sampling)
         for name, values, pad in (("positions", arrays.positions, 0), ("out_cache_loc", arrays.out_cache_loc, 0),
-                                  ("req_pool_indices", arrays.rows, 0), ("seq_lens", arrays.prefix + 1, 1),
+                                  ("req_pool_indices", arrays.rows, 0), ("seq_lens", seq_lens, 1),
                                   ("token_dst", arrays.token_dst, self.spare_cell),
                                   ("token_src", arrays.token_src, self.spare_cell),
                                   ("temperatures", arrays.temperatures, 0.0), ("top_ks", arrays.top_ks, 1),
@@ -111,7 +113,7 @@ class StagedCudaGraphRunner(CudaGraphRunner):
             table.view(-1)[self.write_at[:k]] = self.write_val[:k]
         torch.index_select(self.token_table, 0, self.token_src[:bs], out=self.input_ids[:bs])
         static = self._meta(bs)
-        static.seq_lens_cpu = (arrays.prefix + 1).tolist() + [1] * (bs - n)  # backends that plan on the CPU
+        static.seq_lens_cpu = seq_lens.tolist() + [1] * (bs - n)  # backends that plan on the CPU
         self.attn.prepare_for_replay(static)
         self.last_run_used_graph = True
         self.graphs[bs, sampler].replay()
