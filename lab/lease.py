@@ -520,6 +520,13 @@ CALLS: dict[str, Call] = {
         carry=(),
         # run35 (H100): staged06 + staged8 in 225-233 s
         steps=(Lab("staged", 320, ("staged.json",), ("staged06", "staged8", "staged35")), TIMELINE06)),
+    "fused_ends": Call(
+        "optional, issue 29: the sampler's ends fused (kernel option sampler_fused_ends: its row settings in one "
+        "kernel, its last reduction and the token-table write in another, a greedy graph's argmax by its draw pass) "
+        "off and on: Qwen3-0.6B's tokens under graphs and eagerly, W2, W2 top-k/top-p and W1 twice interleaved, "
+        "Qwen3-8B's W2 and W2 top-k/top-p once; then Qwen3-0.6B's batch-1 timeline at the defaults",
+        carry=(),
+        steps=(Lab("fused_ends", 330, ("fused_ends.json",), ("fused_ends06", "fused_ends8")), TIMELINE06)),
     "timelines": Call(
         "optional: issue 29, the batch-1 step with the host around it: Qwen3-0.6B's and Qwen3-8B's timelines (the "
         "engine's unprofiled time a step against its graphs replayed bare, the host's phases), as calls 1 and 3 "

@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="run standard workloads W1-W4 and write JSON")
     add_engine_args(b)
-    b.add_argument("--workload", action="append", choices=["w1", "w1_topkp", "w2", "w3", "w4"], required=True)
+    b.add_argument("--workload", action="append", choices=["w1", "w1_topkp", "w2", "w2_topkp", "w3", "w4"],
+                   required=True)
     b.add_argument("--scale", type=float, default=1.0, help="shrink the workload (<1) for a CPU smoke run")
     b.add_argument("--out", default=None, help="JSON file to write")
     b.add_argument("--quiet", action="store_true")

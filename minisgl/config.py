@@ -183,6 +183,12 @@ class KernelOptions:
     sampler_top_k_bound: bool = _opt(True, "--disable-sampler-top-k-bound",
                                      "the fused sampler's top-k search starts from -inf instead of the k-th "
                                      "largest block maximum (kernels/sampling.py; exact either way)", disable=True)
+    sampler_fused_ends: bool = _opt(True, "--disable-sampler-fused-ends",
+                                    "the fused sampler's rows' settings (flags, 1 / T, seed hashes) and its last "
+                                    "reduction (with the token's write into the token table) are torch operations, "
+                                    "about thirty small launches a sampled step, not two kernels; a greedy decode "
+                                    "graph takes torch's argmax and table write instead of the sampler's draw pass "
+                                    "and pick (kernels/sampling.py; the same tokens either way)", disable=True)
     # launch tables (no flags: the tuning scripts set them from Python)
     norm_configs: tuple[tuple[int, int, int], ...] = ()  # (padded row length, rows per program, warps) overrides
     sampler_launch: SamplerLaunch = SamplerLaunch()

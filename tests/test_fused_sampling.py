@@ -216,3 +216,108 @@ def test_block_skip_and_top_k_bound_are_exact(kind):
     assert kept[0].sum() == 5 and kept[0, 96:104].sum() == 5
     assert kept[6].nonzero().flatten().tolist() == [31, 300, 440, 599]
     assert torch.isinf(_threshold(lo)[8]) and kept[8].all()
+
+
+def _settings_rows(gen: torch.Generator, vocab: int):
+    """Rows for the row-settings kernel: greedy, tiny and large temperatures, every cut, and seeds past 32 bits
+    and negative ones (the hash keeps only their low 32 bits, torch's int64 lanes and the kernel's uint32 alike)."""
+    t = torch.tensor([0.0, 1e-9, 1e-6, 0.3, 0.7, 1.0, 1.7, 100.0, 0.0, 0.6, 2.5, 0.9])
+    b = len(t)
+    k = torch.tensor([vocab, 1, 5, vocab, 40, vocab, 2, vocab, 3, vocab, vocab, 7])
+    p = torch.tensor([1.0, 1.0, 0.5, 0.9, 1.0, 1.0, 0.3, 1.0, 0.2, 1.0, 0.95, 1.0])
+    mp = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0])
+    seeds = torch.cat([torch.tensor([0, -1, -(2**40) - 7, 2**33 + 5, 2**62, -(2**63)]),
+                       torch.randint(0, 2**31, (b - 6,), generator=gen)])
+    steps = torch.randint(0, 5000, (b,), generator=gen)
+    return t, k, p, mp, seeds, steps
+
+
+@pytest.mark.parametrize("cuts", [True, False])
+def test_row_settings_kernel_computes_what_torch_computes(cuts):
+    """The one-launch row settings (kernel option sampler_fused_ends) are torch's bit for bit: flags, 1 / T and
+    the seed hash that every noise value starts from."""
+    fused = _interpreted()
+    vocab = 1000
+    t, k, p, mp, seeds, steps = _settings_rows(torch.Generator().manual_seed(5), vocab)
+    want = fused.row_settings(t, k, p, mp, seeds, steps, vocab, cuts, fused=False)
+    got = fused.row_settings(t, k, p, mp, seeds, steps, vocab, cuts, fused=True)
+    for name, w, g in zip(("flags", "inv_t", "hash"), want, got):
+        assert g.dtype == w.dtype and torch.equal(g, w), name
+    assert (got[0] != 0).sum() == (t > 0).sum() and got[2].unique().numel() == len(t)  # the rows differ
+
+
+@pytest.mark.parametrize("cuts", [True, False])
+def test_fused_ends_draw_the_same_tokens_and_write_the_table(cuts):
+    """sampler_fused_ends on and off draw the same tokens, and with a token table both write each row's token
+    at its cell (padded rows of a graph all write the same spare cell)."""
+    fused = _interpreted()
+    gen = torch.Generator().manual_seed(11)
+    vocab = 1000
+    t, k, p, mp, seeds, steps = _settings_rows(gen, vocab)
+    if not cuts:  # a batch the host found without cuts
+        k, p, mp = torch.full_like(k, vocab), torch.ones_like(p), torch.zeros_like(mp)
+    logits = _logits(len(t), vocab, gen, "ties").bfloat16()
+    dst = torch.randperm(100, generator=gen)[:len(t)]
+    tokens, tables = {}, {}
+    for on in (True, False):
+        table = torch.full((100,), -1, dtype=torch.int64)
+        with kernel_options(sampler_fused_ends=on):
+            tokens[on] = fused.fused_sample(logits, t, k, p, mp, seeds, steps, cuts=cuts, chunk=256, table=table,
+                                            dst=dst)
+        tables[on] = table
+    assert torch.equal(tokens[True], tokens[False])
+    assert torch.equal(tables[True], tables[False]) and torch.equal(tables[True][dst], tokens[True])
+    assert (tables[True] == -1).sum() == 100 - len(t)  # nothing else written
+    assert tokens[True].tolist() == _reference(logits.float(), t, k, p, mp, seeds, steps).tolist()
+
+
+@pytest.mark.parametrize("kind", ["plain", "ties", "bf16", "inf"])
+def test_fused_greedy_is_torch_argmax(kind):
+    """The greedy graph's argmax (the draw pass without noise, then the pick): torch's argmax, ties to the lowest
+    index (a tie across chunks included), rows of -inf and a row whose maximum is in the last, partial chunk."""
+    fused = _interpreted()
+    gen = torch.Generator().manual_seed(4)
+    vocab = 1100
+    logits = _logits(6, vocab, gen, "ties" if kind == "inf" else kind)
+    logits[1, [5, 700, 1099]] = 100.0  # tied maxima in three chunks
+    logits[2, 1099] = 100.0  # the last token, in the partial chunk
+    if kind == "inf":
+        logits[3] = float("-inf")
+        logits[4, :900] = float("-inf")
+    given = logits.bfloat16() if kind == "bf16" else logits
+    table = torch.zeros(20, dtype=torch.int64)
+    dst = torch.tensor([0, 3, 7, 8, 12, 19])
+    got = fused.fused_greedy(given, table, dst, chunk=256)
+    assert torch.equal(got, given.argmax(-1)) and torch.equal(table[dst], got)
+    assert got[1] == 5 and got[2] == 1099
+    assert torch.equal(fused.fused_greedy(given, chunk=256), got)
+
+
+def test_staged_graph_finish_fuses_the_sampler_ends():
+    """The engine's decode graphs (engine/staged_graph.py) end in the fused sampler: the same tokens into the same
+    table cells as notebook 06's `_finish`, for each captured sampler; with the option off, notebook 06's own."""
+    from minisgl.engine.cuda_graph import CudaGraphRunner
+    from minisgl.engine.staged_graph import StagedCudaGraphRunner
+
+    _interpreted()
+    gen = torch.Generator().manual_seed(21)
+    vocab, bs = 700, 5
+    t, k, p, mp, seeds, steps = (x[:bs] for x in _settings_rows(gen, vocab))
+    logits = _logits(bs, vocab, gen, "bf16").bfloat16()
+
+    def runner(cls):  # just what _finish reads: the token table, each row's cell, the sampler's settings
+        r = object.__new__(cls)
+        r.token_table = torch.full((40,), -1, dtype=torch.int64)
+        r.token_dst = torch.tensor([4, 9, 11, 30, 39])
+        r.sampling = SamplingTensors(t, k, p, seeds, steps, all_greedy=False, any_top_k_p=True, min_ps=mp)
+        return r
+
+    for sampler in ("greedy", "plain", "cuts"):
+        notebook = runner(CudaGraphRunner)
+        want = notebook._finish(logits, bs, sampler)
+        for on in (True, False):
+            staged = runner(StagedCudaGraphRunner)
+            with kernel_options(triton_on_cpu=True, sampler_fused_ends=on):
+                got = staged._finish(logits, bs, sampler)
+            assert torch.equal(got, want), (sampler, on)
+            assert torch.equal(staged.token_table, notebook.token_table), (sampler, on)

@@ -123,6 +123,7 @@ def request_sets() -> list[str]:
     about = {"w1": "offline throughput: all at once, temperature 0.6",
              "w1_topkp": "W1's requests sampled with top-k 50, top-p 0.95 (temperature 0.6)",
              "w2": "latency: one request at a time, greedy; TTFT and TPOT = (end-to-end - TTFT) / 255, medians",
+             "w2_topkp": "W2's requests sampled with top-k 50, top-p 0.95 (temperature 0.6, seeds 0-7)",
              "w3": "8 shared 1,024-token system prompts + a unique suffix, temperature 0.6: the radix cache",
              "w4": "128 requests decoding; then 8 prompts of 32,768 tokens arrive: the worst decode gap"}
     lines = ["## Request sets", "",

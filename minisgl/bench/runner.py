@@ -160,8 +160,8 @@ def run_interference(llm, w: Workload) -> dict:
     }
 
 
-RUNNERS = {"w1": run_throughput, "w1_topkp": run_throughput, "w2": run_latency, "w3": run_throughput,
-           "w4": run_interference}
+RUNNERS = {"w1": run_throughput, "w1_topkp": run_throughput, "w2": run_latency, "w2_topkp": run_latency,
+           "w3": run_throughput, "w4": run_interference}
 
 
 def flush_prefix_cache(llm) -> None:

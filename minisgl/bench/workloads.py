@@ -102,6 +102,15 @@ def w1_top_k_p(scale: float = 1.0, vocab: int = 10000) -> Workload:
     return Workload("W1-topkp", w.prompts, params)
 
 
+def w2_top_k_p(scale: float = 1.0, vocab: int = 10000) -> Workload:
+    """W2's requests sampled with top_k=50 and top_p=0.95 (temperature 0.6): a chat user's latency at batch 1,
+    where the sampler's launches are a share of every step that greedy decoding does not pay."""
+    w = w2_latency(scale, vocab)
+    params = [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, seed=i, **TOP_K_P)
+              for i, p in enumerate(w.params)]
+    return Workload("W2-topkp", w.prompts, params)
+
+
 @dataclass(frozen=True)
 class SweepCell:
     """One request mix of the sweep: `requests` prompts of [prompt_lo, prompt_hi] random ids, outputs of
@@ -194,5 +203,5 @@ def mix_workload(name: str, vocab: int = 10000) -> Workload:
     return sweep_workload(cell, vocab) if isinstance(cell, SweepCell) else prefix_group_workload(cell, vocab)
 
 
-WORKLOADS = {"w1": w1_offline, "w1_topkp": w1_top_k_p, "w2": w2_latency, "w3": w3_shared_prefix,
-             "w4": w4_interference}
+WORKLOADS = {"w1": w1_offline, "w1_topkp": w1_top_k_p, "w2": w2_latency, "w2_topkp": w2_top_k_p,
+             "w3": w3_shared_prefix, "w4": w4_interference}

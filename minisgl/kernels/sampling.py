@@ -55,12 +55,14 @@ except ImportError:  # CPU machines: the torch path in sampler.py is used instea
 
 NUM_CANDIDATES = 16  # thresholds measured per pass
 NUM_PASSES = 8  # 16 ** 8 = 2 ** 32: enough for any fp32 key
+ROW_BLOCK = 256  # rows per program of the row-settings kernel
 KEY_NEG_INF = -0x7F800000  # the key of -inf (keys: +-(the bits of |x|), so -0.0 and 0.0 share key 0)
 # flag bits per row
 SAMPLES, TOP_K, TOP_P, MIN_P = 1, 2, 4, 8
 
 if triton is not None:
-    _SAMPLES, _TOP_K, _MIN_P = tl.constexpr(SAMPLES), tl.constexpr(TOP_K), tl.constexpr(MIN_P)
+    _SAMPLES, _TOP_K, _TOP_P, _MIN_P = (tl.constexpr(SAMPLES), tl.constexpr(TOP_K), tl.constexpr(TOP_P),
+                                        tl.constexpr(MIN_P))
     _KEY_NEG_INF = tl.constexpr(KEY_NEG_INF)
 
     @triton.jit
@@ -244,18 +246,21 @@ if triton is not None:
 
     @triton.jit
     def _draw_span(best_val, best_idx, logits_ptr, row_start, start, vocab, inv_t, greedy, h, threshold, s_max,
-                   min_p_floor, CUTS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr):
+                   min_p_floor, CUTS: tl.constexpr, SPAN: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr):
         """Fold the tokens [start, start + SPAN) into each lane's best (value, index): the raw logit for greedy
-        rows, else s + Gumbel noise over the kept tokens."""
+        rows, else s + Gumbel noise over the kept tokens (no noise at all without NOISE: a greedy batch)."""
         for off in range(0, SPAN, BLOCK):
             idx = start + off + tl.arange(0, BLOCK)
             mask = idx < vocab
             x = tl.load(logits_ptr + row_start + idx, mask=mask, other=float("-inf")).to(tl.float32)
-            bits = _mix32(h ^ (idx.to(tl.uint32) * tl.full([], 0x85EBCA77, tl.uint32)))
-            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            g = -tl.log(-tl.log(u))
             s = x * inv_t
-            val = tl.where(greedy, x, s + g)
+            if NOISE:
+                bits = _mix32(h ^ (idx.to(tl.uint32) * tl.full([], 0x85EBCA77, tl.uint32)))
+                u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+                g = -tl.log(-tl.log(u))
+                val = tl.where(greedy, x, s + g)
+            else:
+                val = x
             keep = mask
             if CUTS:
                 keep = keep & (x >= threshold) & (s - s_max >= min_p_floor)
@@ -269,16 +274,21 @@ if triton is not None:
     def _draw_kernel(logits_ptr, stride, vocab, flags_ptr, lo_ptr, max_ptr, inv_t_ptr, log_min_p_ptr,
                      row_hash_ptr, pmax_ptr, partial_val_ptr, partial_idx_ptr, num_chunks, CUTS: tl.constexpr,
                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, STATS_BLOCK: tl.constexpr, SKIP: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     NOISE: tl.constexpr, USE_PDL: tl.constexpr):
         if USE_PDL:  # before any global access (kernels/pdl.py)
             pdl_enter()
         # grid (rows, chunks): the chunk's best (value, index); greedy rows (T == 0) take the raw argmax
         row = tl.program_id(0)
         chunk = tl.program_id(1)
-        flags = tl.load(flags_ptr + row)
+        if NOISE:
+            flags = tl.load(flags_ptr + row)
+            inv_t = tl.load(inv_t_ptr + row)
+            h = tl.load(row_hash_ptr + row).to(tl.uint32)  # stored as int64, < 2**32
+        else:  # a greedy batch: no row settings to read (flags, inv_t and hashes are not passed)
+            flags = tl.full([], 0, tl.int32)
+            inv_t = tl.full([], 1.0, tl.float32)
+            h = tl.full([], 0, tl.uint32)
         greedy = (flags & _SAMPLES) == 0
-        inv_t = tl.load(inv_t_ptr + row)
-        h = tl.load(row_hash_ptr + row).to(tl.uint32)  # stored as int64, < 2**32
         threshold = tl.full([], float("-inf"), tl.float32)  # rows keep everything unless CUTS says otherwise
         s_max = tl.full([], 0.0, tl.float32)
         min_p_floor = tl.full([], float("-inf"), tl.float32)
@@ -302,15 +312,68 @@ if triton is not None:
                 if (bm >= threshold) & (bm * inv_t - s_max >= min_p_floor) | (bm != bm):
                     best_val, best_idx = _draw_span(best_val, best_idx, logits_ptr, row_start, start, vocab, inv_t,
                                                     greedy, h, threshold, s_max, min_p_floor, CUTS, STATS_BLOCK,
-                                                    BLOCK)
+                                                    BLOCK, NOISE)
             else:
                 best_val, best_idx = _draw_span(best_val, best_idx, logits_ptr, row_start, start, vocab, inv_t,
-                                                greedy, h, threshold, s_max, min_p_floor, CUTS, STATS_BLOCK, BLOCK)
+                                                greedy, h, threshold, s_max, min_p_floor, CUTS, STATS_BLOCK, BLOCK,
+                                                NOISE)
         m = tl.max(best_val, axis=0)
         # lowest index among the maxima, as torch.argmax does
         i = tl.min(tl.where(best_val == m, best_idx, 2147483647), axis=0)
         tl.store(partial_val_ptr + row * num_chunks + chunk, m)
         tl.store(partial_idx_ptr + row * num_chunks + chunk, i)
+
+    @triton.jit
+    def _row_settings_kernel(temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr, flags_ptr, inv_t_ptr,
+                             hash_ptr, num_rows, vocab, CUTS: tl.constexpr, BLOCK: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+        """Each row's flags (`row_flags`, or T > 0 without CUTS), 1 / max(T, 1e-6) and `row_hash(seed, step)`, as
+        the torch expressions in `fused_sample` compute them, in one launch instead of about thirty."""
+        if USE_PDL:  # before any global access (kernels/pdl.py)
+            pdl_enter()
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = rows < num_rows
+        t = tl.load(temp_ptr + rows, mask=mask, other=0.0)
+        # IEEE division, as torch's `1.0 / x` (Triton's `/` on fp32 may round differently)
+        tl.store(inv_t_ptr + rows, tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), tl.maximum(t, 1e-6)),
+                 mask=mask)
+        samples = (t > 0).to(tl.int32)
+        if CUTS:
+            k = tl.load(top_k_ptr + rows, mask=mask, other=0)
+            p = tl.load(top_p_ptr + rows, mask=mask, other=1.0)
+            mp = tl.load(min_p_ptr + rows, mask=mask, other=0.0)
+            cuts = (_TOP_K * (k < vocab).to(tl.int32) + _TOP_P * (p < 1).to(tl.int32)
+                    + _MIN_P * (mp > 0).to(tl.int32))
+            tl.store(flags_ptr + rows, samples * (_SAMPLES + cuts), mask=mask)
+        else:
+            tl.store(flags_ptr + rows, samples, mask=mask)
+        # hashing.row_hash in uint32 lanes: its int64 sums and products are masked to 32 bits before each use, so
+        # only their low 32 bits matter, and those are what uint32 arithmetic keeps
+        seed = tl.load(seed_ptr + rows, mask=mask, other=0).to(tl.int64)
+        step = tl.load(step_ptr + rows, mask=mask, other=0).to(tl.int64)
+        x = ((seed * 0x9E3779B1 + step) & 0xFFFFFFFF).to(tl.uint32)
+        h = _mix32(_mix32(x) + tl.full([], 0x632BE5AB, tl.uint32))
+        tl.store(hash_ptr + rows, h.to(tl.int64), mask=mask)
+
+    @triton.jit
+    def _pick_kernel(partial_val_ptr, partial_idx_ptr, num_chunks, out_ptr, table_ptr, dst_ptr,
+                     NC_PAD: tl.constexpr, TABLE: tl.constexpr, USE_PDL: tl.constexpr):
+        """grid (rows,): a row's token from its chunks' best (value, index), as `vals.argmax` then `idxs.gather`
+        would (the first chunk among the maxima holds the lowest index); with TABLE also written to the token
+        table at the row's destination, as notebook 06's `_finish` does."""
+        if USE_PDL:  # before any global access (kernels/pdl.py)
+            pdl_enter()
+        row = tl.program_id(0)
+        offs = tl.arange(0, NC_PAD)
+        live = offs < num_chunks
+        vals = tl.load(partial_val_ptr + row * num_chunks + offs, mask=live, other=float("-inf"))
+        idxs = tl.load(partial_idx_ptr + row * num_chunks + offs, mask=live, other=2147483647)
+        best = tl.max(vals, axis=0)
+        token = tl.min(tl.where(live & (vals == best), idxs, 2147483647), axis=0).to(tl.int64)
+        tl.store(out_ptr + row, token)
+        if TABLE:
+            dst = tl.load(dst_ptr + row)
+            tl.store(table_ptr + dst, token.to(table_ptr.dtype.element_ty))
 
 
 if triton is not None:
@@ -530,12 +593,18 @@ def search_cuts(logits: torch.Tensor, flags: torch.Tensor, inv_t: torch.Tensor, 
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                  min_ps: torch.Tensor | None, seeds: torch.Tensor, steps: torch.Tensor, cuts: bool = True,
-                 chunk: int | None = None) -> torch.Tensor:
+                 chunk: int | None = None, table: torch.Tensor | None = None,
+                 dst: torch.Tensor | None = None) -> torch.Tensor:
     """Next tokens [B] (int64). `cuts=False` (no row uses top-k, top-p or min-p) skips the search: one pass.
 
     `logits` may be float32 or the LM head's bfloat16 (widened in the kernels, half the bytes per pass, and
     4 search passes per cut instead of 8: a bf16 key has only 16 bits). A row's token depends neither on
-    `cuts` (as long as that row has no cut) nor on the other rows.
+    `cuts` (as long as that row has no cut) nor on the other rows. With `table` and `dst` (the flat token table
+    and each row's cell in it, int64 [B]) the tokens are also written there (notebook 06's `_finish`).
+
+    With the kernel option `sampler_fused_ends` the rows' settings (flags, 1 / T, the seed hash) come from one
+    launch and the chunks' results are reduced, and written to the table, by one more; off, by torch operations
+    (about thirty small launches a step, a few microseconds each at batch 1). The tokens are the same.
     """
     b, vocab = logits.shape
     dev = logits.device
@@ -544,10 +613,10 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch
     num_chunks = triton.cdiv(vocab, chunk)
     stats_block, _, draw_block = _launch_blocks(chunk)
     temps = temperatures.float()
-    inv_t = 1.0 / temps.clamp_min(1e-6)  # computed by torch, as the reference does
     if min_ps is None:
         min_ps = torch.zeros_like(temps)
-    flags = row_flags(temps, top_ks, top_ps, min_ps, vocab) if cuts else (temps > 0).int()
+    flags, inv_t, hashes = row_settings(temps, top_ks, top_ps, min_ps, seeds, steps, vocab, cuts,
+                                        fused=opts.sampler_fused_ends)
     if cuts:
         lo, row_max, _, block_max = search_cuts(logits, flags, inv_t, top_ks, top_ps, chunk)
         log_min_p = torch.log(min_ps.float())  # log(0) = -inf: no min-p cut
@@ -557,9 +626,64 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch
     idxs = torch.empty(b, num_chunks, dtype=torch.int32, device=dev)
     kw = pdl_launch(logits)
     _draw_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, row_max, inv_t, log_min_p,
-                                  row_hash(seeds, steps), block_max, vals, idxs, num_chunks, CUTS=cuts, CHUNK=chunk,
+                                  hashes, block_max, vals, idxs, num_chunks, CUTS=cuts, CHUNK=chunk,
                                   BLOCK=draw_block, STATS_BLOCK=stats_block, SKIP=opts.sampler_skip_blocks,
-                                  USE_PDL=bool(kw), num_warps=opts.sampler_launch.draw_warps, enable_fp_fusion=False,
-                                  **kw)
-    best = vals.argmax(dim=1, keepdim=True)
-    return idxs.gather(1, best).squeeze(1).long()
+                                  NOISE=True, USE_PDL=bool(kw), num_warps=opts.sampler_launch.draw_warps,
+                                  enable_fp_fusion=False, **kw)
+    return _pick(vals, idxs, table, dst, fused=opts.sampler_fused_ends)
+
+
+def row_settings(temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+                 seeds: torch.Tensor, steps: torch.Tensor, vocab: int, cuts: bool, fused: bool,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's flags (int32: `row_flags`, or just T > 0 without cuts), 1 / max(T, 1e-6) (float32) and seed
+    hash (`row_hash`, int64): by one kernel with `fused`, else by torch (the same values)."""
+    if not fused:
+        flags = row_flags(temperatures, top_ks, top_ps, min_ps, vocab) if cuts else (temperatures > 0).int()
+        return flags, 1.0 / temperatures.float().clamp_min(1e-6), row_hash(seeds, steps)
+    b, dev = temperatures.shape[0], temperatures.device
+    flags = torch.empty(b, dtype=torch.int32, device=dev)
+    inv_t = torch.empty(b, dtype=torch.float32, device=dev)
+    hashes = torch.empty(b, dtype=torch.int64, device=dev)
+    kw = pdl_launch(temperatures)
+    _row_settings_kernel[(triton.cdiv(b, ROW_BLOCK),)](
+        temperatures.float(), top_ks, top_ps.float(), min_ps.float(), seeds, steps, flags, inv_t, hashes, b, vocab,
+        CUTS=cuts, BLOCK=ROW_BLOCK, USE_PDL=bool(kw), **kw)
+    return flags, inv_t, hashes
+
+
+def fused_greedy(logits: torch.Tensor, table: torch.Tensor | None = None, dst: torch.Tensor | None = None,
+                 chunk: int | None = None) -> torch.Tensor:
+    """`logits.argmax(-1)` (int64 [B]; ties: the lowest index) in two launches, the draw's chunk pass without noise
+    and the pick, and with `table` and `dst` also written to the token table (see `fused_sample`)."""
+    b, vocab = logits.shape
+    opts = current_options()
+    chunk = chunk or opts.sampler_launch.chunk
+    num_chunks = triton.cdiv(vocab, chunk)
+    stats_block, _, draw_block = _launch_blocks(chunk)
+    vals = torch.empty(b, num_chunks, dtype=torch.float32, device=logits.device)
+    idxs = torch.empty(b, num_chunks, dtype=torch.int32, device=logits.device)
+    kw = pdl_launch(logits)
+    # the row settings' pointers are not read without NOISE: any tensor stands in for them
+    _draw_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, vals, vals, vals, vals, vals, vals, vals, vals,
+                                  idxs, num_chunks, CUTS=False, CHUNK=chunk, BLOCK=draw_block,
+                                  STATS_BLOCK=stats_block, SKIP=False, NOISE=False, USE_PDL=bool(kw),
+                                  num_warps=opts.sampler_launch.draw_warps, enable_fp_fusion=False, **kw)
+    return _pick(vals, idxs, table, dst, fused=True)
+
+
+def _pick(vals: torch.Tensor, idxs: torch.Tensor, table: torch.Tensor | None, dst: torch.Tensor | None,
+          fused: bool) -> torch.Tensor:
+    """The rows' tokens from their chunks' best (value, index), and into `table` at `dst` when given."""
+    b, num_chunks = vals.shape
+    if not fused:
+        tokens = idxs.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1).long()
+        if table is not None:
+            table[dst] = tokens.to(table.dtype)
+        return tokens
+    tokens = torch.empty(b, dtype=torch.int64, device=vals.device)
+    kw = pdl_launch(vals)
+    _pick_kernel[(b,)](vals, idxs, num_chunks, tokens, tokens if table is None else table,
+                       tokens if dst is None else dst, NC_PAD=max(2, triton.next_power_of_2(num_chunks)),
+                       TABLE=table is not None, USE_PDL=bool(kw), **kw)
+    return tokens
