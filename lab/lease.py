@@ -526,7 +526,15 @@ CALLS: dict[str, Call] = {
         "off and on: Qwen3-0.6B's tokens under graphs and eagerly, W2, W2 top-k/top-p and W1 twice interleaved, "
         "Qwen3-8B's W2 and W2 top-k/top-p once; then Qwen3-0.6B's batch-1 timeline at the defaults",
         carry=(),
+        # run36 (H100): fused_ends06 + fused_ends8 in 305 s
         steps=(Lab("fused_ends", 330, ("fused_ends.json",), ("fused_ends06", "fused_ends8")), TIMELINE06)),
+    "zero_copy": Call(
+        "optional, issue 29: a step's boundary without the copy engine (kernel option zero_copy_io: a staged step's "
+        "inputs read from pinned memory by one kernel, its tokens written there by another) off and on: "
+        "Qwen3-0.6B's tokens under graphs and eagerly, W2 and W1 twice interleaved, Qwen3-8B's W2 once; then "
+        "Qwen3-0.6B's batch-1 timeline at the defaults",
+        carry=(),
+        steps=(Lab("zero_copy", 260, ("zero_copy.json",), ("zero_copy06", "zero_copy8")), TIMELINE06)),
     "timelines": Call(
         "optional: issue 29, the batch-1 step with the host around it: Qwen3-0.6B's and Qwen3-8B's timelines (the "
         "engine's unprofiled time a step against its graphs replayed bare, the host's phases), as calls 1 and 3 "

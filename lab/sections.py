@@ -731,16 +731,19 @@ def staged_ab(model: str, workloads: tuple[str, ...], rounds: int, tokens: bool 
 
 FUSED_ENDS_ABOUT = ("the sampler's row settings in one kernel and its last reduction with the token-table write in "
                     "another; a greedy graph's argmax by the sampler's draw pass (kernels/sampling.py)")
+ZERO_COPY_ABOUT = ("a staged step's inputs read from pinned memory by one kernel, its tokens written there by another: "
+                   "no copy-engine hand-over at a step's boundary (kernels/staging.py)")
 
 
-def fused_ends_ab(model: str, workloads: tuple[str, ...], rounds: int, tokens: bool = True) -> dict:
-    """The kernel option sampler_fused_ends off and on: the tokens under CUDA graphs and eagerly (greedy and seeded
-    top-k/top-p; the same arithmetic, so they must be the same), then `workloads` in each arm, interleaved `rounds`
+def kernel_switch_ab(model: str, option: str, about: str, workloads: tuple[str, ...], rounds: int,
+                     tokens: bool = True) -> dict:
+    """A boolean kernel option that changes no arithmetic, off and on: the tokens under CUDA graphs and eagerly
+    (greedy and seeded top-k/top-p; they must be the same), then `workloads` in each arm, interleaved `rounds`
     times."""
-    arms = {"off": {"sampler_fused_ends": False}, "fused": {"sampler_fused_ends": True}}
+    arms = {"off": {option: False}, "on": {option: True}}
     same = same_tokens_by_mode(model, arms, "off") if tokens else None
     runs = Bench(model, (Arm("off", workloads, kernel=arms["off"]),
-                         Arm("fused", workloads, kernel=arms["fused"], about=FUSED_ENDS_ABOUT)), rounds)()
+                         Arm("on", workloads, kernel=arms["on"], about=about)), rounds)()
     return {"tokens": same, "runs": runs, "ok": all(t["ok"] for t in same.values()) if same else None}
 
 
@@ -845,12 +848,21 @@ SECTIONS: dict[str, Section] = {
                        "the same on Qwen3-8B: W2, one round (the tokens are checked on Qwen3-0.6B)"),
     "staged35": section(lambda: staged_ab("qwen3.5-0.8b", ("w2",), rounds=1),
                         "the same on Qwen3.5-0.8B (its state slots staged too): tokens, then W2, one round"),
-    "fused_ends06": section(lambda: fused_ends_ab("qwen3-0.6b", ("w2", "w2_topkp", "w1"), rounds=2),
+    "fused_ends06": section(lambda: kernel_switch_ab("qwen3-0.6b", "sampler_fused_ends", FUSED_ENDS_ABOUT,
+                                                     ("w2", "w2_topkp", "w1"), rounds=2),
                             "Qwen3-0.6B: tokens (graphs and eager), then W2, W2 top-k/top-p and W1 with the sampler's "
                             "ends as torch operations and fused, interleaved twice"),
-    "fused_ends8": section(lambda: fused_ends_ab("qwen3-8b", ("w2", "w2_topkp"), rounds=1, tokens=False),
+    "fused_ends8": section(lambda: kernel_switch_ab("qwen3-8b", "sampler_fused_ends", FUSED_ENDS_ABOUT,
+                                                    ("w2", "w2_topkp"), rounds=1, tokens=False),
                            "the same on Qwen3-8B: W2 and W2 top-k/top-p, one round (the tokens are checked on "
                            "Qwen3-0.6B)"),
+    "zero_copy06": section(lambda: kernel_switch_ab("qwen3-0.6b", "zero_copy_io", ZERO_COPY_ABOUT, ("w2", "w1"),
+                                                    rounds=2),
+                           "Qwen3-0.6B: tokens (graphs and eager), then W2 and W1 with a step's inputs and tokens "
+                           "through the copy engine and through kernels on pinned memory, interleaved twice"),
+    "zero_copy8": section(lambda: kernel_switch_ab("qwen3-8b", "zero_copy_io", ZERO_COPY_ABOUT, ("w2",), rounds=1,
+                                                   tokens=False),
+                          "the same on Qwen3-8B: W2, one round (the tokens are checked on Qwen3-0.6B)"),
     "fold06": section(lambda: kernel_option_ab("qwen3-0.6b", {"gemv_norm_fold": FOLD_ABOUT}),
                       "Qwen3-0.6B: tokens and W2 with the RMSNorms folded into the GEMVs, off and on"),
     "fold8": section(lambda: kernel_option_ab("qwen3-8b", {"gemv_norm_fold": FOLD_ABOUT}, rounds=1),

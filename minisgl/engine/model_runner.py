@@ -32,6 +32,7 @@ from minisgl.engine.staged_graph import StagedCudaGraphRunner
 from minisgl.environment import omp_threads_set
 from minisgl.grammar import bitmask_words
 from minisgl.kernels import sampling as fused_sampling
+from minisgl.kernels import staging
 from minisgl.kernels.elementwise import use_triton
 from minisgl.kernels.options import use_options
 from minisgl.kvcache import KVCache, ReqToTokenPool
@@ -154,6 +155,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0, tp_link: tuple | None = None) -> None:
         # --- tensor parallelism (minisgl/distributed): rank 0 starts ranks 1..N-1, stopped again on failure ---
         self.tp = None
+        self._tokens_in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # see _to_host
         try:
             with use_options(config.kernels):  # the GEMV swap, warm-ups and graph captures run under them
                 self._setup(config, rank, tp_link)
@@ -533,11 +535,16 @@ class ModelRunner:
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 host.copy_(t, non_blocking=True)
                 return host
-            out.tokens_host = pinned(tokens)
+            # the tokens by a kernel writing pinned memory (kernel option zero_copy_io) or by a copy
+            out.tokens_host = staging.copy_to_host(tokens.contiguous())
             if lp is not None:
                 lp.packed = pinned(lp.packed)
             out.ready = torch.cuda.Event()
             out.ready.record()
+            # a kernel's write is not a use the host allocator knows of: hold each tensor until the stream has
+            # passed it, whatever becomes of the step's output (kernels/staging.py, copy_to_host)
+            self._tokens_in_flight = [(e, t) for e, t in self._tokens_in_flight if not e.query()]
+            self._tokens_in_flight.append((out.ready, out.tokens_host))
         else:
             out.tokens_host = tokens.clone() if copy else tokens
         return out

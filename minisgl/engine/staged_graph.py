@@ -7,7 +7,10 @@ own, a couple of microseconds at batch 1, where Qwen3-0.6B's whole step is ~0.75
 
 Here the fixed buffers are rows of one device block, and a decode step writes its host arrays straight into a
 pinned copy of that block. Between two replays the GPU then runs one copy, one scatter (the table writes) and
-one gather (the input ids, into their fixed buffer). The graphs are notebook 06's, captured on the block's rows.
+one gather (the input ids, into their fixed buffer), or with the kernel option `zero_copy_io` one kernel that
+reads the pinned block itself and does all three (kernels/staging.py). The graphs are notebook 06's, captured on
+the block's rows, and they end in the fused sampler's last launch, which also writes the token table
+(`_finish`, kernel option `sampler_fused_ends`).
 `run` still works as notebook 06 wrote it: it copies into the same rows. Graph pieces and processed logits go
 through it.
 """
@@ -21,9 +24,9 @@ import torch
 
 from minisgl.engine.cuda_graph import CudaGraphRunner, padded_size, sampler_of
 from minisgl.engine.sampler import SamplingTensors
+from minisgl.kernels import sampling, staging
 from minisgl.kernels.elementwise import use_triton
 from minisgl.kernels.options import current_options
-from minisgl.kernels.sampling import fused_greedy, fused_sample
 
 # The block's rows, each `width` int64 elements; an int32 or float32 field uses the first half of its row.
 _I64 = ("positions", "out_cache_loc", "req_pool_indices", "token_dst", "token_src", "top_ks", "seeds", "steps",
@@ -79,9 +82,9 @@ class StagedCudaGraphRunner(CudaGraphRunner):
         table = self.token_table
         dst = None if table is None else self.token_dst[:bs]
         if sampler == "greedy":
-            return fused_greedy(logits, table, dst)
+            return sampling.fused_greedy(logits, table, dst)
         st = self._sampling(bs, cuts=sampler == "cuts")
-        return fused_sample(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.steps,
+        return sampling.fused_sample(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.steps,
                             cuts=st.any_top_k_p, table=table, dst=dst)
 
     def _stage_extra(self, host: dict, arrays, n: int, bs: int) -> None:
@@ -124,12 +127,12 @@ class StagedCudaGraphRunner(CudaGraphRunner):
         k = 0 if writes is None else writes.shape[1]
         if k:
             h["write_at"][:k], h["write_val"][:k] = writes
-        self.block.copy_(self._host[turn], non_blocking=True)
+        # the block's used columns, the table writes (values int32 in the block already), the input ids: one
+        # kernel reading the pinned block, or a copy of it, a scatter and a gather (kernel option zero_copy_io)
+        staging.stage_in(self._host[turn], self.block, max(bs, k), (ROWS["write_at"], ROWS["write_val"], k), table,
+                 (ROWS["token_src"], self.token_table, self.input_ids[:bs]))
         if self._copied[turn] is not None:
             self._copied[turn].record()
-        if k:  # one scatter: the values are int32 in the block already
-            table.view(-1)[self.write_at[:k]] = self.write_val[:k]
-        torch.index_select(self.token_table, 0, self.token_src[:bs], out=self.input_ids[:bs])
         static = self._meta(bs)
         static.seq_lens_cpu = seq_lens.tolist() + [1] * (bs - n)  # backends that plan on the CPU
         self.attn.prepare_for_replay(static)

@@ -36,7 +36,9 @@ What the engine launches eagerly, and so is warmed here (on scratch inputs, `eag
 - decode steps no graph serves (CUDA graphs off, or larger than the largest graph: split off, or a step whose
   logits are processed): a variant per split count (`split_groups`), GEMV row count (1-4) and size class:
   `eager_decode_sizes`;
-- logits processing: the penalty, grammar-mask and logprob kernels.
+- logits processing: the penalty, grammar-mask and logprob kernels;
+- a staged decode step's boundary (kernels/staging.py): the kernel that stages its inputs, launched outside the
+  graphs at every staged step, and the tokens' copy to the host (`_run_boundary`).
 
 How, in three phases:
 
@@ -224,6 +226,18 @@ def _run_step(runner, step: Step, graph: bool = False) -> None:
     logits = runner.model(input_ids, positions, runner.attn, None if graph else logit_idx)
     for cuts in (False, True):
         sample(logits, scratch_sampling(logits.shape[0], runner.device, cuts))
+
+
+def _run_boundary(runner) -> None:
+    """The kernels of a staged decode step's boundary (kernels/staging.py, kernel option zero_copy_io) on scratch
+    tensors: the inputs' kernel (no integer argument specialised: one variant) and the tokens' copy."""
+    from minisgl.kernels import staging
+    dev = runner.device
+    host, block = (torch.zeros(4, 8, dtype=torch.int64, device=dev) for _ in range(2))
+    table = torch.zeros(8, dtype=torch.int32, device=dev)
+    staging.stage_in(host, block, 1, (1, 2, 1), table, (3, torch.zeros(8, dtype=torch.int64, device=dev),
+                                                       torch.zeros(1, dtype=torch.int64, device=dev)))
+    staging.copy_to_host(torch.zeros(1, dtype=torch.int64, device=dev))
 
 
 def _run_processing(runner) -> None:
@@ -452,6 +466,7 @@ def _warm_up(runner, graph_max_bs: int, prefill_graphs: bool, num_sms: int, why_
                     for step in plan:
                         _run_step(runner, step)
                     _run_processing(runner)
+                    _run_boundary(runner)
                 torch.cuda.synchronize(runner.device)
                 t1 = time.perf_counter()
                 # 2. compile, in a context of its own: nothing the compile mode sets can outlive it
@@ -461,6 +476,7 @@ def _warm_up(runner, graph_max_bs: int, prefill_graphs: bool, num_sms: int, why_
                     for step in plan:
                         _run_step(runner, step)
                     _run_processing(runner)
+                    _run_boundary(runner)
                 torch.cuda.synchronize(runner.device)
                 report["launch_s"] = time.perf_counter() - t2
             report.update(discovery_s=t1 - t0, discovery_graph_steps_s=t_graphs - t0, compile_s=t2 - t1,
@@ -473,6 +489,7 @@ def _warm_up(runner, graph_max_bs: int, prefill_graphs: bool, num_sms: int, why_
             for step in plan:  # compiles what it launches, one variant after another
                 _run_step(runner, step)
             _run_processing(runner)
+            _run_boundary(runner)
     report["seconds"] = time.perf_counter() - t0
     return report
 
