@@ -91,6 +91,7 @@ from minisgl.engine.cuda_graph import default_batch_sizes
 from minisgl.engine.logits_processing import LogitsProcessing, process_logits
 from minisgl.engine.sampler import SamplingTensors, sample
 from minisgl.kernels.attention import decode_num_splits
+from minisgl.kernels.options import current_options
 from minisgl.sampling_params import MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -224,8 +225,20 @@ def _run_step(runner, step: Step, graph: bool = False) -> None:
     input_ids, positions, meta, logit_idx = step_inputs(runner, step, graph)
     runner.attn.prepare(meta)
     logits = runner.model(input_ids, positions, runner.attn, None if graph else logit_idx)
+    n = logits.shape[0]
     for cuts in (False, True):
-        sample(logits, scratch_sampling(logits.shape[0], runner.device, cuts))
+        sample(logits, scratch_sampling(n, runner.device, cuts))
+    if graph and runner.config.graph_staged_inputs and current_options().sampler_fused_ends:
+        # the staged graphs' ends (StagedCudaGraphRunner._finish): the sampler writes a token table itself, and a
+        # greedy graph draws without noise; a scratch table here
+        from minisgl.kernels import sampling as fused
+        table = torch.zeros(n, dtype=torch.int64, device=runner.device)
+        dst = torch.arange(n, dtype=torch.int64, device=runner.device)
+        fused.fused_greedy(logits, table, dst)
+        for cuts in (False, True):
+            st = scratch_sampling(n, runner.device, cuts)
+            fused.fused_sample(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.steps,
+                               cuts=cuts, table=table, dst=dst)
 
 
 def _run_boundary(runner) -> None:
