@@ -258,9 +258,13 @@ def record_launches() -> list[tuple]:
     def sampling():
         smp.fused_sample(logits, temps, top_ks, top_ps, torch.tensor([0.05, 0.0]), seeds, steps, cuts=True)
         smp.fused_sample(logits, temps, top_ks, top_ps, None, seeds, steps, cuts=False)
+        # a decode graph's ends: the pick writes the token table; a greedy graph draws without noise
+        table, dst = torch.zeros(8, dtype=torch.int64), torch.tensor([3, 5])
+        smp.fused_sample(logits, temps, top_ks, top_ps, None, seeds, steps, cuts=False, table=table, dst=dst)
+        smp.fused_greedy(logits, table, dst)
 
-    _record(smp, ["_stats_kernel", "_init_kernel", "_search_kernel", "_narrow_kernel", "_draw_kernel"], sampling,
-            calls)
+    _record(smp, ["_row_settings_kernel", "_stats_kernel", "_init_kernel", "_search_kernel", "_narrow_kernel",
+                  "_draw_kernel", "_pick_kernel"], sampling, calls)
 
     def logits_processing():  # penalties, a grammar's token mask, logprobs: the rows that ask (issue 26)
         rows, slots = torch.tensor([1]), torch.tensor([0])
