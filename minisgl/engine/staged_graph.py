@@ -85,7 +85,7 @@ class StagedCudaGraphRunner(CudaGraphRunner):
             return sampling.fused_greedy(logits, table, dst)
         st = self._sampling(bs, cuts=sampler == "cuts")
         return sampling.fused_sample(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.steps,
-                            cuts=st.any_top_k_p, table=table, dst=dst)
+                                     cuts=st.any_top_k_p, table=table, dst=dst)
 
     def _stage_extra(self, host: dict, arrays, n: int, bs: int) -> None:
         """A subclass's own rows of the host block for a step of n rows padded to bs (none here)."""
@@ -130,7 +130,7 @@ class StagedCudaGraphRunner(CudaGraphRunner):
         # the block's used columns, the table writes (values int32 in the block already), the input ids: one
         # kernel reading the pinned block, or a copy of it, a scatter and a gather (kernel option zero_copy_io)
         staging.stage_in(self._host[turn], self.block, max(bs, k), (ROWS["write_at"], ROWS["write_val"], k), table,
-                 (ROWS["token_src"], self.token_table, self.input_ids[:bs]))
+                         (ROWS["token_src"], self.token_table, self.input_ids[:bs]))
         if self._copied[turn] is not None:
             self._copied[turn].record()
         static = self._meta(bs)
