@@ -34,9 +34,14 @@ Rows are split into fixed chunks (programs) for every pass, and partial results 
 order: a row's token is a function of that row alone, never of the batch size. The kernels that do
 floating-point arithmetic are compiled without fused multiply-add (`enable_fp_fusion=False`): x * (1/T) + g
 rounds as in torch, and the same way in the one-pass (no cuts) and the full variant of the draw kernel. No host sync, no
-data-dependent launch: the whole sampler can be captured in a CUDA graph. Every kernel takes `USE_PDL`
-(programmatic dependent launch, kernels/pdl.py): launched with it, a kernel may start while its predecessor still
-runs, so its first statement, before any global load or store, is the wait.
+data-dependent launch: the whole sampler can be captured in a CUDA graph.
+
+The ends (kernel option `sampler_fused_ends`): each row's settings (flags, 1 / T, seed hash) come from one launch
+and the chunks' best are reduced by one more (`_pick_kernel`, which can also write the token into the token table),
+where torch needed about thirty small launches; `fused_greedy` is the draw pass without noise and that pick.
+
+Every kernel takes `USE_PDL` (programmatic dependent launch, kernels/pdl.py): launched with it, a kernel may start
+while its predecessor still runs, so its first statement, before any global load or store, is the wait.
 """
 
 from __future__ import annotations
