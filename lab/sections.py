@@ -731,6 +731,7 @@ def staged_ab(model: str, workloads: tuple[str, ...], rounds: int, tokens: bool 
 
 FUSED_ENDS_ABOUT = ("the sampler's row settings in one kernel and its last reduction with the token-table write in "
                     "another; a greedy graph's argmax by the sampler's draw pass (kernels/sampling.py)")
+FUSED_NARROW_ABOUT = "the top-k/top-p search's narrowing in each pass's last program, not a launch of its own"
 ZERO_COPY_ABOUT = ("a staged step's inputs read from pinned memory by one kernel, its tokens written there by another: "
                    "no copy-engine hand-over at a step's boundary (kernels/staging.py)")
 
@@ -856,6 +857,13 @@ SECTIONS: dict[str, Section] = {
                                                     ("w2", "w2_topkp"), rounds=1, tokens=False),
                            "the same on Qwen3-8B: W2 and W2 top-k/top-p, one round (the tokens are checked on "
                            "Qwen3-0.6B)"),
+    "fused_narrow06": section(lambda: kernel_switch_ab("qwen3-0.6b", "sampler_fused_narrow", FUSED_NARROW_ABOUT,
+                                                       ("w2_topkp", "w1_topkp"), rounds=2),
+                              "Qwen3-0.6B: tokens (graphs and eager), then W2 and W1 with top-k/top-p, the search's "
+                              "narrowing launched on its own and in each pass's last program, interleaved twice"),
+    "fused_narrow8": section(lambda: kernel_switch_ab("qwen3-8b", "sampler_fused_narrow", FUSED_NARROW_ABOUT,
+                                                      ("w2_topkp",), rounds=1, tokens=False),
+                             "the same on Qwen3-8B: W2 top-k/top-p, one round"),
     "zero_copy06": section(lambda: kernel_switch_ab("qwen3-0.6b", "zero_copy_io", ZERO_COPY_ABOUT, ("w2", "w1"),
                                                     rounds=2),
                            "Qwen3-0.6B: tokens (graphs and eager), then W2 and W1 with a step's inputs and tokens "

@@ -321,3 +321,27 @@ def test_staged_graph_finish_fuses_the_sampler_ends():
                 got = staged._finish(logits, bs, sampler)
             assert torch.equal(got, want), (sampler, on)
             assert torch.equal(staged.token_table, notebook.token_table), (sampler, on)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_fused_narrow_searches_and_draws_the_same(kind):
+    """sampler_fused_narrow: each pass's narrowing in the search's last program, not a launch of its own. The
+    brackets, the row maxima and the top-k survivors' weights are the same to the bit, and so are the tokens."""
+    fused = _interpreted()
+    gen = torch.Generator().manual_seed(12)
+    vocab = 600
+    logits, t, k, p, mp, seeds, steps = _edge_rows(vocab, gen)
+    given = logits.bfloat16() if kind == "bf16" else logits
+    inv_t = 1.0 / t.clamp_min(1e-6)
+    flags = fused.row_flags(t, k, p, mp, vocab)
+    searched, tokens = {}, {}
+    for on in (False, True):
+        with kernel_options(sampler_launch=SMALL_LAUNCH, sampler_fused_narrow=on):
+            searched[on] = fused.search_cuts(given, flags, inv_t, k, p, 256)
+            tokens[on] = fused.fused_sample(given, t, k, p, mp, seeds, steps)
+    (lo0, max0, zk0, _), (lo1, max1, zk1, _) = searched[False], searched[True]
+    top_p_ran = ((flags & fused.TOP_P) != 0) & (_threshold(lo0) < max0)
+    assert torch.equal(lo1, lo0) and torch.equal(max1, max0) and torch.equal(zk1[top_p_ran], zk0[top_p_ran])
+    assert torch.equal(tokens[True], tokens[False])
+    assert tokens[True].tolist() == _reference(logits if kind == "fp32" else logits.bfloat16().float(), t, k, p, mp,
+                                               seeds, steps).tolist()

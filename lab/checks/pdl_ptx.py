@@ -27,6 +27,7 @@ Exits non-zero if a kernel breaks the rule; tests/test_pdl.py runs it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -46,6 +47,7 @@ from minisgl.kernels import attention as att
 from minisgl.kernels import elementwise as ew
 from minisgl.kernels import gemv as gv
 from minisgl.kernels import sampling as smp
+from minisgl.kernels.options import current_options, use_options
 from minisgl.kernels.pdl import pdl_enter
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
@@ -262,6 +264,8 @@ def record_launches() -> list[tuple]:
         table, dst = torch.zeros(8, dtype=torch.int64), torch.tensor([3, 5])
         smp.fused_sample(logits, temps, top_ks, top_ps, None, seeds, steps, cuts=False, table=table, dst=dst)
         smp.fused_greedy(logits, table, dst)
+        with use_options(dataclasses.replace(current_options(), sampler_fused_narrow=True)):  # the tickets' variant
+            smp.fused_sample(logits, temps, top_ks, top_ps, None, seeds, steps, cuts=True)
 
     _record(smp, ["_row_settings_kernel", "_stats_kernel", "_init_kernel", "_search_kernel", "_narrow_kernel",
                   "_draw_kernel", "_pick_kernel"], sampling, calls)

@@ -187,9 +187,10 @@ if triton is not None:
 
     @triton.jit
     def _search_kernel(logits_ptr, stride, vocab, flags_ptr, lo_ptr, hi_ptr, unit_ptr, max_ptr, inv_t_ptr,
-                       pmax_ptr, part_ptr, num_rows, num_chunks, PHASE: tl.constexpr, NC: tl.constexpr,
-                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, STATS_BLOCK: tl.constexpr, SKIP: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       pmax_ptr, part_ptr, num_rows, num_chunks, zk_ptr, top_k_ptr, top_p_ptr, ticket_ptr,
+                       PHASE: tl.constexpr, NC: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                       STATS_BLOCK: tl.constexpr, SKIP: tl.constexpr, NARROW: tl.constexpr, FIRST: tl.constexpr,
+                       NC_PAD: tl.constexpr, USE_PDL: tl.constexpr):
         if USE_PDL:  # before any global access (kernels/pdl.py)
             pdl_enter()
         # grid (rows, chunks): count (top-k) or weight (top-p) of the chunk's tokens at or above each candidate
@@ -219,22 +220,33 @@ if triton is not None:
                                    STATS_BLOCK, BLOCK)
             out = part_ptr + (row * num_chunks + chunk) * NC + tl.arange(0, NC)
             tl.store(out, tl.sum(acc, axis=0))
+            if NARROW:  # kernel option sampler_fused_narrow: the row's last program to finish narrows
+                # Every program of a searching row draws a ticket after its partials; the one drawing
+                # num_chunks - 1 draws it after all the others, and narrows. The order as in the decode kernel's
+                # fused merge (kernels/attention.py): a CTA barrier so every thread's stores precede thread 0's
+                # release, the acquire, a barrier again before every thread's loads. The ticket is put back to 0
+                # for the next pass (stream-ordered after this launch; a PDL successor waits before touching it).
+                tl.debug_barrier()
+                ticket = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel", scope="gpu")
+                if ticket == num_chunks - 1:
+                    tl.debug_barrier()
+                    tl.store(ticket_ptr + row, 0)
+                    _narrow_row(row, flags_ptr, lo_ptr, hi_ptr, unit_ptr, zk_ptr, top_k_ptr, top_p_ptr, part_ptr,
+                                num_rows, num_chunks, PHASE, FIRST, NC, NC_PAD)
 
     @triton.jit
-    def _narrow_kernel(flags_ptr, lo_ptr, hi_ptr, unit_ptr, zk_ptr, top_k_ptr, top_p_ptr, part_ptr, num_rows,
-                       num_chunks, PHASE: tl.constexpr, FIRST: tl.constexpr, NC: tl.constexpr,
-                       NC_PAD: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:  # before any global access (kernels/pdl.py)
-            pdl_enter()
-        # grid (rows,): sum the chunks' partials, keep the bracket [last qualifying, first failing candidate)
-        row = tl.program_id(0)
+    def _narrow_row(row, flags_ptr, lo_ptr, hi_ptr, unit_ptr, zk_ptr, top_k_ptr, top_p_ptr, part_ptr, num_rows,
+                    num_chunks, PHASE: tl.constexpr, FIRST: tl.constexpr, NC: tl.constexpr, NC_PAD: tl.constexpr):
+        """Sum a row's chunk partials and keep the bracket [last qualifying, first failing candidate). The chunks
+        are added one after another in chunk order (elementwise adds, no cross-lane reduction), so the totals are
+        the same to the bit in whichever kernel this runs (its own launch, or the search's last program)."""
         lo, hi, unit, searching = _bracket(flags_ptr, lo_ptr, hi_ptr, unit_ptr, row, num_rows, PHASE)
         if searching:
-            c = tl.arange(0, NC_PAD)
             j = tl.arange(0, NC)
-            tile = tl.load(part_ptr + (row * num_chunks + c[:, None]) * NC + j[None, :],
-                           mask=c[:, None] < num_chunks, other=0.0)
-            total = tl.sum(tile, axis=0)  # [NC], non-increasing along the candidates
+            total = tl.zeros([NC], tl.float32)  # non-increasing along the candidates
+            for c in tl.static_range(NC_PAD):
+                total += tl.load(part_ptr + (row * num_chunks + c) * NC + j, mask=(j < NC) & (c < num_chunks),
+                                 other=0.0)
             if PHASE == 0:
                 ok = total >= tl.load(top_k_ptr + row).to(tl.float32)
             else:
@@ -248,6 +260,16 @@ if triton is not None:
             keys = _candidates(lo, hi, unit, NC)
             tl.store(lo_ptr + row, tl.max(tl.where(ok, keys, lo), axis=0))
             tl.store(hi_ptr + PHASE * num_rows + row, tl.min(tl.where(ok, hi, keys), axis=0))
+
+    @triton.jit
+    def _narrow_kernel(flags_ptr, lo_ptr, hi_ptr, unit_ptr, zk_ptr, top_k_ptr, top_p_ptr, part_ptr, num_rows,
+                       num_chunks, PHASE: tl.constexpr, FIRST: tl.constexpr, NC: tl.constexpr,
+                       NC_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # before any global access (kernels/pdl.py)
+            pdl_enter()
+        # grid (rows,): one row's narrowing after a search pass
+        _narrow_row(tl.program_id(0), flags_ptr, lo_ptr, hi_ptr, unit_ptr, zk_ptr, top_k_ptr, top_p_ptr, part_ptr,
+                    num_rows, num_chunks, PHASE, FIRST, NC, NC_PAD)
 
     @triton.jit
     def _draw_span(best_val, best_idx, logits_ptr, row_start, start, vocab, inv_t, greedy, h, threshold, s_max,
@@ -583,16 +605,22 @@ def search_cuts(logits: torch.Tensor, flags: torch.Tensor, inv_t: torch.Tensor, 
                        NB_PAD=max(16, triton.next_power_of_2(num_blocks)), TOP_K_BOUND=opts.sampler_top_k_bound,
                        USE_PDL=pdl, **kw)
     top_ps = top_ps.float()
+    narrow = opts.sampler_fused_narrow
+    # the fused narrowing's tickets, one per row, zero between passes (each pass's last program puts its back)
+    tickets = torch.zeros(b if narrow else 1, dtype=torch.int32, device=dev)
     for phase in phases:  # top-k, then top-p over the top-k survivors
         for p in range(passes):
             _search_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, hi, unit, row_max,
-                                            inv_t, pmax, part, b, num_chunks, PHASE=phase, NC=NUM_CANDIDATES,
-                                            CHUNK=chunk, BLOCK=search_block, STATS_BLOCK=stats_block,
-                                            SKIP=opts.sampler_skip_blocks, USE_PDL=pdl,
+                                            inv_t, pmax, part, b, num_chunks, zk, top_ks, top_ps, tickets,
+                                            PHASE=phase, NC=NUM_CANDIDATES, CHUNK=chunk, BLOCK=search_block,
+                                            STATS_BLOCK=stats_block, SKIP=opts.sampler_skip_blocks, NARROW=narrow,
+                                            FIRST=narrow and p == 0, NC_PAD=nc_pad, USE_PDL=pdl,
                                             num_warps=opts.sampler_launch.search_warps, enable_fp_fusion=False,
                                             **kw)
-            _narrow_kernel[(b,)](flags, lo, hi, unit, zk, top_ks, top_ps, part, b, num_chunks,
-                                 PHASE=phase, FIRST=p == 0, NC=NUM_CANDIDATES, NC_PAD=nc_pad, USE_PDL=pdl, **kw)
+            if not narrow:
+                _narrow_kernel[(b,)](flags, lo, hi, unit, zk, top_ks, top_ps, part, b, num_chunks,
+                                     PHASE=phase, FIRST=p == 0, NC=NUM_CANDIDATES, NC_PAD=nc_pad, USE_PDL=pdl,
+                                     **kw)
     return lo, row_max, zk, pmax
 
 
