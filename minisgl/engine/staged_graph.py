@@ -70,7 +70,6 @@ class StagedCudaGraphRunner(CudaGraphRunner):
         self.sampling = SamplingTensors(
             temperatures=rows["temperatures"], top_ks=rows["top_ks"], top_ps=rows["top_ps"], seeds=rows["seeds"],
             steps=rows["steps"], all_greedy=False, any_top_k_p=True, min_ps=rows["min_ps"])
-        self.token_src, self.write_at, self.write_val = rows["token_src"], rows["write_at"], rows["write_val"]
 
     def _finish(self, logits: torch.Tensor, bs: int, sampler: str) -> torch.Tensor:
         """Notebook 06's `_finish`, with the sampler's ends fused (kernel option `sampler_fused_ends`): the token

@@ -83,14 +83,12 @@ def stage_in(host: torch.Tensor, block: torch.Tensor, cols: int, writes: tuple[i
 
 
 def copy_to_host(src: torch.Tensor) -> torch.Tensor:
-    """A new pinned host tensor holding `src` (contiguous, on the GPU), once the stream gets there: written by a
-    kernel with the option on, by the copy engine off (CPU tensors: a clone).
+    """A new host tensor (pinned, for a GPU's `src`) holding `src` (contiguous), once the stream gets there: written
+    by a kernel with the option on, by a copy (the copy engine's, on a GPU) off.
 
     The caching host allocator knows of a copy's pending use of the tensor, not of a kernel's: the caller keeps the
     tensor alive until the stream has passed the kernel (an event), or a later owner of the memory could have its
     host writes overwritten by this kernel."""
-    if src.device.type != "cuda" and not current_options().triton_on_cpu:
-        return src.clone()
     host = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
     if use_triton(src) and current_options().zero_copy_io:
         n = src.numel()
