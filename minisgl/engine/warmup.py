@@ -229,16 +229,12 @@ def _run_step(runner, step: Step, graph: bool = False) -> None:
     for cuts in (False, True):
         sample(logits, scratch_sampling(n, runner.device, cuts))
     if graph and runner.config.graph_staged_inputs and current_options().sampler_fused_ends:
-        # the staged graphs' ends (StagedCudaGraphRunner._finish): the sampler writes a token table itself, and a
-        # greedy graph draws without noise; a scratch table here
+        # the staged graphs' ends (StagedCudaGraphRunner._finish) add two variants to what `sample` launched above:
+        # a greedy graph's draw without noise, and the pick that writes a token table (the same pick ends a sampled
+        # graph: its variant does not depend on the cuts). A scratch table here.
         from minisgl.kernels import sampling as fused
         table = torch.zeros(n, dtype=torch.int64, device=runner.device)
-        dst = torch.arange(n, dtype=torch.int64, device=runner.device)
-        fused.fused_greedy(logits, table, dst)
-        for cuts in (False, True):
-            st = scratch_sampling(n, runner.device, cuts)
-            fused.fused_sample(logits, st.temperatures, st.top_ks, st.top_ps, st.min_ps, st.seeds, st.steps,
-                               cuts=cuts, table=table, dst=dst)
+        fused.fused_greedy(logits, table, torch.arange(n, dtype=torch.int64, device=runner.device))
 
 
 def _run_boundary(runner) -> None:
