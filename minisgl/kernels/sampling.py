@@ -606,8 +606,9 @@ def search_cuts(logits: torch.Tensor, flags: torch.Tensor, inv_t: torch.Tensor, 
                        USE_PDL=pdl, **kw)
     top_ps = top_ps.float()
     narrow = opts.sampler_fused_narrow
-    # the fused narrowing's tickets, one per row, zero between passes (each pass's last program puts its back)
-    tickets = torch.zeros(b if narrow else 1, dtype=torch.int32, device=dev)
+    # the fused narrowing's tickets, one per row, zero between passes (each pass's last program puts its back);
+    # without it nothing reads them, and `flags` (int32 too) stands in rather than a zeroing launch
+    tickets = torch.zeros(b, dtype=torch.int32, device=dev) if narrow else flags
     for phase in phases:  # top-k, then top-p over the top-k survivors
         for p in range(passes):
             _search_kernel[(b, num_chunks)](logits, logits.stride(0), vocab, flags, lo, hi, unit, row_max,
