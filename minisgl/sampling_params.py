@@ -18,6 +18,8 @@ MAX_TEMPERATURE = 100.0  # far past any useful value; bounds 1/T's dynamic range
 MAX_SEED = 2**63 - 1  # a seed lives in an int64 tensor
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_N = 64  # streams of one request
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a token's bias: [-100, 100]
+MAX_BIASED_TOKENS = 1024  # entries of one request's logit_bias: each step uploads them
 
 
 def _real(value: object) -> bool:
@@ -64,7 +66,10 @@ class SamplingParams:
 
     `logprobs` N (None = off) returns, for every output token, its log-probability and the N most likely
     tokens' (N = 0: the sampled token's only), from the log-softmax of the logits the sampler drew from before
-    temperature and the top-k/top-p/min-p cuts: after the penalties and the grammar mask.
+    temperature and the top-k/top-p/min-p cuts: after the penalties, the logit bias and the grammar mask.
+
+    `logit_bias` maps token ids to a number in [-100, 100] added to their logits before sampling (OpenAI's field;
+    -100 in effect bans a token, +100 all but forces it), after the penalties and before the grammar mask.
 
     `structured_output` constrains the output to a grammar (JSON, a JSON schema, a regex, EBNF).
 
@@ -87,6 +92,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     structured_output: StructuredOutput | None = None
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # a dict is taken too
 
     def __post_init__(self) -> None:
         # `stop` may be a string or a list, `stop_token_ids` a list: stored as tuples (the dataclass is frozen)
@@ -96,7 +102,11 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise RequestError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}",
                                "stop_token_ids")
-        self._set(stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids))
+        bias = list(self.logit_bias.items()) if isinstance(self.logit_bias, dict) else self.logit_bias
+        if not isinstance(bias, (list, tuple)) or any(
+                not isinstance(e, (list, tuple)) or len(e) != 2 for e in bias):
+            raise RequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}", "logit_bias")
+        self._set(stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids), logit_bias=tuple(map(tuple, bias)))
         self._check()
         # one type per field from here on: 1 and 1.0 are the same temperature
         self._set(temperature=float(self.temperature), top_p=float(self.top_p), min_p=float(self.min_p),
@@ -105,7 +115,8 @@ class SamplingParams:
                   seed=None if self.seed is None else int(self.seed),
                   frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
                   repetition_penalty=float(self.repetition_penalty), n=int(self.n),
-                  logprobs=None if self.logprobs is None else int(self.logprobs))
+                  logprobs=None if self.logprobs is None else int(self.logprobs),
+                  logit_bias=tuple(sorted((int(t), float(b)) for t, b in self.logit_bias)))
 
     def _set(self, **values: object) -> None:
         for name, value in values.items():
@@ -147,6 +158,17 @@ class SamplingParams:
                                "logprobs")
         if not _integer(self.n) or not 1 <= self.n <= MAX_N:
             raise RequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
+        if len(self.logit_bias) > MAX_BIASED_TOKENS:
+            raise RequestError(f"logit_bias may name at most {MAX_BIASED_TOKENS} tokens, got {len(self.logit_bias)}",
+                               "logit_bias")
+        for t, b in self.logit_bias:
+            if not _integer(t) or t < 0:
+                raise RequestError(f"logit_bias keys must be non-negative token ids, got {t!r}", "logit_bias")
+            if not _real(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise RequestError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                   f"got {b!r} for token {t}", "logit_bias")
+        if len({int(t) for t, _ in self.logit_bias}) < len(self.logit_bias):
+            raise RequestError("logit_bias names a token twice", "logit_bias")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise RequestError("structured_output must be a StructuredOutput", "response_format")
 
@@ -160,9 +182,10 @@ class SamplingParams:
 
     @cached_property
     def processes_logits(self) -> bool:
-        """Whether a step must process this request's logits before sampling (penalties, logprobs, a grammar):
-        read for every request of every step, so computed once."""
-        return self.has_penalties or self.logprobs is not None or self.structured_output is not None
+        """Whether a step must process this request's logits before sampling (penalties, a logit bias, logprobs, a
+        grammar): read for every request of every step, so computed once."""
+        return (self.has_penalties or bool(self.logit_bias) or self.logprobs is not None
+                or self.structured_output is not None)
 
     def top_k_within(self, vocab: int) -> int:
         """The k of the top-k cut over a vocabulary of `vocab` tokens: `vocab` (keep all) when there is none."""

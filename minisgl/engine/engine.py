@@ -65,11 +65,16 @@ class Engine:
                         if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab), None)
             if bad is not None:
                 raise RequestError(f"token id {input_ids[bad]!r} is out of the vocabulary [0, {vocab})", "prompt")
-        # the params themselves were checked when they were built (SamplingParams.__post_init__)
+        # the params themselves were checked when they were built (SamplingParams.__post_init__), but for the
+        # vocabulary, which only the engine knows: a biased token past it would index past the logits
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by token id
+            raise RequestError(f"logit_bias names token {params.logit_bias[-1][0]}, out of the vocabulary "
+                               f"[0, {vocab})", "logit_bias")
         if params.processes_logits and self.config.tp_size > 1:  # ranks 1..N-1 see no request's tokens
-            raise RequestError("penalties, logprobs and structured output are not supported with tensor "
-                               "parallelism (tp_size > 1) yet", "logprobs" if params.logprobs is not None else
-                               "response_format" if params.structured_output else "repetition_penalty")
+            raise RequestError("penalties, logit bias, logprobs and structured output are not supported with "
+                               "tensor parallelism (tp_size > 1) yet", "logprobs" if params.logprobs is not None
+                               else "response_format" if params.structured_output else
+                               "logit_bias" if params.logit_bias else "repetition_penalty")
         if params.structured_output is not None:  # compiled (and cached) now: a bad grammar is refused here
             self.grammars().compile(params.structured_output)
         n, ctx = len(input_ids), self.max_model_len

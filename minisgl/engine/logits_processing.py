@@ -123,6 +123,12 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     logits[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, bias: torch.Tensor) -> None:
+    """Add `bias[e]` to `logits[rows[e], tokens[e]]` for every entry e (OpenAI's logit_bias; no (row, token)
+    twice), in float32 and back to the logits' dtype."""
+    logits[rows, tokens] = (logits[rows, tokens].float() + bias).to(logits.dtype)
+
+
 # --- notebooks/12_api_features.ipynb, cell 20 (id c12-020) ---
 @dataclass
 class LogitsProcessing:
@@ -133,6 +139,9 @@ class LogitsProcessing:
     frequency: torch.Tensor | None = None  # [P] float32
     presence: torch.Tensor | None = None
     repetition: torch.Tensor | None = None
+    bias_rows: torch.Tensor | None = None  # [E] int64: one entry per (row, biased token)
+    bias_tokens: torch.Tensor | None = None  # [E] int64
+    bias: torch.Tensor | None = None  # [E] float32
     mask_rows: torch.Tensor | None = None  # [G] int64
     mask_rows_host: list[int] | None = None
     bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32, filled once the host has built it
@@ -143,8 +152,9 @@ class LogitsProcessing:
 
 # --- notebooks/12_api_features.ipynb, cell 21 (id c12-021) ---
 def process_logits(logits: torch.Tensor, proc: LogitsProcessing, table: PenaltyTable | None) -> None:
-    """Penalties, then the grammar mask, in place on the rows that ask: Triton kernels on a GPU (one launch each,
-    kernels/sampling.py), the torch functions above elsewhere."""
+    """Penalties, then the logit bias, then the grammar mask, in place on the rows that ask: Triton kernels on a
+    GPU for the penalties and the mask (one launch each, kernels/sampling.py), the torch functions above elsewhere;
+    the bias is a few entries a row, one indexed add everywhere."""
     fused = None
     if use_triton(logits):  # a GPU, or the Triton interpreter under the kernel option triton_on_cpu (tests)
         from minisgl.kernels import sampling as fused
@@ -155,6 +165,8 @@ def process_logits(logits: torch.Tensor, proc: LogitsProcessing, table: PenaltyT
         else:
             apply_penalties(logits, proc.penalty_rows, table.counts[proc.penalty_slots], proc.frequency,
                             proc.presence, proc.repetition)
+    if proc.bias_rows is not None:
+        apply_logit_bias(logits, proc.bias_rows, proc.bias_tokens, proc.bias)
     if proc.mask_rows is not None:
         if fused is not None:
             fused.apply_token_bitmask_(logits, proc.mask_rows, proc.bitmask)

@@ -199,7 +199,8 @@ def sampling_params_for(state: ServerState, req, ids: list[int], max_tokens: int
                             f"context holds {ctx}, so at most {ctx - n} new tokens fit",
                        param=max_tokens_param, code="context_length_exceeded")
     given = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed", "n",
-                                                 "frequency_penalty", "presence_penalty", "repetition_penalty")}
+                                                 "frequency_penalty", "presence_penalty", "repetition_penalty",
+                                                 "logit_bias")}
     try:  # SamplingParams checks every value (the one validation); a field left out keeps its default
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop=tuple(req.stop or ()),
                                 logprobs=logprobs, structured_output=structured_output_of(req.response_format),

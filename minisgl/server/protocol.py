@@ -3,7 +3,7 @@
 Parsing is strict: a wrong type is an error (no "5" for 5, no 1 for true), unknown fields are refused (a
 typo such as `max_token` is named instead of silently ignored), and non-finite numbers are refused. Fields
 the OpenAI API has but this server does not implement are accepted only at their neutral value, so a
-client that sends `best_of: 1` or `logit_bias: {}` works and one that asks for `best_of: 2` is told why not.
+client that sends `best_of: 1` works and one that asks for `best_of: 2` is told why not.
 """
 
 from __future__ import annotations
@@ -163,9 +163,14 @@ class _Sampling(_Strict):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+        """OpenAI's map of token ids (as JSON keys: strings) to biases, with int keys; the ranges are
+        SamplingParams' to check."""
+        if not v:
+            return None
+        try:
+            return {int(k): b for k, b in v.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
 
     @property
     def include_usage(self) -> bool:
