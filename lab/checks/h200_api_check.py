@@ -6,8 +6,9 @@
   output through xgrammar; the masks are built on the host while the forward runs): bar TPOT ratio <= 1.05.
   Dummy weights may close an object within a few tokens, so a second arm uses a schema whose one string is
   longer than max_tokens: all 256 tokens decode under a mask (the runs record each request's output length).
-- W1 (offline throughput): as in the workload, against every request with top-5 logprobs (bar >= 0.9x) and
-  every request with frequency 0.5, presence 0.5 and repetition 1.1 penalties (bar >= 0.9x).
+- W1 (offline throughput): as in the workload, against every request with top-5 logprobs (bar >= 0.9x),
+  every request with frequency 0.5, presence 0.5 and repetition 1.1 penalties (bar >= 0.9x), and every request
+  with a logit_bias of 16 tokens (a ban list at -100; bar >= 0.9x).
 
 The arms alternate (A, B, A, B, ...) on one engine, each after a warm-up of its own kind (so the processing
 kernels compile before the clock), and each ratio is taken from the medians. Structured output needs a tokenizer
@@ -137,10 +138,15 @@ def main() -> None:
     penalties = dict(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1)
     result["w1_penalties"] = ab(llm, run_throughput, w1, with_params(w1, **penalties), a.repeats, "output_tok_per_s")
     result["bars"]["w1_penalties_ge_0.9x"] = result["w1_penalties"]["ratio"] >= 0.9
+    ban = {token: -100.0 for token in range(1000, 1016)}
+    result["w1_logit_bias"] = ab(llm, run_throughput, w1, with_params(w1, logit_bias=ban), a.repeats,
+                                 "output_tok_per_s")
+    result["bars"]["w1_logit_bias_ge_0.9x"] = result["w1_logit_bias"]["ratio"] >= 0.9
     path = os.path.join(a.out_dir, "api_check.json")
     write_json(path, result)
     print(json.dumps({k: result[k]["ratio"] if isinstance(result[k], dict) and "ratio" in result[k] else result[k]
-                      for k in ("w2_json_object", "w2_json_long_string", "w1_logprobs5", "w1_penalties")}),
+                      for k in ("w2_json_object", "w2_json_long_string", "w1_logprobs5", "w1_penalties",
+                                "w1_logit_bias")}),
           json.dumps(result["bars"]))
     print(f"wrote {path}")
 
