@@ -575,7 +575,7 @@ class ModelRunner:
             floats = self._to_device(host)
             proc.penalty_rows, proc.penalty_slots = ints(pen), ints([r.row for r in pen_reqs])
             proc.frequency, proc.presence, proc.repetition = floats[0, :p], floats[1, :p], floats[2, :p]
-        biased = [(i, reqs[i].params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:  # one entry per (row, token); a request's tokens are distinct (SamplingParams)
             proc.bias_rows = ints([i for i, bias in biased for _ in bias])
             proc.bias_tokens = ints([t for _, bias in biased for t, _ in bias])
