@@ -148,14 +148,15 @@ def test_seeded_sampling_is_reproducible(http):
     ("completions", {"prompt": "hi"}), ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
 def test_logit_bias_takes_openai_maps(http, server, endpoint, body):
     """OpenAI's string-keyed map (tests/test_logit_bias.py checks the engine's side): +100 on token 42 makes every
-    token 42; a key that is no integer, a bias out of range, a token past the vocabulary, a string bias: 400."""
+    token 42; a key that is not ASCII digits, a bias out of range, a token past the vocabulary, a string bias: 400."""
     base = {"model": "tiny", "max_tokens": 5, "temperature": 0, "ignore_eos": True, **body}
     r = http.post(f"/v1/{endpoint}", json={**base, "logit_bias": {"42": 100}})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert (choice.get("text") or choice["message"]["content"]) == server.state.tokenizer.decode([42] * 5)
     for bad, param in (({"x": 1}, "logit_bias"), ({"42": 101}, "logit_bias"), ({"99999999": 1}, "logit_bias"),
-                       ({"42": "1"}, "logit_bias.42")):
+                       ({"42": "1"}, "logit_bias.42"), ({" 42": 1}, "logit_bias"), ({"+42": 1}, "logit_bias"),
+                       ({"4_2": 1}, "logit_bias"), ({"\uff14\uff12": 1}, "logit_bias"), ({"": 1}, "logit_bias")):
         r = http.post(f"/v1/{endpoint}", json={**base, "logit_bias": bad})
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["param"] == param, r.text

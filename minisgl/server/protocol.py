@@ -119,6 +119,9 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = False
 
 
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,18}")  # a negative id gets SamplingParams' own "out of range" error
+
+
 class _Sampling(_Strict):
     """Fields shared by both endpoints."""
 
@@ -167,10 +170,10 @@ class _Sampling(_Strict):
         SamplingParams' to check."""
         if not v:
             return None
-        try:
-            return {int(k): b for k, b in v.items()}
-        except ValueError:
-            raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
+        # ASCII digits only: int() alone would also take " 5", "+5", "1_000" and other scripts' digits
+        if any(not _TOKEN_ID_KEY.fullmatch(k) for k in v):
+            raise ValueError("logit_bias keys must be token ids (integers as strings, such as \"42\")")
+        return {int(k): b for k, b in v.items()}
 
     @property
     def include_usage(self) -> bool:
