@@ -537,7 +537,7 @@ CALLS: dict[str, Call] = {
         steps=(Lab("zero_copy", 260, ("zero_copy.json",), ("zero_copy06", "zero_copy8")), TIMELINE06)),
     "fused_narrow": Call(
         "optional, issue 29: the top-k/top-p search's narrowing in each pass's last program (kernel option "
-        "sampler_fused_narrow, off by default until this A/B) off and on: Qwen3-0.6B's tokens under graphs and "
+        "sampler_fused_narrow, on by default since run38) off and on: Qwen3-0.6B's tokens under graphs and "
         "eagerly, W2 and W1 with top-k/top-p twice interleaved, Qwen3-8B's W2 top-k/top-p once",
         carry=(),
         steps=(Lab("fused_narrow", 300, ("fused_narrow.json",), ("fused_narrow06", "fused_narrow8")),)),

@@ -190,11 +190,13 @@ class KernelOptions:
                                     "graph takes torch's argmax and table write instead of the sampler's draw pass "
                                     "and pick (kernels/sampling.py; the same tokens either way). On: W2 TPOT -1.9%, W2 "
                                     "top-k/top-p -8.1% on Qwen3-0.6B on an H100 (reports/h100/run36)", disable=True)
-    sampler_fused_narrow: bool = _opt(False, "--enable-sampler-fused-narrow",
-                                      "the top-k/top-p search's narrowing after each pass runs in the pass's last "
-                                      "program to finish (a ticket per row) instead of a launch of its own: 8 "
-                                      "launches fewer a sampled step with both cuts, the same tokens "
-                                      "(kernels/sampling.py); off until timed on a GPU", enable=True)
+    sampler_fused_narrow: bool = _opt(True, "--disable-sampler-fused-narrow",
+                                      "the top-k/top-p search's narrowing after each pass runs in a launch of its "
+                                      "own instead of in the pass's last program to finish (a ticket per row; on: 8 "
+                                      "launches fewer a sampled step with both cuts, the same tokens; "
+                                      "kernels/sampling.py). On: W2 top-k/top-p TPOT 0.820 / 0.823 -> 0.817 / 0.817 "
+                                      "ms on Qwen3-0.6B, 5.509 -> 5.506 ms on Qwen3-8B on an H100 "
+                                      "(reports/h100/run38)", disable=True)
     zero_copy_io: bool = _opt(True, "--disable-zero-copy-io",
                               "a staged decode step's inputs reach the GPU by a copy of their pinned block, a "
                               "scatter and a gather, and a step's tokens come back by a copy, all through the copy "

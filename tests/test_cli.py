@@ -35,7 +35,7 @@ ALL_FLAGS = ["--prefill-graph-max-tokens", "512", "--prefill-graph-max-reqs", "4
              "--disable-mixed-decode-split", "--gemv-configs", "t.json", "--gemv-pdl-early-tiles", "1",
              "--decode-split-waves", "4",
              "--disable-sampler-skip-blocks", "--disable-sampler-top-k-bound", "--disable-sampler-fused-ends",
-             "--disable-zero-copy-io", "--enable-sampler-fused-narrow", "--disable-gemv-norm-fold",
+             "--disable-zero-copy-io", "--disable-sampler-fused-narrow", "--disable-gemv-norm-fold",
              "--disable-gemv-fold-sum-squares", "--disable-gemv-act-epilogue", "--enable-gemv-prefetch",
              "--disable-extend-tiles", "--disable-early-metadata", "--disable-early-kv", "--disable-decode-fused-rope",
              "--enable-decode-megakernel", "--decode-megakernel-regs", "168", "--attention-backend", "torch",
@@ -54,7 +54,7 @@ ALL_KWARGS = dict(dtype="float32", device="cpu", load_format="dummy", seed=3, ma
                   decode_megakernel=True,
                   decode_megakernel_regs=168,
                   sampler_skip_blocks=False, sampler_top_k_bound=False, sampler_fused_ends=False,
-                  zero_copy_io=False, sampler_fused_narrow=True, attention_backend="torch",
+                  zero_copy_io=False, sampler_fused_narrow=False, attention_backend="torch",
                   prefill_graph_max_tokens=512, prefill_graph_max_reqs=4, kernel_warmup=False, gc_freeze=False,
                   tp_size=2,
                   state_snapshots=5,
@@ -83,7 +83,7 @@ def test_every_field_has_one_flag():
                                         early_kv=False,
                                         decode_fused_rope=False, decode_megakernel=True, decode_megakernel_regs=168,
                                         sampler_skip_blocks=False, sampler_top_k_bound=False,
-                                        sampler_fused_ends=False, zero_copy_io=False, sampler_fused_narrow=True)
+                                        sampler_fused_ends=False, zero_copy_io=False, sampler_fused_narrow=False)
     # nothing given: no keyword, so EngineConfig's defaults are the only defaults
     assert engine_kwargs_from_args(p.parse_args(["--model", "m"])) == {}
 

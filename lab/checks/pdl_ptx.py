@@ -264,7 +264,7 @@ def record_launches() -> list[tuple]:
         table, dst = torch.zeros(8, dtype=torch.int64), torch.tensor([3, 5])
         smp.fused_sample(logits, temps, top_ks, top_ps, None, seeds, steps, cuts=False, table=table, dst=dst)
         smp.fused_greedy(logits, table, dst)
-        with use_options(dataclasses.replace(current_options(), sampler_fused_narrow=True)):  # the tickets' variant
+        with use_options(dataclasses.replace(current_options(), sampler_fused_narrow=False)):  # own launch
             smp.fused_sample(logits, temps, top_ks, top_ps, None, seeds, steps, cuts=True)
 
     _record(smp, ["_row_settings_kernel", "_stats_kernel", "_init_kernel", "_search_kernel", "_narrow_kernel",
