@@ -481,6 +481,13 @@ CALLS: dict[str, Call] = {
         "and on (greedy and seeded sampling, batch 1 and 8, graphs and eager) and W2 off and on, one round",
         carry=(),
         steps=(ANATOMY8, Lab("prefetch8", 300, ("prefetch8.json",), ("prefetch8",)))),  # as act8: run32 (H100) 226 s
+    "gemv_stages": Call(
+        "optional, issue 29: Qwen3-8B's GEMV K loops pipelined by Triton through shared memory (kernel option "
+        "gemv_stages; the down projection's six-tile loop waits on each load at 1): the batch-1 step's anatomy "
+        "(probes folded_stages2 and folded_stages3; the chains of looped kinds at 3 stages too), then tokens at 1 "
+        "and 3 stages (greedy and seeded sampling, batch 1 and 8, graphs and eager) and W2 at each, one round",
+        carry=(),
+        steps=(ANATOMY8, Lab("gemv_stages8", 300, ("gemv_stages8.json",), ("gemv_stages8",)))),  # as prefetch8
     "step_tiles8": Call(
         "optional, issue 29: Qwen3-8B's decode GEMV tiles tuned inside its batch-1 step (lab.tune.gemv_step: each "
         "GEMV kind's candidates in the step's graph, replayed on a live request; run32's standalone picks made W2 "

@@ -569,6 +569,7 @@ FOLD_SUMS_ARMS = {
     "fold_sums": ({"gemv_norm_fold": True, "gemv_fold_sum_squares": True}, f"{FOLD_ABOUT}; {FOLD_SUMS_ABOUT}")}
 ACT_ABOUT = "the MLP's SiLU-and-mul in the epilogue of its gate_up GEMV, not in every program of its down GEMV"
 PREFETCH_ABOUT = "each GEMV program's next weight tile loaded before the current one's products"
+STAGES_ABOUT = "the GEMV's K loop pipelined through shared memory, {} stages (Triton's cp.async pipelining)"
 EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot, and RoPE each token's position "
                     "and its cos/sin, before their PDL wait")
 FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"
@@ -838,6 +839,11 @@ SECTIONS: dict[str, Section] = {
     "prefetch8": section(lambda: kernel_option_ab("qwen3-8b", {"gemv_prefetch": PREFETCH_ABOUT}, rounds=1),
                          "Qwen3-8B: tokens and W2 with the GEMV's next weight tile loaded before the current one's "
                          "products (the down projection's loop), off and on, one round"),
+    "gemv_stages8": section(lambda: arms_ab("qwen3-8b", {"off": ({"gemv_stages": 1}, ""),
+                                                          "stages3": ({"gemv_stages": 3}, STAGES_ABOUT.format(3))},
+                                            rounds=1),
+                            "Qwen3-8B: tokens and W2 with the GEMV's K loop (the down projection's) loaded tile by "
+                            "tile and pipelined in 3 stages, one round"),
     "step_tiles06": section(lambda: step_tiles("qwen3-0.6b", 150, rounds=2),
                             "Qwen3-0.6B: the GEMV's tiles tuned inside the batch-1 decode step, then W2 with the "
                             "card's table and with the picks"),

@@ -129,6 +129,12 @@ class KernelOptions:
                                "weight tile's load before multiplying the current one (register double buffering; "
                                "kernels/gemv.py; the same sums in the same order; Qwen3-8B's step 2.6% slower on an "
                                "H100 at 1,024-wide tiles, reports/h100/run33)", enable=True)
+    gemv_stages: int = _opt(1, "--gemv-stages",
+                            "stages of the decode GEMV's K loop (the weight tiles after the early ones) pipelined "
+                            "through shared memory, 1-4: with 2 or more each program keeps that many tiles' loads "
+                            "in flight (Triton's cp.async pipelining) instead of waiting on each one; where the "
+                            "loop runs twice or more, and not with gemv_prefetch (kernels/gemv.py; the same sums in "
+                            "the same order); 1 until timed on a GPU")
     mixed_decode_split: bool = _opt(True, "--disable-mixed-decode-split",
                                     "a mixed step's decode rows go through the extend kernel with the prefill "
                                     "chunks instead of the decode kernel (attention/triton_backend.py)",
@@ -216,6 +222,8 @@ class KernelOptions:
             raise ValueError(f"gemv_pdl_early_tiles must be in 0..3, got {self.gemv_pdl_early_tiles}")
         if self.decode_megakernel_regs and not 64 <= self.decode_megakernel_regs <= 255:
             raise ValueError(f"decode_megakernel_regs must be 0 or in 64..255, got {self.decode_megakernel_regs}")
+        if not 1 <= self.gemv_stages <= 4:
+            raise ValueError(f"gemv_stages must be in 1..4, got {self.gemv_stages}")
         if not 1 <= self.decode_split_waves <= 16:
             raise ValueError(f"decode_split_waves must be in 1..16, got {self.decode_split_waves}")
         if self.gdn.prefill not in ("chunked", "recurrent"):

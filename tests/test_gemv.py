@@ -490,3 +490,27 @@ def test_prefetch_gives_the_same_sums(force_triton, fold):
     want_ref = F.linear(ew.silu_and_mul(x) if fold == "silu_mul" else (
         ew.rms_norm(x, norm_w, 1e-6) if fold == "norm" else x), w)
     torch.testing.assert_close(want.float(), want_ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fold", ["plain", "silu_mul", "norm"])
+def test_stages_give_the_same_sums(force_triton, fold):
+    """Kernel option gemv_stages (the K loop pipelined through shared memory): the same output to the bit at 2-4
+    stages, with and without the register prefetch (which then takes the loop alone). The interpreter runs the loop
+    in order whatever the stages; that the compiled loop is pipelined and reduces in the plain loop's layouts is
+    lab.checks.pdl_ptx's to check (tests/test_pdl.py), on the PTX for sm_90."""
+    gen = torch.Generator().manual_seed(12)
+    x = (2 * torch.randn(2, 400 if fold == "silu_mul" else 200, generator=gen)).to(torch.bfloat16)
+    w = torch.randn(24, 200, generator=gen).to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(200, generator=gen)).to(torch.bfloat16)
+
+    def run():
+        if fold == "norm":
+            return gv.gemv_rms_norm(x, None, norm_w, 1e-6, w, tiles=(8, 32, 4))[0]
+        return gv.gemv(x, w, silu_mul=fold == "silu_mul", tiles=(8, 32, 4))
+
+    with kernel_options(triton_on_cpu=True, gemv_stages=1):
+        want = run()
+    for stages in (2, 3, 4):
+        for prefetch in (False, True):
+            with kernel_options(triton_on_cpu=True, gemv_stages=stages, gemv_prefetch=prefetch):
+                assert torch.equal(run(), want), (stages, prefetch)

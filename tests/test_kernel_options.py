@@ -33,6 +33,9 @@ def test_options_by_name_and_as_an_object():
     assert make_config("m").kernels == EngineConfig("m").kernels  # the defaults (the environment's, if any)
     with pytest.raises(ValueError, match="gemv_pdl_early_tiles"):
         make_config("m", gemv_pdl_early_tiles=7).validate()
+    for stages in (0, 5):
+        with pytest.raises(ValueError, match="gemv_stages"):
+            make_config("m", gemv_stages=stages).validate()
     with pytest.raises(ValueError, match="stats block"):
         make_config("m", sampler_launch=SamplerLaunch(chunk=1000)).validate()
     with pytest.raises(TypeError):

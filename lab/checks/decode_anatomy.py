@@ -14,12 +14,14 @@ with each norm's rstd taken from its row in the GEMV after, not from the sums of
 (kernel option gemv_fold_sum_squares off; run31 measured it as `folded_sums` against `folded`), and with the
 MLP's activation in every program of the down GEMV (kernel option gemv_act_epilogue off; run32 measured it as
 `folded` against `folded_act`), and with the next weight tile loaded before the current one's products (kernel
-option gemv_prefetch).
+option gemv_prefetch), and with the GEMV's K loop pipelined through shared memory, 2 and 3 stages (kernel option
+gemv_stages).
 `option_us` gives each against `full` (negative: faster). (run27 also took the L2 prefetch of
 commit 96611da, since removed.)
 
 Then chains: each matmul kind's GEMVs (the model's own weights, every layer's in turn) replayed as one graph with
-one input, so each weight comes from HBM once: per-launch time and the bandwidth it reaches; and a chain of
+one input, so each weight comes from HBM once: per-launch time and the bandwidth it reaches (a kind whose K loop
+runs twice or more also with that loop in 3 stages, `<kind>_stages3`); and a chain of
 RMSNorms on one row (the bare cost of a kernel boundary under PDL).
 
     python -m lab.checks.decode_anatomy --out DIR [--models qwen3-0.6b,qwen3-8b]   # writes DIR/decode_anatomy.json
@@ -45,7 +47,8 @@ PROMPT_LEN = 1024
 # and cannot be taken out alone. The engine is built unfolded; the probes in FOLDED wrap its layers as the fold does
 # (GemvNormLayer, linked) for their capture only.
 UNFOLDED = {"gemv_norm_fold": False}
-FOLDED = ("folded", "folded_fused_merge", "folded_row_rstd", "folded_down_act", "folded_prefetch")
+FOLDED = ("folded", "folded_fused_merge", "folded_row_rstd", "folded_down_act", "folded_prefetch", "folded_stages2",
+          "folded_stages3")
 ITERS = 15
 PER = 10  # replays between a pair of events
 
@@ -108,6 +111,9 @@ def _variants() -> dict:
         # folded, each GEMV program's next weight tile loaded before the current tile's products (kernel option
         # gemv_prefetch: only GEMVs whose K loop runs twice or more, e.g. Qwen3-8B's down projection)
         "folded_prefetch": ([], {"gemv_prefetch": True}),
+        # folded, the same loops pipelined by Triton through shared memory instead (kernel option gemv_stages)
+        "folded_stages2": ([], {"gemv_stages": 2}),
+        "folded_stages3": ([], {"gemv_stages": 3}),
     }
 
 
@@ -191,12 +197,18 @@ def chains(llm) -> dict:
             def run(mods=mods, x=x):
                 return [gemv(x, m.weight, m.bias, tiles=m.tiles) for m in mods]
 
-            graph, _ = capture(run)
-            us = time_replay_us(graph, iters=ITERS, warmups=3) / len(mods)
             nbytes = mods[0].weight.numel() * mods[0].weight.element_size()
-            out[kind] = {"launches": len(mods), "shape": list(mods[0].weight.shape), "tiles": list(mods[0].tiles),
-                         "us_per_launch": round(us, 2), "tb_per_s": round(nbytes / us / 1e6, 3)}
-            print("chain", kind, out[kind], flush=True)
+            looped = -(-k // mods[0].tiles[1]) - llm.config.kernels.gemv_pdl_early_tiles >= 2
+            arms = [(kind, llm.config.kernels)]
+            if looped:
+                arms.append((f"{kind}_stages3", dataclasses.replace(llm.config.kernels, gemv_stages=3)))
+            for name, options in arms:
+                with use_options(options):
+                    graph, _ = capture(run)
+                    us = time_replay_us(graph, iters=ITERS, warmups=3) / len(mods)
+                out[name] = {"launches": len(mods), "shape": list(mods[0].weight.shape), "tiles": list(mods[0].tiles),
+                             "us_per_launch": round(us, 2), "tb_per_s": round(nbytes / us / 1e6, 3)}
+                print("chain", name, out[name], flush=True)
         w = torch.ones(model.cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
         x0 = torch.randn(1, model.cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
 

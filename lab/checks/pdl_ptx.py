@@ -17,7 +17,9 @@ check fails it). One rule of another kind rides along, since the PTX is at hand:
 kernel's fused RoPE sum a head's squares for Qwen3's q/k norm in fp64 (exact, whatever order each kernel's layout
 adds them in: on the H200 an fp32 sum made the two round apart, run25), so their PTX must hold fp64 adds; and every
 compiled variant of the decode kernel must give its dots the same operand kWidth (read from the TTGIR: the fused
-RoPE's q once came as a join of halves, kWidth 4 against 2, and summed q·k in another order, run27).
+RoPE's q once came as a join of halves, kWidth 4 against 2, and summed q·k in another order, run27); and the GEMV's
+K loop at 3 stages (kernel option gemv_stages), compiled with a launch's alignment, must be pipelined (cp.async,
+none before the wait) and reduce in the 1-stage loop's layouts (`gemv_stages_check`).
 
     python -m lab.checks.pdl_ptx [--json out.json]
 
@@ -84,26 +86,30 @@ def dot_kwidths(ttgir: str) -> list[int]:
             for m in [re.search(r"kWidth = (\d+)", line)] if m]
 
 
-def compile_asm(kernel, args: tuple, kw: dict, **constexpr_overrides) -> dict:
+def compile_asm(kernel, args: tuple, kw: dict, aligned: bool = False, **constexpr_overrides) -> dict:
     """The sm_90 compilation stages of `kernel` (`ttgir`, `ptx`, ...) for a recorded call, launch_pdl on and the
     given constexprs overridden. Compiled without a launch's divisibility specialisation (16-byte aligned pointers
     and strides), so no load is vectorised: a thread loads each element it holds with a load of its own, which
     makes the loads before the wait countable exactly (the bounds in `main`). The order of loads and the wait is
-    the launched kernel's."""
+    the launched kernel's. `aligned`: with that specialisation (every tensor, and every integer divisible by 16),
+    as a launch on the engine's buffers gets it: what Triton's loop pipelining needs (cp.async)."""
     names = [p.name for p in kernel.params]
     values = dict(zip(names, args))
     values.update({k: v for k, v in kw.items() if k in names})
     values.update(constexpr_overrides)
-    signature, constexprs = {}, {}
-    for p in kernel.params:
-        if p.is_constexpr or values[p.name] is None:  # a None argument is a constexpr, as a launch makes it
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        value = values[p.name]
+        if p.is_constexpr or value is None:  # a None argument is a constexpr, as a launch makes it
             signature[p.name] = "constexpr"
-            constexprs[p.name] = values[p.name]
+            constexprs[p.name] = value
         else:
-            signature[p.name] = _arg_type(values[p.name])
+            signature[p.name] = _arg_type(value)
+            if aligned and (isinstance(value, torch.Tensor) or (type(value) is int and value % 16 == 0)):
+                attrs[(i,)] = [["tt.divisibility", 16]]
     options = {k: v for k, v in kw.items() if k in _COMPILE_OPTIONS}
     options["launch_pdl"] = True
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
 
 
@@ -284,6 +290,53 @@ def record_launches() -> list[tuple]:
     return calls
 
 
+def reduce_operand_types(ttgir: str) -> list[str]:
+    """The operand type of every reduction in a TTGIR, in order, each layout alias replaced by its definition."""
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    types = re.findall(r"\}\) : \((tensor<[^)]*)\) -> tensor<", ttgir)
+    for alias in sorted(aliases, key=len, reverse=True):  # #blocked10 before #blocked1
+        types = [t.replace(alias, aliases[alias]) for t in types]
+    return types
+
+
+def gemv_stages_check() -> list[str]:
+    """Kernel option gemv_stages: Qwen3-8B's down projection as the engine launches it at batch 1 (a 4 x 2,048 tile,
+    the residual add and the sums of squares in the epilogue, two tiles before the wait, a loop of four), compiled
+    as a launch specialises it, at 1 and 3 stages. At 3 the loop's loads must be pipelined (cp.async), none before
+    the PDL wait, and every reduction must take the 1-stage loop's operand layouts (the products and their sums in
+    the same order: the same bits). Returns what went wrong, [] if fine."""
+    gen = torch.Generator().manual_seed(1)
+    calls: list = []
+
+    def down():
+        sums = torch.zeros(gv.GEMV_MAX_ROWS, gv.SUM_LANES, dtype=torch.float64)
+        add = torch.randn(1, 4096, generator=gen).to(torch.bfloat16)
+        gv.gemv(torch.randn(1, 12288, generator=gen).to(torch.bfloat16),
+                torch.randn(4096, 12288, generator=gen).to(torch.bfloat16), tiles=(4, 2048, 4), add=add,
+                sums_out=sums)
+
+    _record(gv, ["_gemv_kernel"], down, calls)
+    (kernel, a, kw), = calls
+    plain, staged = (compile_asm(kernel, a, kw, aligned=True, USE_PDL=True, EARLY_W=2, STAGES=n) for n in (1, 3))
+    failures = []
+    lines = staged["ptx"].splitlines()
+    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), len(lines))
+    copies = [i for i, line in enumerate(lines) if re.search(r"\bcp\.async\.(?:ca|cg)\b", line)]
+    if not copies:
+        failures.append("_gemv_kernel at 3 stages: no cp.async, the K loop is not pipelined")
+    if any(i < wait for i in copies):
+        failures.append("_gemv_kernel at 3 stages: a cp.async before the PDL wait")
+    if re.search(r"\bcp\.async\.(?:ca|cg)\b", plain["ptx"]):
+        failures.append("_gemv_kernel at 1 stage: cp.async, the plain loop is pipelined")
+    if reduce_operand_types(plain["ttgir"]) != reduce_operand_types(staged["ttgir"]) or not reduce_operand_types(
+            plain["ttgir"]):
+        failures.append("_gemv_kernel: its reductions take other layouts at 3 stages than at 1: the sums would "
+                        "round apart")
+    print(("ok  " if not failures else "BAD ") + "_gemv_kernel at 3 stages (aligned):",
+          f"{len(copies)} cp.async, reductions {reduce_operand_types(staged['ttgir'])}", *failures, sep="  ")
+    return failures
+
+
 @triton.jit
 def _control_load_first(X, Y, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     offs = tl.arange(0, BLOCK)
@@ -357,7 +410,7 @@ def main() -> int:
             results.append({"kernel": kernel.__name__, "constexprs": {k: str(v) for k, v in consts.items()},
                             "problems": problems})
             print(("ok  " if not problems else "BAD ") + kernel.__name__, consts, *problems, sep="  ")
-    bad_controls = controls()
+    bad_controls = controls() + gemv_stages_check()
     compiled = {r["kernel"] for r in results}
     for module in (ew, att, gv, smp):
         for name, obj in vars(module).items():

@@ -37,6 +37,13 @@ waits for it before reading x or writing y, but it loads its first weight tiles 
 option `gemv_pdl_early_tiles` of them), so the weight stream overlaps the predecessor's tail: the weights are
 written once at load time, long before any decode kernel runs, and never by a kernel, so reading them early is safe.
 (That is a precondition on `gemv`'s `weight`: it must not be the output of a kernel that may still be in flight.)
+
+Where a program's K loop runs on after those tiles (Qwen3-8B's down projection: six 2,048-wide tiles, four after the
+wait), each iteration waits for its own load: Triton pipelines no load of a plain loop whose values feed no `tl.dot`.
+The kernel option `gemv_stages` (1 by default, until timed) asks for the loop's loads to be pipelined through shared
+memory, that many stages (cp.async, `stages - 1` tiles in flight ahead of the products). A tile comes back into the
+registers in the layout a plain load gives it, so the products and their sums are the same; `lab.checks.pdl_ptx`
+checks that on the PTX for sm_90 (the loop pipelined, nothing before the PDL wait, the reductions' layouts).
 """
 
 from __future__ import annotations
@@ -130,6 +137,7 @@ MAX_EARLY_TILES = 3
 # half-precision squares are exact (ew.sum_squares: all but the rarest spreads of magnitude), so neither the order of
 # the atomic adds nor the lanes change the rstd: it is the norm kernel's to the bit.
 SUM_LANES = 16
+MAX_STAGE_BYTES = 160 * 1024  # shared memory the K loop's pipeline may take (sm_90: 227 KB a block)
 _SUM_LANES = tl.constexpr(SUM_LANES) if tl is not None else SUM_LANES
 
 
@@ -236,7 +244,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr,
                  SS_IN: tl.constexpr, SS_OUT: tl.constexpr, SS_ZERO: tl.constexpr, ACT_OUT: tl.constexpr,
-                 PREFETCH: tl.constexpr):
+                 PREFETCH: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     if ACT_OUT:  # W is [gate; up] (N = 2I rows): this program's rows are gate rows p.. and the up rows I + p..
         offs_p = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -290,7 +298,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
     if PREFETCH:  # the next tile's load issued before this tile's products (the same sums in the same order)
         k = EARLY_W * BLOCK_K + offs_k
         w_next = _load_w(w_ptr, offs_n, n_mask, k, k < K, stride_wn)
-    for k0 in range(EARLY_W * BLOCK_K, K, BLOCK_K):
+    # STAGES > 1: Triton pipelines the loop's loads through shared memory (cp.async), STAGES - 1 tiles ahead; each
+    # tile reaches the registers in the layout a plain load gives it, so the products and sums do not change
+    for k0 in tl.range(EARLY_W * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         k = k0 + offs_k
         k_mask = k < K
         if PREFETCH:
@@ -432,6 +442,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
     early_tiles = min(options.gemv_pdl_early_tiles, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
     # register double buffering only where the loop after the early tiles runs twice or more
     prefetch = options.gemv_prefetch and triton.cdiv(k, block_k) - early_tiles >= 2
+    # the loop pipelined through shared memory only where it runs twice or more, and not on top of the prefetch;
+    # each stage past the first buffers a weight tile and the input tiles beside it (x, up or residual, the norm's
+    # weight), held within what every sm_90 SM has
+    stages = options.gemv_stages if triton.cdiv(k, block_k) - early_tiles >= 2 and not prefetch else 1
+    stage_bytes = (block_n + 3 * triton.next_power_of_2(rows)) * block_k * weight.element_size()
+    while stages > 1 and (stages - 1) * stage_bytes > MAX_STAGE_BYTES:
+        stages -= 1
     for buf in (sums, sums_out):
         if buf is not None and (buf.dtype != torch.float64 or buf.shape != (GEMV_MAX_ROWS, SUM_LANES)
                                 or not buf.is_contiguous()):
@@ -447,7 +464,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RES=residual is not None,
         ADD_OUT=add is not None, USE_PDL=bool(kw), EARLY_W=early_tiles, SS_IN=sums is not None,
-        SS_OUT=sums_out is not None, SS_ZERO=zero_count, ACT_OUT=silu_mul_out, PREFETCH=prefetch, num_warps=warps,
+        SS_OUT=sums_out is not None, SS_ZERO=zero_count, ACT_OUT=silu_mul_out, PREFETCH=prefetch, STAGES=stages,
+        num_warps=warps,
         **kw)
     return y, (res_out if norm is not None else None)
 
