@@ -184,7 +184,7 @@ def chains(llm) -> dict:
     """Each GEMV kind's launches over every layer's weight as one graph (one input row): time a launch and the
     bandwidth it reaches; and 256 RMSNorms of one row chained (a kernel boundary's bare cost under PDL)."""
     from minisgl.kernels import elementwise as ew
-    from minisgl.kernels.gemv import gemv
+    from minisgl.kernels.gemv import gemv, loop_tiles
     from minisgl.kernels.options import use_options
 
     model = llm.engine.runner.model
@@ -198,9 +198,8 @@ def chains(llm) -> dict:
                 return [gemv(x, m.weight, m.bias, tiles=m.tiles) for m in mods]
 
             nbytes = mods[0].weight.numel() * mods[0].weight.element_size()
-            looped = -(-k // mods[0].tiles[1]) - llm.config.kernels.gemv_pdl_early_tiles >= 2
             arms = [(kind, llm.config.kernels)]
-            if looped:
+            if loop_tiles(k, mods[0].tiles[1], llm.config.kernels.gemv_pdl_early_tiles) >= 2:  # under PDL
                 arms.append((f"{kind}_stages3", dataclasses.replace(llm.config.kernels, gemv_stages=3)))
             for name, options in arms:
                 with use_options(options):

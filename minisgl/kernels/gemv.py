@@ -343,6 +343,13 @@ def gemv_config(n: int, k: int, table: GemvTable = NO_TABLE) -> tuple[int, int, 
     return block_n, block_k, 4
 
 
+def loop_tiles(k: int, block_k: int, early_tiles: int) -> int:
+    """The weight tiles a program's K loop loads after its early ones (`early_tiles`, at most every tile): the loop
+    the kernel options gemv_prefetch and gemv_stages act on, where it runs twice or more."""
+    tiles = triton.cdiv(k, block_k)
+    return tiles - min(early_tiles, MAX_EARLY_TILES, tiles)
+
+
 def gemv_max_rows(n: int, k: int, table: GemvTable = NO_TABLE) -> int:
     """Up to how many rows a weight of this shape takes the GEMV (0: cuBLAS always)."""
     if (n, k) not in table:
@@ -440,12 +447,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
     kw = pdl_launch(x)
     options = current_options()
     early_tiles = min(options.gemv_pdl_early_tiles, MAX_EARLY_TILES, triton.cdiv(k, block_k)) if kw else 0
+    looped = loop_tiles(k, block_k, early_tiles) >= 2
     # register double buffering only where the loop after the early tiles runs twice or more
-    prefetch = options.gemv_prefetch and triton.cdiv(k, block_k) - early_tiles >= 2
-    # the loop pipelined through shared memory only where it runs twice or more, and not on top of the prefetch;
-    # each stage past the first buffers a weight tile and the input tiles beside it (x, up or residual, the norm's
-    # weight), held within what every sm_90 SM has
-    stages = options.gemv_stages if triton.cdiv(k, block_k) - early_tiles >= 2 and not prefetch else 1
+    prefetch = options.gemv_prefetch and looped
+    # the loop pipelined through shared memory only there too, and not on top of the prefetch; each stage past the
+    # first buffers a weight tile and the input tiles beside it (x, up or residual, the norm's weight), held within
+    # what every sm_90 SM has
+    stages = options.gemv_stages if looped and not prefetch else 1
     stage_bytes = (block_n + 3 * triton.next_power_of_2(rows)) * block_k * weight.element_size()
     while stages > 1 and (stages - 1) * stage_bytes > MAX_STAGE_BYTES:
         stages -= 1
