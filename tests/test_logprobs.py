@@ -128,8 +128,9 @@ def test_token_logprobs_store_entries_without_an_object_per_token():
         finally:
             gc.enable()
 
-    # gc.get_objects() counts the whole process: the fewest of three tries leaves out other threads' objects
-    # (a CI run counted 11 once), while per-token tuples would add 2,000 to every try
+    # gc.get_objects() counts the whole process, and CI runs have counted 11 in each of three tries (objects of
+    # pytest-xdist's threads, not of the appends). One object per token would add 2,000 to every try, so the
+    # bound is a tenth of that: far above the process's noise, far below any per-token allocation.
     many, grown = min((tracked_objects_added() for _ in range(3)), key=lambda tried: tried[1])
     assert len(many) == 2000 and many[1999] == (-0.5, list(zip(ids, values)))
-    assert grown < 10, f"{grown} new tracked objects for 2000 tokens"
+    assert grown < 200, f"{grown} new tracked objects for 2000 tokens"
