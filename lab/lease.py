@@ -326,8 +326,9 @@ FOLD_SUMS06_W2 = Lab("fold_sums06_w2", 100, ("fold_sums06_w2.json",), ("fold_sum
 # issue 29's quick probes: each a call of its own, and together the `probes` call
 ROPE_BITS = Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits")
 ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",))
-ANATOMY = Check("anatomy", 60, ("decode_anatomy.json",), module="decode_anatomy")  # run30 (H100): 43 s
-ANATOMY8 = Check("anatomy8", 120, ("decode_anatomy.json",), module="decode_anatomy",
+# the stamped chain (boundaries) adds four compiles and two graphs: ~15 s, a guess until timed
+ANATOMY = Check("anatomy", 75, ("decode_anatomy.json",), module="decode_anatomy")  # run30 (H100): 43 s
+ANATOMY8 = Check("anatomy8", 135, ("decode_anatomy.json",), module="decode_anatomy",
                  args=("--models", "qwen3-8b"))  # run33 (H100): 99 s with every probe
 # 150 s of candidates, the engine's start and W2 twice on Qwen3-8B (run32's wide_ab8 ran W2 four times in ~200 s)
 STEP_TILES8 = Lab("step_tiles8", 330, ("step_tiles8.json",), ("step_tiles8",))
@@ -513,7 +514,9 @@ CALLS: dict[str, Call] = {
         "optional: issue 29, where a batch-1 decode step's time goes: its graph captured again with each part taken "
         "out (norms, RoPE, attention, GEMVs, lm_head) and with each launch-time kernel option moved (PDL, split "
         "waves, fused merge, early keys and metadata, the GEMV's early tiles), replayed on a live request; each "
-        "GEMV kind chained over the layers (its bandwidth) and a chain of one-row RMSNorms; Qwen3-0.6B "
+        "GEMV kind chained over the layers (its bandwidth) and a chain of one-row RMSNorms; a layer's GEMVs chained "
+        "with every program stamped (when it began, its wait returned, it ended: what each kernel boundary costs); "
+        "Qwen3-0.6B "
         "(lab.checks.decode_anatomy; run27 on an H100: ~36 s)",
         carry=(),
         steps=(ANATOMY,)),

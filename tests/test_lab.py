@@ -158,6 +158,36 @@ def test_anatomy_folds_the_layers_for_its_probe_only():
     assert model.layers is layers and params() == before
 
 
+def test_anatomy_boundary_reads_a_launch_against_the_one_before():
+    """decode_anatomy's stamped chain, on hand-made stamps (ns): [began, wait returned, ended, SM] a program."""
+    import torch
+
+    from lab.checks.decode_anatomy import _boundary
+
+    prev = torch.tensor([[0, 100, 9_000, 0], [0, 100, 10_000, 1]])
+    # four programs: two resident before prev ended (at 10,000 ns), two only after; two on SM 0
+    cur = torch.tensor([[4_000, 11_000, 20_000, 0], [6_000, 11_500, 21_000, 1],
+                        [12_000, 12_500, 22_000, 0], [13_000, 13_500, 30_000, 2]])
+    b = _boundary(prev, cur)
+    assert b["first_begin_lead_us"] == 6.0 and b["began_before_prev_end"] == 0.5
+    assert b["release_us"] == 1.0 and b["median_release_us"] == 2.0  # the median of 11.0, 11.5, 12.5, 13.5 us
+    assert b["span_us"] == 20.0 and b["most_programs_an_sm"] == 2
+    assert 0 < b["tail_us"] < 8.0  # the last program trails the 90th percentile's end
+
+
+def test_gemv_stamps_are_refused_on_the_cpu():
+    """gemv(stamps=) reads a GPU's timer: on a CPU tensor it says so rather than leave the stamps unwritten."""
+    import pytest
+    import torch
+
+    from minisgl.kernels.gemv import STAMP_FIELDS, gemv
+
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="GPU"):
+        gemv(x, w, stamps=torch.zeros(4, STAMP_FIELDS, dtype=torch.int64))
+    torch.testing.assert_close(gemv(x, w), x @ w.T)
+
+
 def test_mixes_section_records_throughput_batch_steps_and_resolved_rows(tiny_model, monkeypatch):
     """Issue 29's mixes section, on the tiny model with the mixes shrunk (same kinds of cells)."""
     from minisgl.bench import workloads

@@ -24,6 +24,11 @@ one input, so each weight comes from HBM once: per-launch time and the bandwidth
 runs twice or more also with that loop in 3 stages, `<kind>_stages3`); and a chain of
 RMSNorms on one row (the bare cost of a kernel boundary under PDL).
 
+Last, boundaries: a layer's four GEMVs over every layer in one graph, each program writing the global timer when it
+began, when its PDL wait returned and when it ended (gemv(stamps=)). Per launch kind, against the launch before
+it: how early its programs became resident, how long after that launch's end its wait returned, how long its last
+programs trailed. Where a GEMV loses its 2-5 us a launch (run32, Qwen3-8B) says which fix could win it back.
+
     python -m lab.checks.decode_anatomy --out DIR [--models qwen3-0.6b,qwen3-8b]   # writes DIR/decode_anatomy.json
                                                                                    # (default: Qwen3-0.6B alone)
 
@@ -223,10 +228,89 @@ def chains(llm) -> dict:
     return out
 
 
+def _boundary(prev, cur) -> dict:
+    """One launch against the launch before it in a stamped chain: [programs, STAMP_FIELDS] int64 (ns) each."""
+    prev_end = int(prev[:, 2].max())
+    begin, wait, end = cur[:, 0], cur[:, 1], cur[:, 2]
+    per_sm = torch.bincount(cur[:, 3]).max()
+    return {
+        # how long before the launch before it ended its first program began (negative: after)
+        "first_begin_lead_us": (prev_end - int(begin.min())) / 1e3,
+        "began_before_prev_end": float((begin < prev_end).float().mean()),  # share of its programs
+        # from the launch before's last program ending to this launch's first wait returning, and its median's
+        "release_us": (int(wait.min()) - prev_end) / 1e3,
+        "median_release_us": (float(wait.double().quantile(0.5)) - prev_end) / 1e3,
+        "span_us": (int(end.max()) - prev_end) / 1e3,  # this launch's share of the chain
+        "tail_us": (int(end.max()) - float(end.double().quantile(0.9))) / 1e3,  # its last tenth of programs
+        "most_programs_an_sm": int(per_sm),
+    }
+
+
+def boundaries(llm, samples: int = 5) -> dict:
+    """A layer's GEMVs as the engine launches them (qkv, o, gate_up with the activation in its epilogue, down; the
+    norm fold and attention left out), over every layer, in one graph with every program stamped (gemv(stamps=)):
+    when each launch's programs began before the one before it ended, when their PDL wait returned, how long its
+    last programs trailed. By launch kind: the median over layers and `samples` replays. The stamped graph is timed
+    against the same graph unstamped (what the stamps cost)."""
+    from minisgl.kernels.gemv import STAMP_FIELDS, gemv, gemv_programs
+    from minisgl.kernels.options import use_options
+
+    model = llm.engine.runner.model
+    kinds = gemv_kinds(model)
+    order = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    if not all(kind in kinds for kind in order):
+        return {"skipped": f"not every layer GEMV takes the GEMV: {sorted(kinds)}"}
+    with use_options(llm.config.kernels):
+        act_out = llm.config.kernels.gemv_act_epilogue and kinds["gate_up_proj"][0].max_rows >= 1  # as GemvMLP's
+        layers = list(zip(*(kinds[kind] for kind in order)))
+        dev, dt = layers[0][0].weight.device, layers[0][0].weight.dtype
+        x_h = torch.randn(1, layers[0][0].in_features, dtype=dt, device=dev)
+        x_o = torch.randn(1, layers[0][1].in_features, dtype=dt, device=dev)
+        launches = []  # (kind, module, silu_mul_out, stamps)
+        for layer in layers:
+            for kind, m in zip(order, layer):
+                out = act_out and kind == "gate_up_proj"
+                programs = gemv_programs(m.out_features, m.tiles, out)
+                stamps = torch.zeros(programs, STAMP_FIELDS, dtype=torch.int64, device=dev)
+                launches.append((kind, m, out, stamps))
+
+        def run(stamped: bool):
+            act = None
+            for kind, m, out, stamps in launches:
+                x = x_o if kind == "o_proj" else act if kind == "down_proj" and act_out else x_h
+                y = gemv(x, m.weight, m.bias, tiles=m.tiles, silu_mul_out=out,
+                         silu_mul=kind == "down_proj" and not act_out, stamps=stamps if stamped else None)
+                act = y if kind == "gate_up_proj" else act
+
+        result: dict = {"layers": len(layers), "act_epilogue": act_out, "replay_us": {}}
+        for stamped in (False, True):
+            graph, _ = capture(lambda stamped=stamped: run(stamped))
+            result["replay_us"]["stamped" if stamped else "plain"] = round(time_replay_us(graph, iters=ITERS), 2)
+        rows: dict = {}
+        steps = []
+        for _ in range(samples):
+            graph.replay()
+            torch.cuda.synchronize()
+            stamps = [s.cpu() for *_, s in launches]
+            steps.extend(torch.diff(torch.cat([s[:, :3].flatten() for s in stamps]).unique()).tolist())
+            for j in range(1, len(launches)):
+                for key, value in _boundary(stamps[j - 1], stamps[j]).items():
+                    rows.setdefault(launches[j][0], {}).setdefault(key, []).append(value)
+    result["timer_step_ns"] = min(steps) if steps else None  # the global timer's resolution, as seen
+    result["by_kind"] = {}
+    for kind, m, _, stamps in launches[:len(order)]:
+        medians = {key: round(float(torch.tensor(v, dtype=torch.float64).quantile(0.5)), 3)
+                   for key, v in rows[kind].items()}
+        result["by_kind"][kind] = {"programs": stamps.shape[0], "tiles": list(m.tiles),
+                                   "weight_mb": round(m.weight.numel() * m.weight.element_size() / 1e6, 2), **medians}
+    print("boundaries", result, flush=True)
+    return result
+
+
 def main() -> None:
     per_model_main("decode_anatomy", __doc__, lambda name: with_engine(
-        name, lambda llm: {"step": step_anatomy(llm), "chains": chains(llm)}, kernel=UNFOLDED, max_model_len=4096,
-        kv_memory_fraction=0.3))
+        name, lambda llm: {"step": step_anatomy(llm), "chains": chains(llm), "boundaries": boundaries(llm)},
+        kernel=UNFOLDED, max_model_len=4096, kv_memory_fraction=0.3))
 
 
 if __name__ == "__main__":

@@ -69,9 +69,14 @@ except ImportError:  # CPU-only installs: GemvLinear is plain F.linear
     triton = None
     tl = None
 
-__all__ = ["GEMV_MAX_ROWS", "SUM_LANES", "FoldSums", "GemvLinear", "GemvMLP", "GemvNormLayer", "device_table", "gemv",
-           "gemv_config", "gemv_max_rows", "gemv_rms_norm", "link_norm_layers", "load_table", "table_for",
-           "use_gemv"]
+try:  # the clocks read by the launch stamps (gemv(stamps=)), a diagnostic
+    from triton.language.extra.cuda import globaltimer, smid
+except ImportError:
+    globaltimer = smid = None
+
+__all__ = ["GEMV_MAX_ROWS", "STAMP_FIELDS", "SUM_LANES", "FoldSums", "GemvLinear", "GemvMLP", "GemvNormLayer",
+           "device_table", "gemv", "gemv_config", "gemv_max_rows", "gemv_programs", "gemv_rms_norm",
+           "link_norm_layers", "load_table", "table_for", "use_gemv"]
 
 # Rows (tokens) up to which the GEMV replaces cuBLAS; above it a GEMM's tiles reuse each weight load across rows.
 GEMV_MAX_ROWS = 4
@@ -138,7 +143,11 @@ MAX_EARLY_TILES = 3
 # the atomic adds nor the lanes change the rstd: it is the norm kernel's to the bit.
 SUM_LANES = 16
 MAX_STAGE_BYTES = 160 * 1024  # shared memory the K loop's pipeline may take (sm_90: 227 KB a block)
+# gemv(stamps=): a program's row of int64s, the global timer (ns) when it began, when its PDL wait returned (its
+# beginning without PDL) and when it ended, then the SM it ran on
+STAMP_FIELDS = 4
 _SUM_LANES = tl.constexpr(SUM_LANES) if tl is not None else SUM_LANES
+_STAMP_FIELDS = tl.constexpr(STAMP_FIELDS) if tl is not None else STAMP_FIELDS
 
 
 @_jit
@@ -239,13 +248,16 @@ def _epilogue_inputs(b_ptr, a_ptr, offs_m, offs_n, n_mask, out_mask, stride_am, 
 
 @_jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_in_ptr, ss_out_ptr, ss_zero_ptr,
-                 N, K, stride_xm, stride_wn, stride_ym, stride_rm, stride_om, stride_am, eps,
+                 stamps_ptr, N, K, stride_xm, stride_wn, stride_ym, stride_rm, stride_om, stride_am, eps,
                  ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr,
                  SS_IN: tl.constexpr, SS_OUT: tl.constexpr, SS_ZERO: tl.constexpr, ACT_OUT: tl.constexpr,
-                 PREFETCH: tl.constexpr, STAGES: tl.constexpr):
+                 PREFETCH: tl.constexpr, STAGES: tl.constexpr, STAMPS: tl.constexpr):
     pid = tl.program_id(0)
+    if STAMPS:  # a diagnostic (gemv(stamps=)): when this program began, its PDL wait returned and it ended
+        t_begin = globaltimer()
+        t_wait = t_begin
     if ACT_OUT:  # W is [gate; up] (N = 2I rows): this program's rows are gate rows p.. and the up rows I + p..
         offs_p = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         offs_n = tl.reshape(tl.join(offs_p, offs_p + N // 2), (BLOCK_N,))  # pairs: gate p, up p, gate p+1, ...
@@ -271,6 +283,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
         if EARLY_W >= 3:
             w2 = _load_w(w_ptr, offs_n, n_mask, kc, kc < K, stride_wn)
         gdc_wait()
+        if STAMPS:
+            t_wait = globaltimer()
         bias, a = _epilogue_inputs(b_ptr, a_ptr, offs_m, offs_n, n_mask, out_mask, stride_am, ROWS_PAD, BLOCK_N,
                                    HAS_BIAS, ADD_OUT)
         if SS_ZERO > 0:
@@ -329,6 +343,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
             part = ew.sum_squares(tl.where(out_mask, y.to(tl.float32), 0.0), 1)
             lane = pid % _SUM_LANES
             tl.atomic_add(ss_out_ptr + offs_m * _SUM_LANES + lane, part, mask=m_mask, sem="relaxed")
+    if STAMPS:
+        t_end = globaltimer()
+        tl.store(stamps_ptr + pid * _STAMP_FIELDS, t_begin)
+        tl.store(stamps_ptr + pid * _STAMP_FIELDS + 1, t_wait)
+        tl.store(stamps_ptr + pid * _STAMP_FIELDS + 2, t_end)
+        tl.store(stamps_ptr + pid * _STAMP_FIELDS + 3, smid().to(tl.int64))
 
 
 def gemv_config(n: int, k: int, table: GemvTable = NO_TABLE) -> tuple[int, int, int]:
@@ -341,6 +361,12 @@ def gemv_config(n: int, k: int, table: GemvTable = NO_TABLE) -> tuple[int, int, 
     while block_n > 1 and n // block_n < 1024:
         block_n //= 2
     return block_n, block_k, 4
+
+
+def gemv_programs(n: int, tiles: tuple[int, int, int], silu_mul_out: bool = False) -> int:
+    """The programs of a GEMV launch over a weight of `n` rows at these tiles (with silu_mul_out, n / 2 pairs of
+    rows, half a tile's rows a program)."""
+    return triton.cdiv(n, max(tiles[0], 2) if silu_mul_out else tiles[0])
 
 
 def loop_tiles(k: int, block_k: int, early_tiles: int) -> int:
@@ -361,7 +387,7 @@ def gemv_max_rows(n: int, k: int, table: GemvTable = NO_TABLE) -> int:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          silu_mul: bool = False, tiles: tuple[int, int, int] | None = None,
          add: torch.Tensor | None = None, sums_out: torch.Tensor | None = None,
-         silu_mul_out: bool = False) -> torch.Tensor:
+         silu_mul_out: bool = False, stamps: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for x `[rows, K]` (rows <= GEMV_MAX_ROWS) and weight `[N, K]`; fp32 accumulation.
     silu_mul=True: x is `[rows, 2K]` (gate | up) and the product is `silu_and_mul(x) @ weight.T`, the MLP's down
     projection with its activation folded in (one launch fewer per layer). `add` (`[rows, N]`, x's dtype): the
@@ -371,7 +397,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     before this launch; with `add`): each output row's sum of squares is added into it, for a `gemv_rms_norm` after
     that takes it as `sums` (the torch path leaves it alone: its norm reads the row). `silu_mul_out=True`: weight
     is an MLP's `[gate; up]` (2I rows) and the output is `silu_and_mul(x @ weight.T)`, `[rows, I]`: the activation
-    in the epilogue, once per element, where `silu_mul` computes it in every program of the down projection."""
+    in the epilogue, once per element, where `silu_mul` computes it in every program of the down projection.
+    `stamps`: a diagnostic (lab.checks.decode_anatomy), a contiguous int64 CUDA tensor of at least
+    `programs x STAMP_FIELDS` values that each program writes its row of (STAMP_FIELDS); `gemv_programs` says how
+    many programs a launch has. The products are the same with or without it."""
+    if stamps is not None and not x.is_cuda:  # the timer is a GPU register (and the interpreter has none)
+        raise ValueError("gemv's stamps are a GPU launch's: x is on the CPU")
     if not ew.use_triton(x) or x.shape[0] == 0:
         y = F.linear(ew.silu_and_mul(x) if silu_mul else x, weight, bias)
         y = ew.silu_and_mul(y) if silu_mul_out else y
@@ -379,7 +410,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if sums_out is not None and add is None:
         raise ValueError("gemv's sums_out is the residual stream's: it needs add")
     return _launch(x, weight, bias, tiles, silu_mul=silu_mul, add=add, sums_out=sums_out,
-                   silu_mul_out=silu_mul_out)[0]
+                   silu_mul_out=silu_mul_out, stamps=stamps)[0]
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -415,8 +446,8 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None,
             silu_mul: bool = False, norm: tuple | None = None, add: torch.Tensor | None = None,
             sums: torch.Tensor | None = None, sums_out: torch.Tensor | None = None,
-            zero_sums: torch.Tensor | None = None,
-            silu_mul_out: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            zero_sums: torch.Tensor | None = None, silu_mul_out: bool = False,
+            stamps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, k = x.shape
     n = weight.shape[0]
     if silu_mul:
@@ -442,6 +473,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
             residual = residual.contiguous()
         res_out = torch.empty_like(x)
     block_n, block_k, warps = tiles or gemv_config(n, k, table_for(x.device))
+    programs = gemv_programs(n, (block_n, block_k, warps), silu_mul_out)
     if silu_mul_out:  # a program's rows are pairs (gate row, its up row)
         block_n = max(block_n, 2)
     kw = pdl_launch(x)
@@ -465,15 +497,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
     r = residual if residual is not None else x
     a = add if add is not None else y
     zero_count = zero_sums.numel() if zero_sums is not None else 0
-    _gemv_kernel[(triton.cdiv(n, block_n),)](  # with silu_mul_out: n / 2 pairs, block_n / 2 a program
+    if stamps is not None and (stamps.dtype != torch.int64 or not stamps.is_contiguous()
+                               or stamps.numel() < programs * STAMP_FIELDS):
+        raise ValueError(f"gemv's stamps need a contiguous int64 tensor of >= {programs * STAMP_FIELDS} values, "
+                         f"got {list(stamps.shape)} in {stamps.dtype}")
+    _gemv_kernel[(programs,)](
         x, weight, bias if bias is not None else weight, y, r, norm_weight, res_out, a,
-        *(buf if buf is not None else y for buf in (sums, sums_out, zero_sums)), n, k, x.stride(0),
+        *(buf if buf is not None else y for buf in (sums, sums_out, zero_sums, stamps)), n, k, x.stride(0),
         weight.stride(0), y.stride(0), r.stride(0), res_out.stride(0), a.stride(0), eps,
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RES=residual is not None,
         ADD_OUT=add is not None, USE_PDL=bool(kw), EARLY_W=early_tiles, SS_IN=sums is not None,
         SS_OUT=sums_out is not None, SS_ZERO=zero_count, ACT_OUT=silu_mul_out, PREFETCH=prefetch, STAGES=stages,
-        num_warps=warps,
+        STAMPS=stamps is not None, num_warps=warps,
         **kw)
     return y, (res_out if norm is not None else None)
 
