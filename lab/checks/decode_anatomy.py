@@ -307,9 +307,18 @@ def boundaries(llm, samples: int = 5) -> dict:
     return result
 
 
+def _recorded(probe, llm) -> dict:
+    """A new probe's result, or the error it raised, in the JSON (the older probes' results are kept either way)."""
+    try:
+        return probe(llm)
+    except Exception as e:  # noqa: BLE001 - recorded, not hidden
+        torch.cuda.synchronize()
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+
+
 def main() -> None:
     per_model_main("decode_anatomy", __doc__, lambda name: with_engine(
-        name, lambda llm: {"step": step_anatomy(llm), "chains": chains(llm), "boundaries": boundaries(llm)},
+        name, lambda llm: {"step": step_anatomy(llm), "chains": chains(llm), "boundaries": _recorded(boundaries, llm)},
         kernel=UNFOLDED, max_model_len=4096, kv_memory_fraction=0.3))
 
 
