@@ -351,3 +351,86 @@ def test_mixed_prefill_tokens_bounds_prefill_in_decoding_steps(overlap, qwen3_pa
     assert sum(p for p, _ in steps) == len(short) + len(long)
     assert_all_pages_back(llm)
 
+
+
+
+def _two_prefills_under_way(second_prompt: int, second_done: int):
+    """A scheduler (page size 4, no prefix cache) with two prefills under way, A (30 tokens, 8 computed: its two
+    pages full) and B (`second_prompt` tokens, `second_done` computed, in one page), and every other page held
+    outside it (`hog`)."""
+    from minisgl.kvcache import NaiveCache, PageAllocator, ReqToTokenPool
+    from minisgl.scheduler import Req, Scheduler
+
+    alloc = PageAllocator(40)
+    s = Scheduler(alloc, ReqToTokenPool(max_reqs=8, max_context_len=128, device="cpu"), NaiveCache(alloc, 4), 4,
+                  max_running=4, chunk_size=8)
+    a = Req(0, list(range(100, 130)), SamplingParams(temperature=0, max_tokens=2), seed=0)
+    b = Req(1, list(range(200, 200 + second_prompt)), SamplingParams(temperature=0, max_tokens=2), seed=1)
+    s.add(a)
+    s.add(b)
+    assert s._admit(a, 0) == 8
+    s._build([(a, 8)])
+    s.chunk_size = second_done
+    assert s._admit(b, 0) == second_done
+    s._build([(b, second_done)])
+    s.chunk_size = 64
+    hog = alloc.alloc(alloc.num_free)
+    return s, a, b, hog
+
+
+def _resolve(batch) -> None:
+    """A fake model's step: every sampling request gets token 7."""
+    for row in batch.sample_rows:
+        req = batch.reqs[row]
+        req.num_pending -= 1
+        req.output_ids.append(7)
+        if len(req.output_ids) >= req.params.max_tokens:
+            req.status = ReqStatus.FINISHED
+
+
+def _finish(s, batch, hog) -> None:
+    """Resolve `batch`, give the held pages back and run the scheduler to the end."""
+    _resolve(batch)
+    s.allocator.free(hog)
+    for _ in range(50):
+        s.release_finished(set())
+        if not s.has_work:
+            break
+        batch = s.schedule()
+        if batch is not None:
+            _resolve(batch)
+        if not s.has_work:
+            break
+    assert not s.has_work
+    assert s.allocator.num_free == s.allocator.capacity
+
+
+def test_a_prefill_short_of_pages_does_not_hold_up_one_that_needs_none():
+    """The engine fuzzer's stall (seed 20261208, Qwen3.5): the first prefill under way could not get its chunk's
+    pages and the scheduler stopped there, never reaching a second one whose chunk fit in the page it held, and
+    the engine raised 'scheduler stalled'. Now the first takes what fits (here nothing) and the second runs."""
+    s, a, b, hog = _two_prefills_under_way(4, 2)  # B's last 2 tokens fit in its one page
+    batch = s.schedule()
+    assert batch is not None and batch.reqs == [b] and batch.extend_lens == [2]
+    assert s.num_retractions == 0
+    _finish(s, batch, hog)
+    assert a.output_ids == [7, 7] and b.output_ids == [7, 7]
+
+
+def test_a_prefill_takes_the_chunk_the_free_pages_allow():
+    s, a, b, hog = _two_prefills_under_way(4, 2)
+    s.allocator.free(hog[:2])  # two pages: A may grow from 8 tokens to 16
+    batch = s.schedule()
+    assert batch.reqs == [a, b] and batch.extend_lens == [8, 2]
+    _finish(s, batch, hog[2:])
+
+
+def test_prefills_that_hold_the_pool_between_them_retract_the_newest():
+    """Two prefills under way, each needing a page, none free and none to evict: nothing could run again. The
+    newest is retracted (as a decoder short of pages would be), and the oldest goes on in the page it gave back."""
+    s, a, b, hog = _two_prefills_under_way(20, 4)
+    batch = s.schedule()
+    assert batch is not None and batch.reqs == [a] and batch.extend_lens == [4]
+    assert b.num_retractions == 1 and a.num_retractions == 0 and list(s.waiting) == [b] and b.pages == []
+    _finish(s, batch, hog)
+    assert a.output_ids == [7, 7] and b.output_ids == [7, 7]

@@ -282,8 +282,13 @@ class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
             prefill_tokens = self.chunk_size - self.mixed_chunk_size
         for r in prefills:
             n = self._prefill_len(r.num_tokens - r.kv_len, prefill_tokens)
-            if n <= 0 or not self._ensure_free(self._pages_for(r, n)):
+            if n <= 0:
                 break
+            if not self._ensure_free(self._pages_for(r, n)):
+                # a shorter chunk, as far as the free pages go; none: the next prefill may need no new page
+                n = min(n, (len(r.pages) + self.allocator.num_free) * self.page_size - r.kv_len)
+                if n <= 0:
+                    continue
             r.pages += self.allocator.alloc(self._pages_for(r, n))
             plan.append((r, n))
             prefill_tokens += n
@@ -295,5 +300,13 @@ class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
             plan.append((req, n))
             prefill_tokens += n
         if not plan:
-            return None
+            # 3. prefills alone, none of which gets a page (the pool is held by the requests themselves): make
+            # room as phase 1 does, or nothing would ever run again
+            victims = [r for r in self.running if not r.finished]
+            if not active or len(victims) < 2:
+                return None
+            if any(r.num_pending for r in victims):
+                return NEED_SYNC
+            self._retract(victims[-1])
+            return self.schedule()
         return self._build(plan)
