@@ -301,9 +301,10 @@ class Scheduler(SchedulerPages, SchedulerQueue, SchedulerAdmission):
             prefill_tokens += n
         if not plan:
             # 3. prefills alone, none of which gets a page (the pool is held by the requests themselves): make
-            # room as phase 1 does, or nothing would ever run again
+            # room as phase 1 does, or nothing would ever run again (a finished request about to be released
+            # gives its pages back soon enough)
             victims = [r for r in self.running if not r.finished]
-            if not active or len(victims) < 2:
+            if not active or len(victims) < 2 or len(victims) < len(self.running):
                 return None
             if any(r.num_pending for r in victims):
                 return NEED_SYNC
