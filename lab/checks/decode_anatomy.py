@@ -277,7 +277,7 @@ def boundaries(llm, samples: int = 5) -> dict:
         def run(stamped: bool):
             act = None
             for kind, m, out, stamps in launches:
-                x = x_o if kind == "o_proj" else act if kind == "down_proj" and act_out else x_h
+                x = {"o_proj": x_o, "down_proj": act}.get(kind, x_h)  # down reads gate_up's output
                 y = gemv(x, m.weight, m.bias, tiles=m.tiles, silu_mul_out=out,
                          silu_mul=kind == "down_proj" and not act_out, stamps=stamps if stamped else None)
                 act = y if kind == "gate_up_proj" else act
@@ -312,7 +312,6 @@ def _recorded(probe, llm) -> dict:
     try:
         return probe(llm)
     except Exception as e:  # noqa: BLE001 - recorded, not hidden
-        torch.cuda.synchronize()
         return {"error": f"{type(e).__name__}: {e}"[:2000]}
 
 
