@@ -175,6 +175,59 @@ def test_anatomy_boundary_reads_a_launch_against_the_one_before():
     assert 0 < b["tail_us"] < 8.0  # the last program trails the 90th percentile's end
 
 
+@pytest.mark.parametrize("act_epilogue", [True, False])
+def test_anatomy_boundaries_chains_a_layer_s_gemvs_and_reads_their_stamps(act_epilogue, monkeypatch):
+    """decode_anatomy's stamped chain on a tiny model, on the CPU: the GEMV's stamps faked (the timer is a GPU's),
+    the graph run eagerly. Each layer's four launches in order with the right inputs (down reads gate_up's output,
+    the activation in gate_up's epilogue or in down's prologue), and a row a kind from the stamps."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from lab.checks import decode_anatomy
+    from minisgl.config import KernelOptions
+    from minisgl.kernels import gemv as gv
+    from minisgl.models.config import ModelConfig
+    from minisgl.models.decoder import DecoderLM
+
+    cfg = ModelConfig(arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_q_heads=2,
+                      num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+                      max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False, qk_norm=True)
+    model = DecoderLM(cfg)
+    gv.use_gemv(model, fold=(type(model.layers[0].mlp),))
+    calls, real = [], gv.gemv
+
+    def stamped_gemv(x, w, b=None, tiles=None, silu_mul_out=False, silu_mul=False, stamps=None):
+        calls.append((x.shape[1], w.shape[0], silu_mul_out, silu_mul))
+        if stamps is not None:  # launch i's programs begin at 10 us * i, wait 1 us, end 5 us later, 3 SMs
+            t0, n = 10_000 * len(calls), stamps.shape[0]
+            stamps[:, 0], stamps[:, 1] = t0 + torch.arange(n), t0 + 1_000
+            stamps[:, 2], stamps[:, 3] = t0 + 5_000, torch.arange(n) % 3
+        return real(x, w, b, tiles=tiles, silu_mul_out=silu_mul_out, silu_mul=silu_mul)
+
+    monkeypatch.setattr(gv, "gemv", stamped_gemv)
+    monkeypatch.setattr(decode_anatomy, "capture", lambda fn: (types.SimpleNamespace(replay=fn), fn()))
+    monkeypatch.setattr(decode_anatomy, "time_replay_us", lambda graph, iters=0: 1.0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    options = dataclasses.replace(KernelOptions(), gemv_act_epilogue=act_epilogue)
+    llm = types.SimpleNamespace(engine=types.SimpleNamespace(runner=types.SimpleNamespace(model=model)),
+                                config=types.SimpleNamespace(kernels=options))
+    res = decode_anatomy.boundaries(llm, samples=2)
+    assert "error" not in res and res["layers"] == 3 and res["act_epilogue"] is act_epilogue
+    # a layer: qkv (hidden in, 64 out), o (32 in), gate_up (96 out), down (its input gate_up's output)
+    down_in = 48 if act_epilogue else 96
+    assert calls[:4] == [(32, 64, False, False), (32, 32, False, False), (32, 96, act_epilogue, False),
+                         (down_in, 32, False, not act_epilogue)]
+    assert set(res["by_kind"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    down = res["by_kind"]["down_proj"]
+    # each launch began 5 us after the one before ended, its wait 1 us after that, and it ended 4 us later
+    assert down["first_begin_lead_us"] == -5.0 and down["began_before_prev_end"] == 0.0
+    assert down["release_us"] == 6.0 and down["span_us"] == 10.0 and down["tail_us"] == 0.0
+    assert down["programs"] == gv.gemv_programs(32, model.layers[0].mlp.down_proj.tiles)
+    assert res["timer_step_ns"] == 1
+
+
 def test_gemv_stamps_are_refused_on_the_cpu():
     """gemv(stamps=) reads a GPU's timer: on a CPU tensor it says so rather than leave the stamps unwritten."""
     import pytest
