@@ -326,6 +326,7 @@ FOLD_SUMS06_W2 = Lab("fold_sums06_w2", 100, ("fold_sums06_w2.json",), ("fold_sum
 # issue 29's quick probes: each a call of its own, and together the `probes` call
 ROPE_BITS = Check("rope_bits", 40, ("fused_rope_bits.json",), module="fused_rope_bits")
 ROPE_TOKENS = Lab("rope_tokens06", 80, ("rope_tokens06.json",), ("rope_tokens06",))
+MEGAKERNEL = Check("megakernel", 180, ("decode_megakernel.json",), module="decode_megakernel")
 # the stamped chain (boundaries) adds four compiles and two graphs: ~15 s, a guess until timed
 ANATOMY = Check("anatomy", 75, ("decode_anatomy.json",), module="decode_anatomy")  # run30 (H100): 43 s
 ANATOMY8 = Check("anatomy8", 135, ("decode_anatomy.json",), module="decode_anatomy",
@@ -572,7 +573,14 @@ CALLS: dict[str, Call] = {
         "theirs and the engine's step, and each phase's time from the kernel's own stamps "
         "(lab.checks.decode_megakernel; run28: 66-142 s)",
         carry=(),
-        steps=(Check("megakernel", 180, ("decode_megakernel.json",), module="decode_megakernel"),)),
+        steps=(MEGAKERNEL,)),
+    "boundaries": Call(
+        "optional, issue 29, a session's first call: where a batch-1 step's kernel boundaries go, two ways: the "
+        "megakernel call (its `share` tiles, each program's whole share of a matmul loaded across the barrier before "
+        "it, and `arrive_first`: never run on a GPU before), then the anatomy call (Qwen3-0.6B's layer GEMVs "
+        "chained with every program stamped)",
+        carry=(),
+        steps=(MEGAKERNEL, ANATOMY)),
     "mega_ab": Call(
         "optional: issue 29, the engine with the decode-layers kernel (kernel option decode_megakernel) off, on, and "
         "on with 168 registers a thread: tokens (greedy and seeded sampling, batch 1 and 8, graphs and eager), then "
