@@ -399,8 +399,6 @@ def _finish(s, batch, hog) -> None:
         batch = s.schedule()
         if batch is not None:
             _resolve(batch)
-        if not s.has_work:
-            break
     assert not s.has_work
     assert s.allocator.num_free == s.allocator.capacity
 
