@@ -577,8 +577,8 @@ CALLS: dict[str, Call] = {
     "boundaries": Call(
         "optional, issue 29, a session's first call: where a batch-1 step's kernel boundaries go, two ways: the "
         "megakernel call (its `share` tiles, each program's whole share of a matmul loaded across the barrier before "
-        "it, and `arrive_first`: never run on a GPU before), then the anatomy call (Qwen3-0.6B's layer GEMVs "
-        "chained with every program stamped)",
+        "it, and `arrive_first`; run39 on an H100: bit-equal, slower than the launches), then the anatomy call "
+        "(Qwen3-0.6B's layer GEMVs chained with every program stamped)",
         carry=(),
         steps=(MEGAKERNEL, ANATOMY)),
     "mega_ab": Call(

@@ -23,10 +23,11 @@ arithmetic is the engine's own helpers' with the engine's tiles and split count,
 and the stored K/V are meant to equal the one-launch-per-op path to the bit: so they do under the interpreter
 (tests/test_persistent_kernels.py). On an H100 (reports/h100/run28) layers 0-13 did and layer 14's attention was one
 element in 2,048 a rounding apart: the merge's sum over splits followed a layout the compiler chose per kernel; it
-now adds the splits in order (kernels/attention.py, `_merge_head`), not yet run on a GPU
-(lab.checks.decode_megakernel). Measured there, the kernel was slower than the launches (906-1,111 us against 827-909
-for Qwen3-0.6B's layers): its grid barriers cost ~1-2 us each, as much as the kernel boundaries they replace, and its
-GEMV phases stream at 1.7-2.2 TB/s; hence the option stays off.
+now adds the splits in order (kernels/attention.py, `_merge_head`), and on an H100 (reports/h100/run39) every arm
+gave the engine's bits (lab.checks.decode_megakernel). Measured there, the kernel was slower than the launches
+(run28: 906-1,111 us against 827-909 for Qwen3-0.6B's layers; run39, with each program's whole share of a matmul
+loaded across the barrier too: 857-998 us against 719): its grid barriers cost ~1-2.6 us each, as much as the kernel
+boundaries they replace, and its GEMV phases stream at 1.7-2.7 TB/s; hence the option stays off.
 
 The grid barrier. A CTA barrier, then thread 0 adds 1 to a global counter with release semantics at GPU scope
 and spins on acquire loads until every program has arrived, then a CTA barrier: the cooperative-groups grid sync,
