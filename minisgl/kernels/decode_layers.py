@@ -27,7 +27,7 @@ now adds the splits in order (kernels/attention.py, `_merge_head`), and on an H1
 gave the engine's bits (lab.checks.decode_megakernel). Measured there, the kernel was slower than the launches
 (run28: 906-1,111 us against 827-909 for Qwen3-0.6B's layers; run39, with each program's whole share of a matmul
 loaded across the barrier too: 857-998 us against 719): its grid barriers cost ~1-2.6 us each, as much as the kernel
-boundaries they replace, and its GEMV phases stream at 1.7-2.7 TB/s; hence the option stays off.
+boundaries they replace, and its GEMV phases streamed at 1.7-2.2 TB/s in run28; hence the option stays off.
 
 The grid barrier. A CTA barrier, then thread 0 adds 1 to a global counter with release semantics at GPU scope
 and spins on acquire loads until every program has arrived, then a CTA barrier: the cooperative-groups grid sync,
