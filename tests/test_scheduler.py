@@ -352,8 +352,6 @@ def test_mixed_prefill_tokens_bounds_prefill_in_decoding_steps(overlap, qwen3_pa
     assert_all_pages_back(llm)
 
 
-
-
 def _two_prefills_under_way(second_prompt: int, second_done: int):
     """A scheduler (page size 4, no prefix cache) with two prefills under way, A (30 tokens, 8 computed: its two
     pages full) and B (`second_prompt` tokens, `second_done` computed, in one page), and every other page held
