@@ -173,6 +173,8 @@ def test_anatomy_boundary_reads_a_launch_against_the_one_before():
     assert b["release_us"] == 1.0 and b["median_release_us"] == 2.0  # the median of 11.0, 11.5, 12.5, 13.5 us
     assert b["span_us"] == 20.0 and b["most_programs_an_sm"] == 2
     assert 0 < b["tail_us"] < 8.0  # the last program trails the 90th percentile's end
+    # each program's work after its wait: 9.0, 9.5, 9.5 and 16.5 us
+    assert b["work_max_us"] == 16.5 and b["work_median_us"] == 9.5
 
 
 @pytest.mark.parametrize("act_epilogue", [True, False])
@@ -226,6 +228,26 @@ def test_anatomy_boundaries_chains_a_layer_s_gemvs_and_reads_their_stamps(act_ep
     assert down["release_us"] == 6.0 and down["span_us"] == 10.0 and down["tail_us"] == 0.0
     assert down["programs"] == gv.gemv_programs(32, model.layers[0].mlp.down_proj.tiles)
     assert res["timer_step_ns"] == 1
+
+
+def test_decode_attention_stamps_are_refused_on_the_cpu_and_sized_by_its_launches():
+    """decode_attention(stamps=) reads a GPU's timer too: on the CPU it refuses them. decode_programs sizes them:
+    stage 1's (request, kv head, split) programs, stage 2's (request, q head) only where a second launch merges."""
+    import pytest
+    import torch
+
+    from minisgl.kernels.attention import decode_attention, decode_programs
+    from minisgl.kernels.gemv import STAMP_FIELDS
+
+    assert decode_programs(2, 16, 8, 4, fused_merge=False) == (64, 32)
+    assert decode_programs(2, 16, 8, 4, fused_merge=True) == (64, 0)
+    assert decode_programs(1, 16, 8, 1, fused_merge=False) == (8, 0)
+    q, out = torch.randn(1, 4, 16), torch.empty(1, 4, 16)
+    kv = torch.randn(8, 2, 16)
+    stamps = (torch.zeros(2 * 2, STAMP_FIELDS, dtype=torch.int64), torch.zeros(4, STAMP_FIELDS, dtype=torch.int64))
+    with pytest.raises(ValueError, match="CUDA"):
+        decode_attention(q, kv, kv, torch.arange(8, dtype=torch.int32).view(1, 8), torch.tensor([0]),
+                         torch.tensor([5], dtype=torch.int32), out, 0.25, num_splits=2, stamps=stamps)
 
 
 def test_gemv_stamps_are_refused_on_the_cpu():

@@ -44,7 +44,7 @@ from collections.abc import Iterator
 import torch
 
 from lab.checks import per_model_main
-from lab.engines import decoding_request, gemv_kinds, step_replay_us, with_engine
+from lab.engines import STEP_BUFFERS, decoding_request, gemv_kinds, step_replay_us, with_engine
 from lab.timing import capture, time_replay_us
 
 PROMPT_LEN = 1024
@@ -243,6 +243,9 @@ def _boundary(prev, cur) -> dict:
         "span_us": (int(end.max()) - prev_end) / 1e3,  # this launch's share of the chain
         "tail_us": (int(end.max()) - float(end.double().quantile(0.9))) / 1e3,  # its last tenth of programs
         "most_programs_an_sm": int(per_sm),
+        # a program's own work after its wait: the slowest program's and the median program's
+        "work_max_us": int((end - wait).max()) / 1e3,
+        "work_median_us": float((end - wait).double().quantile(0.5)) / 1e3,
     }
 
 
@@ -307,6 +310,92 @@ def boundaries(llm, samples: int = 5) -> dict:
     return result
 
 
+def step_stamps(llm, samples: int = 5) -> dict:
+    """The engine's batch-1 step as it runs at its defaults (the layers folded), captured with every GEMV and
+    decode-attention program stamped (gemv(stamps=), decode_attention(stamps=)): by launch kind, the median over
+    layers and `samples` replays of each launch against the stamped launch before it (`_boundary`: how early its
+    programs began, how long after that launch's end its wait returned, its share of the chain, its programs' own
+    work after the wait); stage 1 of the attention by split too (the split holding the new token stores its key and
+    value before its products; splits past the context hold no key). The stamped step's replay against the same
+    step unstamped says what the stamps cost."""
+    import minisgl.attention.triton_backend as backend
+    import minisgl.kernels.gemv as gv
+    from minisgl.engine.cuda_graph import CudaGraphRunner
+    from minisgl.kernels.attention import decode_programs
+    from minisgl.kernels.options import current_options, use_options
+
+    runner = llm.engine.runner
+    names = {tuple(m.weight.shape): kind for kind, mods in gemv_kinds(runner.model).items() for m in mods}
+    launches: list = []  # (kind, stamps, splits) of the greedy batch-1 graph's capture, in launch order
+    recording: list = [None]  # the key of the graph being captured
+    real_launch, real_attention, real_record = gv._launch, backend.decode_attention, CudaGraphRunner._record
+
+    def stamps_for(kind: str, programs: int, device, splits: int = 0) -> torch.Tensor:
+        stamps = torch.empty(programs, gv.STAMP_FIELDS, dtype=torch.int64, device=device)  # every row is written
+        if recording[0] == (1, "greedy"):
+            launches.append((kind, stamps, splits))
+        return stamps
+
+    def launch(x, weight, bias, tiles, **kw):
+        n, k = weight.shape
+        programs = gv.gemv_programs(n, tiles or gv.gemv_config(n, k, gv.table_for(x.device)),
+                                    kw.get("silu_mul_out", False))
+        kw["stamps"] = stamps_for(names.get((n, k), f"{n}x{k}"), programs, x.device)
+        return real_launch(x, weight, bias, tiles, **kw)
+
+    def attention(q, k_buf, *args, num_splits, **kw):
+        fused = kw.get("fused_merge")
+        fused = current_options().decode_fused_merge if fused is None else fused
+        p1, p2 = decode_programs(q.shape[0], q.shape[1], k_buf.shape[1], num_splits, fused)
+        s1 = stamps_for("attention_stage1", p1, q.device, num_splits)
+        s2 = stamps_for("attention_stage2", p2, q.device) if p2 else None
+        return real_attention(q, k_buf, *args, num_splits=num_splits, **kw, stamps=(s1, s2))
+
+    def record(self, key, *args):
+        recording[0] = key
+        try:
+            return real_record(self, key, *args)
+        finally:
+            recording[0] = None
+
+    live = runner.graph_runner
+    patches = [(gv, "_launch", launch), (backend, "decode_attention", attention), (CudaGraphRunner, "_record", record)]
+    result: dict = {"replay_us": {}}
+    with _folded(runner.model, True), use_options(llm.config.kernels):
+        result["replay_us"]["plain"] = round(step_replay_us(llm, iters=ITERS, per=PER), 2)
+        with _patched(patches, None):
+            graph = CudaGraphRunner(runner, 1, batch_sizes=[1])
+        try:
+            for buf in STEP_BUFFERS:
+                getattr(graph, buf)[:1].copy_(getattr(live, buf)[:1])
+            runner.attn.prepare_for_replay(graph._meta(1))
+            step = graph.graphs[1, "greedy"]
+            result["replay_us"]["stamped"] = round(time_replay_us(step, iters=ITERS, warmups=3, per=PER), 2)
+            rows: dict = {}
+            by_split: list = []
+            for _ in range(samples):
+                step.replay()
+                torch.cuda.synchronize()
+                stamps = [s.cpu() for _, s, _ in launches]
+                for j in range(1, len(launches)):
+                    for key, value in _boundary(stamps[j - 1], stamps[j]).items():
+                        rows.setdefault(launches[j][0], {}).setdefault(key, []).append(value)
+                for (kind, _, splits), s in zip(launches, stamps):
+                    if kind == "attention_stage1":  # [kv heads, splits] programs of one request
+                        work = (s[:, 2] - s[:, 1]).view(-1, splits).double().quantile(0.5, dim=0)
+                        by_split.append(work / 1e3)
+        finally:
+            del graph
+            runner.attn.prepare_for_replay(live._meta(1))
+    result["launches"] = [kind for kind, _, _ in launches]
+    result["by_kind"] = {kind: {key: round(float(torch.tensor(v, dtype=torch.float64).quantile(0.5)), 3)
+                                for key, v in values.items()} for kind, values in rows.items()}
+    if by_split:
+        result["stage1_work_us_by_split"] = [round(v, 3) for v in torch.stack(by_split).quantile(0.5, dim=0).tolist()]
+    print("step_stamps", result, flush=True)
+    return result
+
+
 def _recorded(probe, llm) -> dict:
     """A new probe's result, or the error it raised, in the JSON (the older probes' results are kept either way)."""
     try:
@@ -317,7 +406,8 @@ def _recorded(probe, llm) -> dict:
 
 def main() -> None:
     per_model_main("decode_anatomy", __doc__, lambda name: with_engine(
-        name, lambda llm: {"step": step_anatomy(llm), "chains": chains(llm), "boundaries": _recorded(boundaries, llm)},
+        name, lambda llm: {"step": step_anatomy(llm), "chains": chains(llm), "boundaries": _recorded(boundaries, llm),
+                           "step_stamps": _recorded(step_stamps, llm)},
         kernel=UNFOLDED, max_model_len=4096, kv_memory_fraction=0.3))
 
 

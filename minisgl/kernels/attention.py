@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from minisgl.kernels.elementwise import _jit, apply_rope, norm_and_rope, norm_rope_full  # _jit: triton.jit, if any
+from minisgl.kernels.gemv import STAMP_FIELDS
 from minisgl.kernels.options import current_options
 from minisgl.kernels.pdl import pdl_enter, pdl_launch, pdl_launch_dependents, pdl_wait
 
@@ -38,11 +39,17 @@ except ImportError:  # CPU-only installs: nothing here can run, but importing mu
     triton = None
     tl = None
 
-__all__ = ["DecodeRope", "decode_attention", "decode_merge_counters", "decode_num_splits",
+try:  # the clocks read by the launch stamps (decode_attention(stamps=)), a diagnostic
+    from triton.language.extra.cuda import globaltimer, smid
+except ImportError:
+    globaltimer = smid = None
+
+__all__ = ["DecodeRope", "decode_attention", "decode_merge_counters", "decode_num_splits", "decode_programs",
            "decode_shared_workspace_numel", "decode_workspace_numel", "extend_attention", "extend_block_m",
            "extend_tile_list", "extend_tiles_bound"]
 
 _LOG2E = 1.4426950408889634
+_STAMP_FIELDS = tl.constexpr(STAMP_FIELDS) if tl is not None else STAMP_FIELDS
 _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 256  # below this, another split costs more in the reduction than it saves
 _DEFAULT_NUM_SMS = 132  # H200; used when the tensor is not on a CUDA device (interpreter tests)
@@ -248,9 +255,20 @@ def _rope_heads_tile(X, stride_h, W, cos, sin, sign, eps, H, BLOCK_H: tl.constex
 
 
 @_jit
+def _store_stamps(Stamps, row, t_begin, t_wait):
+    """A program's row of the launch stamps (the layout of gemv's: kernels/gemv.py STAMP_FIELDS), its end now."""
+    t_end = globaltimer()
+    tl.store(Stamps + row * _STAMP_FIELDS, t_begin)
+    tl.store(Stamps + row * _STAMP_FIELDS + 1, t_wait)
+    tl.store(Stamps + row * _STAMP_FIELDS + 2, t_end)
+    tl.store(Stamps + row * _STAMP_FIELDS + 3, smid().to(tl.int64))
+
+
+@_jit
 def _decode_stage1_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, Counters, Out, KNew, VNew, OutLoc,
     Pos, CosSin, WQ, WK,  # the fused RoPE's inputs (ROPE only)
+    Stamps,  # STAMPS only: a program's row of STAMP_FIELDS int64s (gemv's layout: began, wait returned, ended, SM)
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
@@ -259,8 +277,10 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, FUSED_MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr, FUSED_STORE: tl.constexpr, EARLY_META: tl.constexpr, EARLY_KV: tl.constexpr,
-    ROPE: tl.constexpr, ROPE_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_NORM: tl.constexpr, USE_PDL: tl.constexpr, STAMPS: tl.constexpr,
 ):
+    if STAMPS:  # a diagnostic (decode_attention(stamps=)): when this program began, its wait returned, it ended
+        t_begin = globaltimer()
     if USE_PDL:  # before any global access, the K/V store and the shared counters included (kernels/pdl.py)
         if EARLY_META:  # ... except the step's metadata, read first (see "The early metadata" above); the wait follows
             pdl_launch_dependents()
@@ -291,6 +311,8 @@ def _decode_stage1_kernel(
             pdl_wait()
     elif ROPE:
         cos, sin, sign = _rope_cos_sin(Pos, CosSin, b, stride_cs, HEAD_DIM)
+    if STAMPS:  # (without the early metadata the wait came first: pdl_enter)
+        t_wait = globaltimer()
 
     offs_g = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_g
@@ -409,15 +431,19 @@ def _decode_stage1_kernel(
                 _merge_head(PartO, PartLse, Out, b, kvh * GROUP + g, n_valid,
                             stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                             BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
+    if STAMPS:
+        _store_stamps(Stamps, (b * tl.num_programs(1) + kvh) * NUM_SPLITS + split, t_begin, t_wait)
 
 
 @_jit
 def _decode_stage2_kernel(
-    PartO, PartLse, SeqLens, Out,
+    PartO, PartLse, SeqLens, Out, Stamps,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, EARLY_META: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, EARLY_META: tl.constexpr, USE_PDL: tl.constexpr, STAMPS: tl.constexpr,
 ):
+    if STAMPS:
+        t_begin = globaltimer()
     if USE_PDL:
         if EARLY_META:  # the request's length is the step's metadata ("The early metadata" above): read before the wait
             pdl_launch_dependents()
@@ -428,10 +454,14 @@ def _decode_stage2_kernel(
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     if EARLY_META and USE_PDL:
         pdl_wait()
+    if STAMPS:
+        t_wait = globaltimer()
     _, n_valid = _split_plan(seq_len, NUM_SPLITS, BLOCK_N)  # stage 1's splits: only these wrote partials
     _merge_head(PartO, PartLse, Out, b, h, n_valid,
                 stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                 BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
+    if STAMPS:
+        _store_stamps(Stamps, b * tl.num_programs(1) + h, t_begin, t_wait)
 
 
 _num_sms_cache: dict[int, int] = {}
@@ -461,6 +491,14 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int | Non
     if max_seq_len is not None:
         want = min(want, math.ceil(max(1, max_seq_len) / _MIN_TOKENS_PER_SPLIT))
     return int(max(1, min(want, _MAX_SPLITS)))
+
+
+def decode_programs(batch_size: int, num_q_heads: int, num_kv_heads: int, num_splits: int,
+                    fused_merge: bool) -> tuple[int, int]:
+    """Programs of a decode call's two launches: stage 1's (request, kv head, split) and stage 2's (request, q head),
+    0 where there is no stage 2 (one split, or the splits merged in stage 1)."""
+    merge = num_splits > 1 and not fused_merge
+    return batch_size * num_kv_heads * num_splits, batch_size * num_q_heads if merge else 0
 
 
 def decode_workspace_numel(batch_size: int, num_q_heads: int, head_dim: int, num_splits: int,
@@ -505,7 +543,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      max_seq_len: int | None = None, workspace: torch.Tensor | None = None,
                      num_splits: int | None = None, fused_merge: bool | None = None,
                      new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     rope: DecodeRope | None = None) -> torch.Tensor:
+                     rope: DecodeRope | None = None,
+                     stamps: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """One new token per request: out[b] = softmax(q[b] K_b^T * scale) V_b over keys 0..seq_lens[b]-1.
 
     q, out: [B, Hq, D] (last dim contiguous); k_buf, v_buf: [num_slots, Hkv, D]; req_pool_indices: [B];
@@ -521,6 +560,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     in the stage-1 launch instead of a second one. Rows with seq_len 0 get zeros. With `rope` (and `new_kv`), q
     and the new k come straight from the projection: the kernel applies the RoPE (and Qwen3's per-head norms)
     itself, as `norm_and_rope` / `apply_rope` would have, before it uses q and stores k (the fused RoPE).
+    `stamps`: a diagnostic (lab.checks.decode_anatomy), contiguous int64 CUDA tensors (stage 1's, stage 2's: None
+    where there is no stage 2) of at least `decode_programs(...)` x STAMP_FIELDS values, each program's row the
+    global timer when it began, its PDL wait returned and it ended, and its SM, as `gemv(stamps=)` writes them.
+    The output is the same with or without them.
     """
     _require_triton()
     B, Hq, D = q.shape
@@ -575,6 +618,15 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         part_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
         counters = out.new_empty((1,), dtype=torch.int32)
 
+    stage1_programs, stage2_programs = decode_programs(B, Hq, Hkv, num_splits, fused)
+    stamps1, stamps2 = stamps if stamps is not None else (None, None)
+    stamps2 = stamps2 if stage2_programs else None  # no stage 2 to stamp
+    if stamps is not None and not all(
+            buf is not None and buf.is_cuda and buf.dtype == torch.int64 and buf.is_contiguous()
+            and buf.numel() >= programs * STAMP_FIELDS
+            for buf, programs in ((stamps1, stage1_programs), (stamps2, stage2_programs)) if programs):
+        raise ValueError(f"decode_attention's stamps are contiguous int64 CUDA tensors of >= "
+                         f"{stage1_programs * STAMP_FIELDS} and {stage2_programs * STAMP_FIELDS} values")
     kw = pdl_launch(q)
     options = current_options()
     early = options.early_metadata  # without PDL: only the order of its loads
@@ -582,7 +634,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     early_kv = early and options.early_kv and new_kv is not None
     _decode_stage1_kernel[(B, Hkv, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, counters, out,
-        k_new, v_new, out_loc, positions, cos_sin, q_norm, k_norm,
+        k_new, v_new, out_loc, positions, cos_sin, q_norm, k_norm, stamps1 if stamps1 is not None else seq_lens,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
@@ -592,15 +644,15 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits,
         IEEE_DOT=ieee, FUSED_MERGE=fused, BLOCK_S=block_s, FUSED_STORE=new_kv is not None, EARLY_META=early,
         EARLY_KV=early_kv, ROPE=rope is not None, ROPE_NORM=rope is not None and rope.q_norm is not None,
-        USE_PDL=bool(kw), num_warps=4, num_stages=2, **kw,
+        USE_PDL=bool(kw), STAMPS=stamps1 is not None, num_warps=4, num_stages=2, **kw,
     )
     if num_splits > 1 and not fused:
         _decode_stage2_kernel[(B, Hq)](
-            part_o, part_lse, seq_lens, out,
+            part_o, part_lse, seq_lens, out, stamps2 if stamps2 is not None else seq_lens,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
             BLOCK_N=block_n, BLOCK_S=block_s, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits,
-            EARLY_META=early, USE_PDL=bool(kw), num_warps=4, **kw,
+            EARLY_META=early, USE_PDL=bool(kw), STAMPS=stamps2 is not None, num_warps=4, **kw,
         )
     return out
 
