@@ -516,8 +516,8 @@ CALLS: dict[str, Call] = {
         "out (norms, RoPE, attention, GEMVs, lm_head) and with each launch-time kernel option moved (PDL, split "
         "waves, fused merge, early keys and metadata, the GEMV's early tiles), replayed on a live request; each "
         "GEMV kind chained over the layers (its bandwidth) and a chain of one-row RMSNorms; a layer's GEMVs chained "
-        "with every program stamped (when it began, its wait returned, it ended: what each kernel boundary costs); "
-        "Qwen3-0.6B "
+        "with every program stamped (when it began, its wait returned, it ended: what each kernel boundary costs), "
+        "and the whole step at its defaults so stamped, the attention's two launches included; Qwen3-0.6B "
         "(lab.checks.decode_anatomy; run27 on an H100: ~36 s)",
         carry=(),
         steps=(ANATOMY,)),

@@ -28,6 +28,8 @@ Last, boundaries: a layer's four GEMVs over every layer in one graph, each progr
 began, when its PDL wait returned and when it ended (gemv(stamps=)). Per launch kind, against the launch before
 it: how early its programs became resident, how long after that launch's end its wait returned, how long its last
 programs trailed. Where a GEMV loses its 2-5 us a launch (run32, Qwen3-8B) says which fix could win it back.
+And the step itself stamped (`step_stamps`): the engine's batch-1 graph at its defaults with every GEMV and
+decode-attention program stamped, each launch against the one before it, the attention's stage 1 by split.
 
     python -m lab.checks.decode_anatomy --out DIR [--models qwen3-0.6b,qwen3-8b]   # writes DIR/decode_anatomy.json
                                                                                    # (default: Qwen3-0.6B alone)
