@@ -523,6 +523,13 @@ CALLS: dict[str, Call] = {
         steps=(ANATOMY,)),
     "anatomy8": Call("optional: the same on Qwen3-8B", carry=(),
                      steps=(ANATOMY8,)),
+    "stamps": Call(
+        "optional, issue 29: the anatomy's stamped step alone (each GEMV and attention program's begin, wait and "
+        "end, stage 1's phases by split: q ready, early key tile in registers, softmax, values), Qwen3-0.6B and "
+        "Qwen3-8B", carry=(),
+        # run40 (H100): the whole anatomy took 76 s and 104 s, of which the stamped step a fraction
+        steps=(Check("stamps", 90, ("decode_anatomy.json",), module="decode_anatomy",
+                     args=("--models", "qwen3-0.6b,qwen3-8b", "--parts", "step_stamps")),)),
     "staged": Call(
         "optional, issue 29: a decode graph's inputs staged in one copy (engine switch graph_staged_inputs) off and "
         "on: Qwen3-0.6B's tokens, W2 and W1 twice interleaved, Qwen3-8B's W2 once, Qwen3.5-0.8B's tokens and W2 "

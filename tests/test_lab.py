@@ -177,6 +177,24 @@ def test_anatomy_boundary_reads_a_launch_against_the_one_before():
     assert b["work_max_us"] == 16.5 and b["work_median_us"] == 9.5
 
 
+def test_anatomy_reads_stage1_phases_from_its_stamps():
+    """step_stamps' phases of a stage-1 program (ns): began, wait returned, ended, SM, then q ready, early tile in
+    registers, softmax done, values done. A tile that came before q was ready waited for nothing."""
+    import torch
+
+    from lab.checks.decode_anatomy import _stage1_phases
+    from minisgl.kernels.attention import STAGE1_STAMP_FIELDS
+
+    s = torch.tensor([[0, 1_000, 5_000, 3, 2_000, 2_500, 3_000, 4_000],
+                      [500, 1_000, 6_000, 4, 2_000, 2_000, 3_500, 4_500]])
+    assert s.shape[1] == STAGE1_STAMP_FIELDS
+    phases = _stage1_phases(s)
+    assert phases["lead"].tolist() == [1_000, 500] and phases["work"].tolist() == [4_000, 5_000]
+    assert phases["q"].tolist() == [1_000, 1_000] and phases["early_tile"].tolist() == [500, 0]
+    assert phases["softmax"].tolist() == [500, 1_500] and phases["values"].tolist() == [1_000, 1_000]
+    assert phases["store"].tolist() == [1_000, 1_500]
+
+
 @pytest.mark.parametrize("act_epilogue", [True, False])
 def test_anatomy_boundaries_chains_a_layer_s_gemvs_and_reads_their_stamps(act_epilogue, monkeypatch):
     """decode_anatomy's stamped chain on a tiny model, on the CPU: the GEMV's stamps faked (the timer is a GPU's),
@@ -236,7 +254,7 @@ def test_decode_attention_stamps_are_refused_on_the_cpu_and_sized_by_its_launche
     import pytest
     import torch
 
-    from minisgl.kernels.attention import decode_attention, decode_programs
+    from minisgl.kernels.attention import STAGE1_STAMP_FIELDS, decode_attention, decode_programs
     from minisgl.kernels.gemv import STAMP_FIELDS
 
     assert decode_programs(2, 16, 8, 4, fused_merge=False) == (64, 32)
@@ -244,7 +262,8 @@ def test_decode_attention_stamps_are_refused_on_the_cpu_and_sized_by_its_launche
     assert decode_programs(1, 16, 8, 1, fused_merge=False) == (8, 0)
     q, out = torch.randn(1, 4, 16), torch.empty(1, 4, 16)
     kv = torch.randn(8, 2, 16)
-    stamps = (torch.zeros(2 * 2, STAMP_FIELDS, dtype=torch.int64), torch.zeros(4, STAMP_FIELDS, dtype=torch.int64))
+    stamps = (torch.zeros(2 * 2, STAGE1_STAMP_FIELDS, dtype=torch.int64),
+              torch.zeros(4, STAMP_FIELDS, dtype=torch.int64))
     with pytest.raises(ValueError, match="CUDA"):
         decode_attention(q, kv, kv, torch.arange(8, dtype=torch.int32).view(1, 8), torch.tensor([0]),
                          torch.tensor([5], dtype=torch.int32), out, 0.25, num_splits=2, stamps=stamps)

@@ -33,6 +33,7 @@ decode-attention program stamped, each launch against the one before it, the att
 
     python -m lab.checks.decode_anatomy --out DIR [--models qwen3-0.6b,qwen3-8b]   # writes DIR/decode_anatomy.json
                                                                                    # (default: Qwen3-0.6B alone)
+        [--parts step,chains,boundaries,step_stamps]                               # (default: all four)
 
 The outputs of a step with a part taken out are garbage; only the times are read.
 """
@@ -238,6 +239,7 @@ def _boundary(prev, cur) -> dict:
     return {
         # how long before the launch before it ended its first program began (negative: after)
         "first_begin_lead_us": (prev_end - int(begin.min())) / 1e3,
+        "median_begin_lead_us": (prev_end - float(begin.double().quantile(0.5))) / 1e3,
         "began_before_prev_end": float((begin < prev_end).float().mean()),  # share of its programs
         # from the launch before's last program ending to this launch's first wait returning, and its median's
         "release_us": (int(wait.min()) - prev_end) / 1e3,
@@ -323,7 +325,7 @@ def step_stamps(llm, samples: int = 5) -> dict:
     import minisgl.attention.triton_backend as backend
     import minisgl.kernels.gemv as gv
     from minisgl.engine.cuda_graph import CudaGraphRunner
-    from minisgl.kernels.attention import decode_programs
+    from minisgl.kernels.attention import STAGE1_STAMP_FIELDS, decode_programs
     from minisgl.kernels.options import current_options, use_options
 
     runner = llm.engine.runner
@@ -333,7 +335,8 @@ def step_stamps(llm, samples: int = 5) -> dict:
     real_launch, real_attention, real_record = gv._launch, backend.decode_attention, CudaGraphRunner._record
 
     def stamps_for(kind: str, programs: int, device, splits: int = 0) -> torch.Tensor:
-        stamps = torch.empty(programs, gv.STAMP_FIELDS, dtype=torch.int64, device=device)  # every row is written
+        fields = STAGE1_STAMP_FIELDS if kind == "attention_stage1" else gv.STAMP_FIELDS
+        stamps = torch.empty(programs, fields, dtype=torch.int64, device=device)  # every row is written
         if recording[0] == (1, "greedy"):
             launches.append((kind, stamps, splits))
         return stamps
@@ -374,7 +377,7 @@ def step_stamps(llm, samples: int = 5) -> dict:
             step = graph.graphs[1, "greedy"]
             result["replay_us"]["stamped"] = round(time_replay_us(step, iters=ITERS, warmups=3, per=PER), 2)
             rows: dict = {}
-            by_split: list = []
+            by_split: dict = {}
             for _ in range(samples):
                 step.replay()
                 torch.cuda.synchronize()
@@ -384,18 +387,30 @@ def step_stamps(llm, samples: int = 5) -> dict:
                         rows.setdefault(launches[j][0], {}).setdefault(key, []).append(value)
                 for (kind, _, splits), s in zip(launches, stamps):
                     if kind == "attention_stage1":  # [kv heads, splits] programs of one request
-                        work = (s[:, 2] - s[:, 1]).view(-1, splits).double().quantile(0.5, dim=0)
-                        by_split.append(work / 1e3)
+                        for name, phase in _stage1_phases(s).items():
+                            median = phase.view(-1, splits).double().quantile(0.5, dim=0) / 1e3
+                            by_split.setdefault(name, []).append(median)
         finally:
             del graph
             runner.attn.prepare_for_replay(live._meta(1))
     result["launches"] = [kind for kind, _, _ in launches]
     result["by_kind"] = {kind: {key: round(float(torch.tensor(v, dtype=torch.float64).quantile(0.5)), 3)
                                 for key, v in values.items()} for kind, values in rows.items()}
-    if by_split:
-        result["stage1_work_us_by_split"] = [round(v, 3) for v in torch.stack(by_split).quantile(0.5, dim=0).tolist()]
+    # stage 1 by split: the median over kv heads, layers and replays of each phase (_stage1_phases)
+    result["stage1_us_by_split"] = {name: [round(v, 3) for v in torch.stack(medians).quantile(0.5, dim=0).tolist()]
+                                    for name, medians in by_split.items()}
     print("step_stamps", result, flush=True)
     return result
+
+
+def _stage1_phases(s: torch.Tensor) -> dict:
+    """A stage-1 launch's stamps (decode_attention's STAGE1_STAMP_FIELDS a program) as each program's phases (ns):
+    how long before its wait it began, then from the wait to its q ready, to its early key tile in registers (0 if
+    it was there first), to the tile's softmax done, to its products with the values done, to its end; and its work
+    from the wait to its end."""
+    begin, wait, end, _, q, kv, soft, out = s.unbind(1)
+    return {"lead": wait - begin, "work": end - wait, "q": q - wait, "early_tile": (kv - q).clamp(min=0),
+            "softmax": soft - torch.maximum(q, kv), "values": out - soft, "store": end - out}
 
 
 def _recorded(probe, llm) -> dict:
@@ -406,11 +421,14 @@ def _recorded(probe, llm) -> dict:
         return {"error": f"{type(e).__name__}: {e}"[:2000]}
 
 
+PARTS = {"step": step_anatomy, "chains": chains, "boundaries": boundaries, "step_stamps": step_stamps}
+
+
 def main() -> None:
-    per_model_main("decode_anatomy", __doc__, lambda name: with_engine(
-        name, lambda llm: {"step": step_anatomy(llm), "chains": chains(llm), "boundaries": _recorded(boundaries, llm),
-                           "step_stamps": _recorded(step_stamps, llm)},
-        kernel=UNFOLDED, max_model_len=4096, kv_memory_fraction=0.3))
+    per_model_main("decode_anatomy", __doc__, lambda name, parts: with_engine(
+        name, lambda llm: {part: PARTS[part](llm) if part in ("step", "chains") else _recorded(PARTS[part], llm)
+                           for part in parts},
+        kernel=UNFOLDED, max_model_len=4096, kv_memory_fraction=0.3), parts=tuple(PARTS))
 
 
 if __name__ == "__main__":

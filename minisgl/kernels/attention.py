@@ -44,12 +44,17 @@ try:  # the clocks read by the launch stamps (decode_attention(stamps=)), a diag
 except ImportError:
     globaltimer = smid = None
 
-__all__ = ["DecodeRope", "decode_attention", "decode_merge_counters", "decode_num_splits", "decode_programs",
-           "decode_shared_workspace_numel", "decode_workspace_numel", "extend_attention", "extend_block_m",
-           "extend_tile_list", "extend_tiles_bound"]
+__all__ = ["STAGE1_STAMP_FIELDS", "DecodeRope", "decode_attention", "decode_merge_counters", "decode_num_splits",
+           "decode_programs", "decode_shared_workspace_numel", "decode_workspace_numel", "extend_attention",
+           "extend_block_m", "extend_tile_list", "extend_tiles_bound"]
 
 _LOG2E = 1.4426950408889634
 _STAMP_FIELDS = tl.constexpr(STAMP_FIELDS) if tl is not None else STAMP_FIELDS
+# Stage 1's stamps go on after gemv's four fields: when, after the wait, its q was ready (loaded, normalised and
+# rotated), its early key tile was in registers (read before the wait), the tile's softmax and its products with the
+# values were done (the early-keys path only; the other paths leave the wait's time there)
+STAGE1_STAMP_FIELDS = STAMP_FIELDS + 4
+_STAGE1_STAMP_FIELDS = tl.constexpr(STAGE1_STAMP_FIELDS) if tl is not None else STAGE1_STAMP_FIELDS
 _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 256  # below this, another split costs more in the reduction than it saves
 _DEFAULT_NUM_SMS = 132  # H200; used when the tensor is not on a CUDA device (interpreter tests)
@@ -255,13 +260,23 @@ def _rope_heads_tile(X, stride_h, W, cos, sin, sign, eps, H, BLOCK_H: tl.constex
 
 
 @_jit
-def _store_stamps(Stamps, row, t_begin, t_wait):
-    """A program's row of the launch stamps (the layout of gemv's: kernels/gemv.py STAMP_FIELDS), its end now."""
+def _stamp_after(x):
+    """The global timer once every element of x (fp32) is computed: each thread's read is predicated on its
+    elements, so none can issue before them; the latest read. (The max is a reduction: a stamp delays what follows.)"""
+    t = tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.eq.f32 p, $1, 0f7F7FFFFF; @p mov.u64 $0, 0; @!p mov.u64 $0, %globaltimer; }",
+        "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
+    return tl.max(t)
+
+
+@_jit
+def _store_stamps(row, t_begin, t_wait):
+    """A program's launch stamps at `row` (gemv's fields: kernels/gemv.py STAMP_FIELDS), its end now."""
     t_end = globaltimer()
-    tl.store(Stamps + row * _STAMP_FIELDS, t_begin)
-    tl.store(Stamps + row * _STAMP_FIELDS + 1, t_wait)
-    tl.store(Stamps + row * _STAMP_FIELDS + 2, t_end)
-    tl.store(Stamps + row * _STAMP_FIELDS + 3, smid().to(tl.int64))
+    tl.store(row, t_begin)
+    tl.store(row + 1, t_wait)
+    tl.store(row + 2, t_end)
+    tl.store(row + 3, smid().to(tl.int64))
 
 
 @_jit
@@ -313,6 +328,10 @@ def _decode_stage1_kernel(
         cos, sin, sign = _rope_cos_sin(Pos, CosSin, b, stride_cs, HEAD_DIM)
     if STAMPS:  # (without the early metadata the wait came first: pdl_enter)
         t_wait = globaltimer()
+        t_q = t_wait
+        t_kv = t_wait
+        t_s = t_wait
+        t_o = t_wait
 
     offs_g = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_g
@@ -374,8 +393,15 @@ def _decode_stage1_kernel(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         if EARLY_KV:  # the first key tile's keys and values were read before the wait
+            if STAMPS:
+                t_q = _stamp_after(tl.max(q.to(tl.float32), 1))
+                t_kv = _stamp_after(tl.max(k0.to(tl.float32), 1) + tl.max(v0.to(tl.float32), 1))
             m_i, l_i, alpha, p = _tile_softmax(q, m_i, l_i, k0, offs_n0 < end, qk_scale, IEEE_DOT)
+            if STAMPS:
+                t_s = _stamp_after(l_i)
             acc = _tile_accumulate(acc, alpha, p, v0, IEEE_DOT)
+            if STAMPS:
+                t_o = _stamp_after(tl.max(acc, 1))
             first = start + BLOCK_N
         elif EARLY_META:  # the first key tile's slots were read before the wait
             m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, K, V, slots0, offs_n0 < end, kvh, stride_kn, stride_kh,
@@ -432,7 +458,12 @@ def _decode_stage1_kernel(
                             stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                             BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
     if STAMPS:
-        _store_stamps(Stamps, (b * tl.num_programs(1) + kvh) * NUM_SPLITS + split, t_begin, t_wait)
+        row = Stamps + ((b * tl.num_programs(1) + kvh) * NUM_SPLITS + split) * _STAGE1_STAMP_FIELDS
+        _store_stamps(row, t_begin, t_wait)
+        tl.store(row + _STAMP_FIELDS, t_q)
+        tl.store(row + _STAMP_FIELDS + 1, t_kv)
+        tl.store(row + _STAMP_FIELDS + 2, t_s)
+        tl.store(row + _STAMP_FIELDS + 3, t_o)
 
 
 @_jit
@@ -461,7 +492,7 @@ def _decode_stage2_kernel(
                 stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                 BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
     if STAMPS:
-        _store_stamps(Stamps, b * tl.num_programs(1) + h, t_begin, t_wait)
+        _store_stamps(Stamps + (b * tl.num_programs(1) + h) * _STAMP_FIELDS, t_begin, t_wait)
 
 
 _num_sms_cache: dict[int, int] = {}
@@ -561,9 +592,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     and the new k come straight from the projection: the kernel applies the RoPE (and Qwen3's per-head norms)
     itself, as `norm_and_rope` / `apply_rope` would have, before it uses q and stores k (the fused RoPE).
     `stamps`: a diagnostic (lab.checks.decode_anatomy), contiguous int64 CUDA tensors (stage 1's, stage 2's: None
-    where there is no stage 2) of at least `decode_programs(...)` x STAMP_FIELDS values, each program's row the
-    global timer when it began, its PDL wait returned and it ended, and its SM, as `gemv(stamps=)` writes them.
-    The output is the same with or without them.
+    where there is no stage 2) of at least `decode_programs(...)` x STAGE1_STAMP_FIELDS and x STAMP_FIELDS values,
+    each program's row the global timer when it began, its PDL wait returned and it ended, and its SM, as
+    `gemv(stamps=)` writes them, then stage 1's phases (STAGE1_STAMP_FIELDS). The output is the same with or
+    without them.
     """
     _require_triton()
     B, Hq, D = q.shape
@@ -623,10 +655,11 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     stamps2 = stamps2 if stage2_programs else None  # no stage 2 to stamp
     if stamps is not None and not all(
             buf is not None and buf.is_cuda and buf.dtype == torch.int64 and buf.is_contiguous()
-            and buf.numel() >= programs * STAMP_FIELDS
-            for buf, programs in ((stamps1, stage1_programs), (stamps2, stage2_programs)) if programs):
+            and buf.numel() >= programs * fields
+            for buf, programs, fields in ((stamps1, stage1_programs, STAGE1_STAMP_FIELDS),
+                                          (stamps2, stage2_programs, STAMP_FIELDS)) if programs):
         raise ValueError(f"decode_attention's stamps are contiguous int64 CUDA tensors of >= "
-                         f"{stage1_programs * STAMP_FIELDS} and {stage2_programs * STAMP_FIELDS} values")
+                         f"{stage1_programs * STAGE1_STAMP_FIELDS} and {stage2_programs * STAMP_FIELDS} values")
     kw = pdl_launch(q)
     options = current_options()
     early = options.early_metadata  # without PDL: only the order of its loads
