@@ -523,6 +523,13 @@ CALLS: dict[str, Call] = {
         steps=(ANATOMY,)),
     "anatomy8": Call("optional: the same on Qwen3-8B", carry=(),
                      steps=(ANATOMY8,)),
+    "mlp_prefetch": Call(
+        "optional, issue 29: the MLP's L2 prefetch (kernel option gemv_mlp_prefetch_mb: each layer's o GEMV asks L2 "
+        "for the MLP's weights before its PDL wait, while the attention runs and HBM idles): Qwen3-0.6B's anatomy "
+        "(probes folded_mlp_prefetch8 and 24, the stamped step), then tokens off and at 24 MiB (greedy and seeded "
+        "sampling, batch 1 and 8, graphs and eager) and W2 at each, two rounds", carry=(),
+        # as act06 (200 s) after the anatomy (run40 on an H100: 76 s)
+        steps=(ANATOMY, Lab("mlp_prefetch06", 200, ("mlp_prefetch06.json",), ("mlp_prefetch06",)))),
     "stamps": Call(
         "optional, issue 29: the anatomy's stamped step alone (each GEMV and attention program's begin, wait and "
         "end, stage 1's phases by split: q ready, early key tile in registers, softmax, values), Qwen3-0.6B and "

@@ -570,6 +570,10 @@ FOLD_SUMS_ARMS = {
 ACT_ABOUT = "the MLP's SiLU-and-mul in the epilogue of its gate_up GEMV, not in every program of its down GEMV"
 PREFETCH_ABOUT = "each GEMV program's next weight tile loaded before the current one's products"
 STAGES_ABOUT = "the GEMV's K loop pipelined through shared memory, {} stages (Triton's cp.async pipelining)"
+MLP_PREFETCH_ABOUT = ("each layer's o GEMV asks L2 for the MLP's weights (gate/up, then down) before its PDL wait, "
+                      "while the attention runs")
+MLP_PREFETCH_ARMS = {"off": ({"gemv_mlp_prefetch_mb": 0}, ""),
+                     "mb24": ({"gemv_mlp_prefetch_mb": 24}, MLP_PREFETCH_ABOUT)}
 EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot, and RoPE each token's position "
                     "and its cos/sin, before their PDL wait")
 FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"
@@ -844,6 +848,9 @@ SECTIONS: dict[str, Section] = {
                                             rounds=1),
                             "Qwen3-8B: tokens and W2 with the GEMV's K loop (the down projection's) loaded tile by "
                             "tile and pipelined in 3 stages, one round"),
+    "mlp_prefetch06": section(lambda: arms_ab("qwen3-0.6b", MLP_PREFETCH_ARMS, rounds=2),
+                              "Qwen3-0.6B: tokens and W2 with the o GEMV asking L2 for the MLP's weights (24 MiB: all "
+                              "of them) while the attention runs, off and on, two rounds"),
     "step_tiles06": section(lambda: step_tiles("qwen3-0.6b", 150, rounds=2),
                             "Qwen3-0.6B: the GEMV's tiles tuned inside the batch-1 decode step, then W2 with the "
                             "card's table and with the picks"),

@@ -135,6 +135,11 @@ class KernelOptions:
                             "in flight (Triton's cp.async pipelining) instead of waiting on each one; where the "
                             "loop runs twice or more, and not with gemv_prefetch (kernels/gemv.py; the same sums in "
                             "the same order); 1 until timed on a GPU")
+    gemv_mlp_prefetch_mb: int = _opt(0, "--gemv-mlp-prefetch-mb",
+                                     "MiB of a decode layer's MLP weights (gate/up, then down) its o_proj GEMV asks "
+                                     "L2 for before its PDL wait, while the attention runs and HBM idles, so the "
+                                     "MLP's GEMVs read them from L2; 0 = off (sm_90+, PDL launches; kernels/gemv.py, "
+                                     "\"The MLP's L2 prefetch\"; the same sums)")
     mixed_decode_split: bool = _opt(True, "--disable-mixed-decode-split",
                                     "a mixed step's decode rows go through the extend kernel with the prefill "
                                     "chunks instead of the decode kernel (attention/triton_backend.py)",
@@ -224,6 +229,8 @@ class KernelOptions:
             raise ValueError(f"decode_megakernel_regs must be 0 or in 64..255, got {self.decode_megakernel_regs}")
         if not 1 <= self.gemv_stages <= 4:
             raise ValueError(f"gemv_stages must be in 1..4, got {self.gemv_stages}")
+        if not 0 <= self.gemv_mlp_prefetch_mb <= 1024:
+            raise ValueError(f"gemv_mlp_prefetch_mb must be in 0..1024, got {self.gemv_mlp_prefetch_mb}")
         if not 1 <= self.decode_split_waves <= 16:
             raise ValueError(f"decode_split_waves must be in 1..16, got {self.decode_split_waves}")
         if self.gdn.prefill not in ("chunked", "recurrent"):

@@ -514,3 +514,40 @@ def test_stages_give_the_same_sums(force_triton, fold):
         for prefetch in (False, True):
             with kernel_options(triton_on_cpu=True, gemv_stages=stages, gemv_prefetch=prefetch):
                 assert torch.equal(run(), want), (stages, prefetch)
+
+
+@pytest.mark.parametrize("act_out", [True, False])
+def test_mlp_prefetch_regions_follow_the_order_the_mlp_reads(act_out):
+    """Kernel option gemv_mlp_prefetch_mb: the o GEMV's L2 prefetch is the MLP's weights in the order its GEMVs read
+    them, as views of the weights themselves: the gate rows and (with the activation in gate_up's epilogue, where a
+    program owns a gate row and its up row) as many up rows, then down's first rows; capped at max_bytes."""
+    half, k = 48, 64  # gate_up [2 * 48, 64] (128 bytes a row in bf16), down [32, 48] (96 bytes a row)
+    gate_up = torch.randn(2 * half, k).to(torch.bfloat16)
+    down = torch.randn(32, half).to(torch.bfloat16)
+    everything = gv.mlp_prefetch_regions(gate_up, down, act_out, 1 << 20)
+    assert sum(r.numel() for r in everything) == gate_up.numel() + down.numel()
+    assert everything[-1].data_ptr() == down.data_ptr() and everything[-1].shape == down.shape
+    assert all(r.is_contiguous() for r in everything)
+    capped = gv.mlp_prefetch_regions(gate_up, down, act_out, 40 * 128 + 2 * 96)  # 40 gate_up rows, 2 of down
+    if act_out:  # 20 gate rows and the 20 up rows beside them
+        assert [(r.data_ptr() - gate_up.data_ptr()) // (k * 2) for r in capped[:2]] == [0, half]
+        assert [r.shape[0] for r in capped] == [20, 20, 2]
+    else:
+        # the rows in order: 41 of them (5,248 bytes), which leaves less than a row of down
+        assert capped[0].data_ptr() == gate_up.data_ptr() and [r.shape[0] for r in capped] == [41]
+    assert gv.mlp_prefetch_regions(gate_up, down, act_out, 90) == ()  # less than a row of anything
+
+
+def test_prefetch_plan_spreads_pieces_over_programs():
+    """The launch's L2 prefetch plan: each weight in 16 KiB pieces (the last one ending at the weight's end), pieces
+    over programs (a power of two a program), short or misaligned weights left out, unused regions padded."""
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    piece = gv.PREFETCH_PIECE_BYTES // 2
+    big, small = torch.zeros(5 * piece + 8, dtype=torch.bfloat16), torch.zeros(piece // 2, dtype=torch.bfloat16)
+    regions, used, lanes, got_piece = gv._prefetch_plan((big, small), 2, w)
+    assert got_piece == piece and used == 1 and len(regions) == gv.MAX_PREFETCH_REGIONS
+    assert regions[0] == (big, 6, big.numel() - piece) and regions[1] == (w, 0, 0)
+    assert lanes == 4  # 6 pieces over 2 programs: 3 each, rounded up to a power of two
+    assert gv._prefetch_plan((big[1:],), 2, w)[1] == 0  # 2 bytes in: not 16-byte aligned
+    with pytest.raises(ValueError, match="at most"):
+        gv._prefetch_plan((big,) * 4, 2, w)

@@ -121,9 +121,11 @@ def _is_global_access(opcode: str) -> bool:
     return not any(space in opcode for space in (".param", ".shared", ".local", ".const"))
 
 
-def check_ptx(ptx: str, allow_loads_before_wait: bool = False, max_early_loads: int | None = None) -> list[str]:
+def check_ptx(ptx: str, allow_loads_before_wait: bool = False, max_early_loads: int | None = None,
+              allow_prefetch_before_wait: bool = False) -> list[str]:
     """Problems with the order of `griddepcontrol.wait` and global accesses in the kernel's PTX ([] if none).
-    `max_early_loads`: with loads allowed before the wait, at most this many (the early metadata's own)."""
+    `max_early_loads`: with loads allowed before the wait, at most this many (the early metadata's own).
+    `allow_prefetch_before_wait`: L2 bulk prefetches (of weights, which no kernel writes) come first too, and must."""
     lines = ptx.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == "{") + 1
     before = []
@@ -135,13 +137,17 @@ def check_ptx(ptx: str, allow_loads_before_wait: bool = False, max_early_loads: 
             return [f"a block label ({s}) before griddepcontrol.wait: the wait is not in the entry block"]
         if s.endswith(":") or s in ("{", "}"):
             continue
-        instr = re.sub(r"^@!?%\w+\s+", "", s)  # drop a predicate guard
-        opcode = instr.split()[0].rstrip(";")
-        if opcode.startswith("griddepcontrol.wait"):
+        # an inline asm block on one line ("{ .reg .pred p; setp...; @p cp.async...; }"): each statement in turn
+        statements = s.strip("{} ").split(";") if s.startswith("{") and s.endswith("}") else [s]
+        opcodes = []
+        for statement in filter(None, (st.strip() for st in statements)):
+            instr = re.sub(r"^@!?%?\w+\s+", "", statement)  # drop a predicate guard
+            opcodes.append(instr.split()[0].rstrip(";"))
+        if any(op.startswith("griddepcontrol.wait") for op in opcodes):
             break
-        if opcode.startswith("bra") or opcode.startswith("ret") or opcode.startswith("exit"):
+        if any(op.startswith(("bra", "ret", "exit")) for op in opcodes):
             return [f"control flow ({s}) before griddepcontrol.wait"]
-        before.append((opcode, s))
+        before.extend((op, s) for op in opcodes if not op.startswith("."))
     else:
         return ["no griddepcontrol.wait"]
     problems = []
@@ -149,7 +155,11 @@ def check_ptx(ptx: str, allow_loads_before_wait: bool = False, max_early_loads: 
         if _is_global_access(opcode):
             if allow_loads_before_wait and opcode.startswith(("ld.global", "ldu.global")):
                 continue
+            if allow_prefetch_before_wait and opcode.startswith("cp.async.bulk.prefetch.L2"):
+                continue
             problems.append(f"global access before griddepcontrol.wait: {s}")
+    if allow_prefetch_before_wait and not any(op.startswith("cp.async.bulk.prefetch.L2") for op, _ in before):
+        problems.append("PF_REGIONS: expected L2 prefetches before griddepcontrol.wait, found none")
     early_loads = sum(op.startswith(("ld.global", "ldu.global")) for op, _ in before)
     if allow_loads_before_wait and not early_loads:
         problems.append("EARLY_W / EARLY_META: expected loads before griddepcontrol.wait, found none")
@@ -369,11 +379,15 @@ def main() -> int:
     args = parser.parse_args()
     results, seen = [], set()
     stage1_kwidths: set[int] = set()  # one value if no switch (the fused RoPE) changes the dots' operand layout
+    prefetch_compiled = False  # the GEMV with the MLP's L2 prefetch (gemv(l2_prefetch=)): one variant is enough
     for kernel, a, kw in record_launches():
         variants = [{}]
         params = [p.name for p in kernel.params]
         if "EARLY_W" in params:
             variants = [{"EARLY_W": 3}, {"EARLY_W": 1}, {"EARLY_W": 0}]
+            if not prefetch_compiled:  # a CPU launch prefetches nothing (no PDL): ask for three regions
+                variants.append({"EARLY_W": 2, "PF_REGIONS": 3, "PF_LANES": 2})
+                prefetch_compiled = True
         if "EARLY_META" in params:
             variants = [{"EARLY_META": True}, {"EARLY_META": False}]
         if "EARLY_KV" in params and kw.get("FUSED_STORE"):  # the early keys: with the early metadata only
@@ -383,7 +397,8 @@ def main() -> int:
             variants = [dict(v, EARLY_KV=False) for v in variants]
         for overrides in variants:
             key = (kernel.__name__,
-                   repr([(k, v) for k, v in kw.items() if k not in ("USE_PDL", "EARLY_W", "EARLY_META", "EARLY_KV")]),
+                   repr([(k, v) for k, v in kw.items()
+                         if k not in ("USE_PDL", "EARLY_W", "EARLY_META", "EARLY_KV", "PF_REGIONS", "PF_LANES")]),
                    tuple(_arg_type(v) if not isinstance(v, torch.Tensor) else str(v.dtype) for v in a),
                    repr(overrides))
             if key in seen:
@@ -402,7 +417,8 @@ def main() -> int:
                 stage1 += 2 * kw["BLOCK_N"] * kw["BLOCK_D"] // (32 * kw["num_warps"])
             metadata = ({"_decode_stage1_kernel": stage1, "_decode_stage2_kernel": 1,
                          "_rope_kernel": 3}[kernel.__name__] if overrides.get("EARLY_META") else None)
-            problems = check_ptx(ptx, allow_loads_before_wait=early, max_early_loads=metadata)
+            problems = check_ptx(ptx, allow_loads_before_wait=early, max_early_loads=metadata,
+                                 allow_prefetch_before_wait=overrides.get("PF_REGIONS", 0) > 0)
             if (kw.get("NORM") or kw.get("ROPE_NORM")) and not re.search(r"\b(?:add|fma)(?:\.rn)?\.f64\b", ptx):
                 problems.append("no fp64 add: a q/k norm's head sum must be exact (sum_squares), or the fused RoPE "
                                 "and the RoPE kernel round apart (run25)")

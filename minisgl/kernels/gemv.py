@@ -32,6 +32,16 @@ each read it in four dependent steps). So the GEMV that writes the stream also a
 fp64 buffer (`FoldSums`, kernel option `gemv_fold_sum_squares`, on by default), and the GEMV after reads the sums:
 W2 0.932 -> 0.911 ms on Qwen3-0.6B, 5.963 -> 5.658 ms on Qwen3-8B, now 1.0% under no fold (reports/h100/run31).
 
+The MLP's L2 prefetch (kernel option `gemv_mlp_prefetch_mb`, 0 = off). In a batch-1 step HBM idles while the
+attention runs (its two launches are chains of dependent loads on a few MB of keys): only the o projection's
+programs, resident early under PDL, load their first weight tiles then. With the option the o GEMV
+(`gemv(l2_prefetch=)`, from `GemvNormLayer`) also asks L2 for up to that many MiB of the same layer's MLP weights,
+the gate and up rows the gate_up GEMV's first programs read, then the down projection's first rows
+(`mlp_prefetch_regions`): Hopper's `cp.async.bulk.prefetch.L2`, 16 KiB a request, spread over its programs and issued
+before its PDL wait (weights, never written by a kernel), fire and forget. Only where the bytes come from changes,
+never a sum. (run27 measured a prefetch from every GEMV of the next matmul's first MiB, where the GEMVs stream
+anyway: 7-16% slower.)
+
 With programmatic dependent launch (kernels/pdl.py) the GEMV may start while the kernel before it still runs. It
 waits for it before reading x or writing y, but it loads its first weight tiles *before* the wait (up to the kernel
 option `gemv_pdl_early_tiles` of them), so the weight stream overlaps the predecessor's tail: the weights are
@@ -74,9 +84,9 @@ try:  # the clocks read by the launch stamps (gemv(stamps=)), a diagnostic
 except ImportError:
     globaltimer = smid = None
 
-__all__ = ["GEMV_MAX_ROWS", "STAMP_FIELDS", "SUM_LANES", "FoldSums", "GemvLinear", "GemvMLP", "GemvNormLayer",
-           "device_table", "gemv", "gemv_config", "gemv_max_rows", "gemv_programs", "gemv_rms_norm",
-           "link_norm_layers", "load_table", "table_for", "use_gemv"]
+__all__ = ["GEMV_MAX_ROWS", "PREFETCH_PIECE_BYTES", "STAMP_FIELDS", "SUM_LANES", "FoldSums", "GemvLinear", "GemvMLP",
+           "GemvNormLayer", "device_table", "gemv", "gemv_config", "gemv_max_rows", "gemv_programs", "gemv_rms_norm",
+           "link_norm_layers", "load_table", "mlp_prefetch_regions", "table_for", "use_gemv"]
 
 # Rows (tokens) up to which the GEMV replaces cuBLAS; above it a GEMM's tiles reuse each weight load across rows.
 GEMV_MAX_ROWS = 4
@@ -146,8 +156,30 @@ MAX_STAGE_BYTES = 160 * 1024  # shared memory the K loop's pipeline may take (sm
 # gemv(stamps=): a program's row of int64s, the global timer (ns) when it began, when its PDL wait returned (its
 # beginning without PDL) and when it ended, then the SM it ran on
 STAMP_FIELDS = 4
+# The MLP's L2 prefetch (gemv(l2_prefetch=)): each request asks for one piece this long, at most this many regions
+PREFETCH_PIECE_BYTES = 16 << 10
+MAX_PREFETCH_REGIONS = 3
 _SUM_LANES = tl.constexpr(SUM_LANES) if tl is not None else SUM_LANES
 _STAMP_FIELDS = tl.constexpr(STAMP_FIELDS) if tl is not None else STAMP_FIELDS
+
+
+@_jit
+def _prefetch_l2(ptrs, nbytes, active):
+    """Ask L2 for `nbytes` from each address where `active` is non-zero (Hopper's bulk prefetch: the thread does not
+    wait for it, and nothing lands in registers)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [ptrs, nbytes, active], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@_jit
+def _prefetch_region(ptr, count, last, pid, LANES: tl.constexpr, PIECE: tl.constexpr):
+    """This program's pieces of a region (pid, pid + programs, ...: `count` pieces of PIECE elements, the last one
+    starting at element `last`, so none reads past the region's end) asked of L2."""
+    piece = tl.arange(0, LANES) * tl.num_programs(0) + pid
+    start = tl.minimum(piece.to(tl.int64) * PIECE, last)
+    nbytes = tl.full((LANES,), PIECE * ptr.dtype.element_ty.primitive_bitwidth // 8, tl.int32)
+    _prefetch_l2(ptr + start, nbytes, (piece < count).to(tl.int32))
 
 
 @_jit
@@ -249,11 +281,13 @@ def _epilogue_inputs(b_ptr, a_ptr, offs_m, offs_n, n_mask, out_mask, stride_am, 
 @_jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_in_ptr, ss_out_ptr, ss_zero_ptr,
                  stamps_ptr, N, K, stride_xm, stride_wn, stride_ym, stride_rm, stride_om, stride_am, eps,
+                 pf0_ptr, pf0_count, pf0_last, pf1_ptr, pf1_count, pf1_last, pf2_ptr, pf2_count, pf2_last,
                  ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  ADD_OUT: tl.constexpr, USE_PDL: tl.constexpr, EARLY_W: tl.constexpr,
                  SS_IN: tl.constexpr, SS_OUT: tl.constexpr, SS_ZERO: tl.constexpr, ACT_OUT: tl.constexpr,
-                 PREFETCH: tl.constexpr, STAGES: tl.constexpr, STAMPS: tl.constexpr):
+                 PREFETCH: tl.constexpr, STAGES: tl.constexpr, STAMPS: tl.constexpr,
+                 PF_REGIONS: tl.constexpr, PF_LANES: tl.constexpr, PF_PIECE: tl.constexpr):
     pid = tl.program_id(0)
     if STAMPS:  # a diagnostic (gemv(stamps=)): when this program began, its PDL wait returned and it ended
         t_begin = globaltimer()
@@ -282,6 +316,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_ptr, a_ptr, ss_i
             w1 = _load_w(w_ptr, offs_n, n_mask, kb, kb < K, stride_wn)
         if EARLY_W >= 3:
             w2 = _load_w(w_ptr, offs_n, n_mask, kc, kc < K, stride_wn)
+        # the MLP's L2 prefetch (gemv(l2_prefetch=)): weights too, after this program's own first tiles
+        if PF_REGIONS >= 1:
+            _prefetch_region(pf0_ptr, pf0_count, pf0_last, pid, PF_LANES, PF_PIECE)
+        if PF_REGIONS >= 2:
+            _prefetch_region(pf1_ptr, pf1_count, pf1_last, pid, PF_LANES, PF_PIECE)
+        if PF_REGIONS >= 3:
+            _prefetch_region(pf2_ptr, pf2_count, pf2_last, pid, PF_LANES, PF_PIECE)
         gdc_wait()
         if STAMPS:
             t_wait = globaltimer()
@@ -387,7 +428,8 @@ def gemv_max_rows(n: int, k: int, table: GemvTable = NO_TABLE) -> int:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          silu_mul: bool = False, tiles: tuple[int, int, int] | None = None,
          add: torch.Tensor | None = None, sums_out: torch.Tensor | None = None,
-         silu_mul_out: bool = False, stamps: torch.Tensor | None = None) -> torch.Tensor:
+         silu_mul_out: bool = False, stamps: torch.Tensor | None = None,
+         l2_prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """`x @ weight.T + bias` for x `[rows, K]` (rows <= GEMV_MAX_ROWS) and weight `[N, K]`; fp32 accumulation.
     silu_mul=True: x is `[rows, 2K]` (gate | up) and the product is `silu_and_mul(x) @ weight.T`, the MLP's down
     projection with its activation folded in (one launch fewer per layer). `add` (`[rows, N]`, x's dtype): the
@@ -400,7 +442,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     in the epilogue, once per element, where `silu_mul` computes it in every program of the down projection.
     `stamps`: a diagnostic (lab.checks.decode_anatomy), a contiguous int64 CUDA tensor of at least
     `programs x STAMP_FIELDS` values that each program writes its row of (STAMP_FIELDS); `gemv_programs` says how
-    many programs a launch has. The products are the same with or without it."""
+    many programs a launch has. The products are the same with or without it. `l2_prefetch`: up to
+    MAX_PREFETCH_REGIONS contiguous weights (views) the launch asks L2 for before its PDL wait (see "The MLP's L2
+    prefetch" above; never written by a kernel, as `weight`); ignored where the launch is no PDL launch."""
     if stamps is not None and not x.is_cuda:  # the timer is a GPU register (and the interpreter has none)
         raise ValueError("gemv's stamps are a GPU launch's: x is on the CPU")
     if not ew.use_triton(x) or x.shape[0] == 0:
@@ -410,7 +454,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if sums_out is not None and add is None:
         raise ValueError("gemv's sums_out is the residual stream's: it needs add")
     return _launch(x, weight, bias, tiles, silu_mul=silu_mul, add=add, sums_out=sums_out,
-                   silu_mul_out=silu_mul_out, stamps=stamps)[0]
+                   silu_mul_out=silu_mul_out, stamps=stamps, l2_prefetch=l2_prefetch)[0]
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -447,7 +491,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
             silu_mul: bool = False, norm: tuple | None = None, add: torch.Tensor | None = None,
             sums: torch.Tensor | None = None, sums_out: torch.Tensor | None = None,
             zero_sums: torch.Tensor | None = None, silu_mul_out: bool = False,
-            stamps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            stamps: torch.Tensor | None = None,
+            l2_prefetch: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, k = x.shape
     n = weight.shape[0]
     if silu_mul:
@@ -501,17 +546,54 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ti
                                or stamps.numel() < programs * STAMP_FIELDS):
         raise ValueError(f"gemv's stamps need a contiguous int64 tensor of >= {programs * STAMP_FIELDS} values, "
                          f"got {list(stamps.shape)} in {stamps.dtype}")
+    regions, used, lanes, piece = _prefetch_plan(l2_prefetch if kw else (), programs, weight)
     _gemv_kernel[(programs,)](
         x, weight, bias if bias is not None else weight, y, r, norm_weight, res_out, a,
         *(buf if buf is not None else y for buf in (sums, sums_out, zero_sums, stamps)), n, k, x.stride(0),
         weight.stride(0), y.stride(0), r.stride(0), res_out.stride(0), a.stride(0), eps,
+        *(v for region in regions for v in region),
         ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RES=residual is not None,
         ADD_OUT=add is not None, USE_PDL=bool(kw), EARLY_W=early_tiles, SS_IN=sums is not None,
         SS_OUT=sums_out is not None, SS_ZERO=zero_count, ACT_OUT=silu_mul_out, PREFETCH=prefetch, STAGES=stages,
-        STAMPS=stamps is not None, num_warps=warps,
-        **kw)
+        STAMPS=stamps is not None, PF_REGIONS=used, PF_LANES=lanes, PF_PIECE=piece, num_warps=warps, **kw)
     return y, (res_out if norm is not None else None)
+
+
+def _prefetch_plan(weights: tuple[torch.Tensor, ...], programs: int, weight: torch.Tensor) -> tuple:
+    """The L2 prefetch a launch of `programs` programs makes of the contiguous `weights`:
+    (MAX_PREFETCH_REGIONS (tensor, pieces, last piece's first element), the used ones first and the rest
+    (weight, 0, 0); how many are used; pieces a program asks for at most (a power of two); elements a piece). A
+    weight shorter than a piece, or not contiguous and 16-byte aligned at both ends (the bulk prefetch's rule: a
+    piece's start and length), is left out."""
+    piece = PREFETCH_PIECE_BYTES // weight.element_size()
+    used = [(t, triton.cdiv(t.numel(), piece), t.numel() - piece) for t in weights
+            if t.dtype == weight.dtype and t.is_contiguous() and t.numel() >= piece and t.data_ptr() % 16 == 0
+            and t.numel() * t.element_size() % 16 == 0]
+    if len(used) > MAX_PREFETCH_REGIONS:
+        raise ValueError(f"gemv prefetches at most {MAX_PREFETCH_REGIONS} weights, got {len(used)}")
+    most = max((count for _, count, _ in used), default=0)
+    lanes = triton.next_power_of_2(triton.cdiv(most, programs)) if most else 1
+    return tuple(used) + ((weight, 0, 0),) * (MAX_PREFETCH_REGIONS - len(used)), len(used), lanes, piece
+
+
+def mlp_prefetch_regions(gate_up: torch.Tensor, down: torch.Tensor, act_out: bool, max_bytes: int
+                         ) -> tuple[torch.Tensor, ...]:
+    """What a layer's o_proj GEMV asks L2 for (kernel option `gemv_mlp_prefetch_mb`): up to `max_bytes` of the MLP's
+    weights in the order its GEMVs read them, as contiguous views. The gate_up GEMV's first programs read the first
+    gate rows and, with the activation in its epilogue (`act_out`), the up rows beside them (a program owns pairs),
+    so equal shares of both halves; without it the rows in order. Then the down projection's first rows."""
+    row = gate_up.shape[1] * gate_up.element_size()
+    half = gate_up.shape[0] // 2
+    if act_out:
+        rows = min(half, max_bytes // (2 * row))
+        regions = [gate_up[:rows], gate_up[half: half + rows]]
+    else:
+        rows = min(2 * half, max_bytes // row)
+        regions = [gate_up[:rows]]
+    down_rows = min(down.shape[0], (max_bytes - rows * row * len(regions)) // (down.shape[1] * down.element_size()))
+    regions.append(down[:down_rows])
+    return tuple(r for r in regions if r.numel())
 
 
 class GemvLinear(nn.Module):
@@ -615,10 +697,13 @@ class GemvNormLayer(nn.Module):
         v = v.view(t, a.num_kv_heads, a.head_dim)
         q, k = rotary(q, k, positions, a.q_norm, a.k_norm)
         o = attn.forward(q, k, v, a.layer_id).reshape(t, a.q_size)
-        stream = gemv(o, a.o_proj.weight, a.o_proj.bias, tiles=a.o_proj.tiles, add=stream,
-                      sums_out=sums.slot(2 * i) if sums else None)
-        norm = self.post_attention_layernorm
         act_out = _act_epilogue(mlp.gate_up_proj, t)  # else the down GEMV computes the activation
+        prefetch_mb = current_options().gemv_mlp_prefetch_mb
+        prefetch = mlp_prefetch_regions(mlp.gate_up_proj.weight, mlp.down_proj.weight, act_out,
+                                        prefetch_mb << 20) if prefetch_mb else ()
+        stream = gemv(o, a.o_proj.weight, a.o_proj.bias, tiles=a.o_proj.tiles, add=stream,
+                      sums_out=sums.slot(2 * i) if sums else None, l2_prefetch=prefetch)
+        norm = self.post_attention_layernorm
         gate_up, _ = gemv_rms_norm(stream, None, norm.weight, norm.eps, mlp.gate_up_proj.weight, None,
                                    mlp.gate_up_proj.tiles, sums=sums.slot(2 * i) if sums else None,
                                    silu_mul_out=act_out)
