@@ -283,7 +283,7 @@ def _store_stamps(row, t_begin, t_wait):
 def _decode_stage1_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, Counters, Out, KNew, VNew, OutLoc,
     Pos, CosSin, WQ, WK,  # the fused RoPE's inputs (ROPE only)
-    Stamps,  # STAMPS only: a program's row of STAMP_FIELDS int64s (gemv's layout: began, wait returned, ended, SM)
+    Stamps,  # STAMPS only: a program's row of STAGE1_STAMP_FIELDS int64s (gemv's four, then its phases)
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
