@@ -530,6 +530,13 @@ CALLS: dict[str, Call] = {
         "sampling, batch 1 and 8, graphs and eager) and W2 at each, two rounds", carry=(),
         # as act06 (200 s) after the anatomy (run40 on an H100: 76 s)
         steps=(ANATOMY, Lab("mlp_prefetch06", 200, ("mlp_prefetch06.json",), ("mlp_prefetch06",)))),
+    "next_kv": Call(
+        "optional, issue 29: each decode program asks L2 for the next layer's keys and values at its first key tile "
+        "before its PDL wait (kernel option decode_prefetch_next_kv; run40's stamps had Qwen3-8B's new-token split "
+        "wait ~5 us for its early tile): Qwen3-8B's anatomy (probe folded_prefetch_next_kv, the stamped step), then "
+        "tokens off and on (greedy and seeded sampling, batch 1 and 8, graphs and eager) and W2 at each, one round",
+        carry=(),
+        steps=(ANATOMY8, Lab("next_kv8", 300, ("next_kv8.json",), ("next_kv8",)))),  # as gemv_stages
     "stamps": Call(
         "optional, issue 29: the anatomy's stamped step alone (each GEMV and attention program's begin, wait and "
         "end, stage 1's phases by split: q ready, early key tile in registers, softmax, values), Qwen3-0.6B and "

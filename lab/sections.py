@@ -572,6 +572,9 @@ PREFETCH_ABOUT = "each GEMV program's next weight tile loaded before the current
 STAGES_ABOUT = "the GEMV's K loop pipelined through shared memory, {} stages (Triton's cp.async pipelining)"
 MLP_PREFETCH_ABOUT = ("each layer's o GEMV asks L2 for the MLP's weights (gate/up, then down) before its PDL wait, "
                       "while the attention runs")
+NEXT_KV_ARMS = {"off": ({"decode_prefetch_next_kv": False}, ""),
+                "next_kv": ({"decode_prefetch_next_kv": True}, "each decode program asks L2 for the next layer's keys "
+                            "and values at its first key tile, before its PDL wait")}
 MLP_PREFETCH_ARMS = {"off": ({"gemv_mlp_prefetch_mb": 0}, ""),
                      "mb24": ({"gemv_mlp_prefetch_mb": 24}, MLP_PREFETCH_ABOUT)}
 EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot, and RoPE each token's position "
@@ -851,6 +854,9 @@ SECTIONS: dict[str, Section] = {
     "mlp_prefetch06": section(lambda: arms_ab("qwen3-0.6b", MLP_PREFETCH_ARMS, rounds=2),
                               "Qwen3-0.6B: tokens and W2 with the o GEMV asking L2 for the MLP's weights (24 MiB: all "
                               "of them) while the attention runs, off and on, two rounds"),
+    "next_kv8": section(lambda: arms_ab("qwen3-8b", NEXT_KV_ARMS, rounds=1),
+                        "Qwen3-8B: tokens and W2 with each decode program asking L2 for the next layer's first key "
+                        "tile, off and on, one round"),
     "step_tiles06": section(lambda: step_tiles("qwen3-0.6b", 150, rounds=2),
                             "Qwen3-0.6B: the GEMV's tiles tuned inside the batch-1 decode step, then W2 with the "
                             "card's table and with the picks"),

@@ -155,6 +155,12 @@ class KernelOptions:
                           "from registers; kernels/attention.py, \"The early keys\"). On: W2 TPOT 0.869 -> 0.858 ms "
                           "on Qwen3-0.6B, 4.61 -> 4.55 ms on Qwen3-8B on an H200, the same tokens (reports/h200/run25)",
                           disable=True)
+    decode_prefetch_next_kv: bool = _opt(False, "--enable-decode-prefetch-next-kv",
+                                         "each decode program of a layer asks L2, before its PDL wait, for the next "
+                                         "layer's keys and values at its first key tile's slots (the same positions), "
+                                         "so that layer's early reads find them in L2 rather than queued behind the "
+                                         "GEMVs' weight stream (with the early metadata; kernels/attention.py, \"The "
+                                         "next layer's keys\"; the same sums); off until timed on a GPU", enable=True)
     decode_fused_rope: bool = _opt(True, "--disable-decode-fused-rope",
                                    "a decode step's RoPE, and Qwen3's per-head q/k norms, run in a launch of their "
                                    "own before the decode attention kernel, not inside it (on: one launch a layer "

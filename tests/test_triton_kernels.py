@@ -128,6 +128,23 @@ def _counters(ws: torch.Tensor, num_counters: int) -> torch.Tensor:
     return ws[ws.numel() - num_counters:].view(torch.int32)
 
 
+def test_decode_next_kv_prefetch_changes_nothing_and_checks_its_buffers():
+    """decode_attention(next_kv=): the next layer's buffers, whose rows a PDL launch asks L2 for (kernel option
+    decode_prefetch_next_kv). The output is the same bits with them; buffers of another layout are refused."""
+    gen = torch.Generator().manual_seed(9)
+    hq, hkv, d = 4, 2, 64
+    k_buf, v_buf = make_pool(256, hkv, d, torch.float32, gen)
+    k_next, v_next = make_pool(256, hkv, d, torch.float32, gen)
+    r2t = make_slot_table(1, 100, 1, 256, gen)
+    q = torch.randn(1, hq, d, generator=gen)
+    args = (q, k_buf, v_buf, r2t, torch.tensor([0]), i32([100]))
+    want = decode_attention(*args, torch.empty_like(q), 0.1, num_splits=2)
+    got = decode_attention(*args, torch.empty_like(q), 0.1, num_splits=2, next_kv=(k_next, v_next))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="next_kv"):
+        decode_attention(*args, torch.empty_like(q), 0.1, num_splits=2, next_kv=(k_next[:10], v_next))
+
+
 @pytest.mark.parametrize("fused_merge", [True, False], ids=["fused", "two_launch"])
 def test_decode_attention_workspace_and_empty_rows(fused_merge):
     """A caller-provided workspace is used as is; a seq_len-0 row (CUDA-graph padding) gives zeros."""

@@ -15,7 +15,8 @@ with each norm's rstd taken from its row in the GEMV after, not from the sums of
 MLP's activation in every program of the down GEMV (kernel option gemv_act_epilogue off; run32 measured it as
 `folded` against `folded_act`), and with the next weight tile loaded before the current one's products (kernel
 option gemv_prefetch), and with the GEMV's K loop pipelined through shared memory, 2 and 3 stages (kernel option
-gemv_stages), and with the o GEMV asking L2 for 8 and 24 MiB of the MLP's weights (kernel option gemv_mlp_prefetch_mb).
+gemv_stages), and with the o GEMV asking L2 for 8 and 24 MiB of the MLP's weights (kernel option gemv_mlp_prefetch_mb),
+and with each decode program asking L2 for the next layer's first key tile (kernel option decode_prefetch_next_kv).
 `option_us` gives each against `full` (negative: faster). (run27 also took the L2 prefetch of
 commit 96611da, since removed.)
 
@@ -56,7 +57,7 @@ PROMPT_LEN = 1024
 # (GemvNormLayer, linked) for their capture only.
 UNFOLDED = {"gemv_norm_fold": False}
 FOLDED = ("folded", "folded_fused_merge", "folded_row_rstd", "folded_down_act", "folded_prefetch", "folded_stages2",
-          "folded_stages3", "folded_mlp_prefetch8", "folded_mlp_prefetch24")
+          "folded_stages3", "folded_mlp_prefetch8", "folded_mlp_prefetch24", "folded_prefetch_next_kv")
 ITERS = 15
 PER = 10  # replays between a pair of events
 
@@ -125,6 +126,8 @@ def _variants() -> dict:
         # folded, the o GEMV asking L2 for the MLP's weights while the attention runs (gemv_mlp_prefetch_mb)
         "folded_mlp_prefetch8": ([], {"gemv_mlp_prefetch_mb": 8}),
         "folded_mlp_prefetch24": ([], {"gemv_mlp_prefetch_mb": 24}),
+        # folded, each decode program asking L2 for the next layer's keys at its first tile (decode_prefetch_next_kv)
+        "folded_prefetch_next_kv": ([], {"decode_prefetch_next_kv": True}),
     }
 
 

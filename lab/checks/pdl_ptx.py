@@ -155,11 +155,12 @@ def check_ptx(ptx: str, allow_loads_before_wait: bool = False, max_early_loads: 
         if _is_global_access(opcode):
             if allow_loads_before_wait and opcode.startswith(("ld.global", "ldu.global")):
                 continue
-            if allow_prefetch_before_wait and opcode.startswith("cp.async.bulk.prefetch.L2"):
+            if allow_prefetch_before_wait and opcode.startswith(("cp.async.bulk.prefetch.L2", "prefetch.global.L2")):
                 continue
             problems.append(f"global access before griddepcontrol.wait: {s}")
-    if allow_prefetch_before_wait and not any(op.startswith("cp.async.bulk.prefetch.L2") for op, _ in before):
-        problems.append("PF_REGIONS: expected L2 prefetches before griddepcontrol.wait, found none")
+    if allow_prefetch_before_wait and not any(op.startswith(("cp.async.bulk.prefetch.L2", "prefetch.global.L2"))
+                                              for op, _ in before):
+        problems.append("PF_REGIONS / PREFETCH_NEXT: expected L2 prefetches before griddepcontrol.wait, found none")
     early_loads = sum(op.startswith(("ld.global", "ldu.global")) for op, _ in before)
     if allow_loads_before_wait and not early_loads:
         problems.append("EARLY_W / EARLY_META: expected loads before griddepcontrol.wait, found none")
@@ -392,13 +393,16 @@ def main() -> int:
             variants = [{"EARLY_META": True}, {"EARLY_META": False}]
         if "EARLY_KV" in params and kw.get("FUSED_STORE"):  # the early keys: with the early metadata only
             variants = [{"EARLY_META": True, "EARLY_KV": True}, {"EARLY_META": True, "EARLY_KV": False},
-                        {"EARLY_META": False, "EARLY_KV": False}]
+                        {"EARLY_META": False, "EARLY_KV": False},
+                        # the next layer's keys asked of L2 (decode_prefetch_next_kv), with the early metadata
+                        {"EARLY_META": True, "EARLY_KV": True, "PREFETCH_NEXT": True}]
         elif "EARLY_KV" in params:
             variants = [dict(v, EARLY_KV=False) for v in variants]
         for overrides in variants:
             key = (kernel.__name__,
                    repr([(k, v) for k, v in kw.items()
-                         if k not in ("USE_PDL", "EARLY_W", "EARLY_META", "EARLY_KV", "PF_REGIONS", "PF_LANES")]),
+                         if k not in ("USE_PDL", "EARLY_W", "EARLY_META", "EARLY_KV", "PF_REGIONS", "PF_LANES",
+                                      "PREFETCH_NEXT")]),
                    tuple(_arg_type(v) if not isinstance(v, torch.Tensor) else str(v.dtype) for v in a),
                    repr(overrides))
             if key in seen:
@@ -415,10 +419,13 @@ def main() -> int:
             stage1 = 2 + bool(kw.get("FUSED_STORE")) + kw.get("BLOCK_N", 0) + 3 * bool(kw.get("ROPE"))
             if overrides.get("EARLY_KV"):  # and the first key tile's keys and values, an element a load
                 stage1 += 2 * kw["BLOCK_N"] * kw["BLOCK_D"] // (32 * kw["num_warps"])
+            if overrides.get("PREFETCH_NEXT"):  # the slots again, in the layout of the next layer's prefetch
+                stage1 += kw["BLOCK_N"]
             metadata = ({"_decode_stage1_kernel": stage1, "_decode_stage2_kernel": 1,
                          "_rope_kernel": 3}[kernel.__name__] if overrides.get("EARLY_META") else None)
             problems = check_ptx(ptx, allow_loads_before_wait=early, max_early_loads=metadata,
-                                 allow_prefetch_before_wait=overrides.get("PF_REGIONS", 0) > 0)
+                                 allow_prefetch_before_wait=overrides.get("PF_REGIONS", 0) > 0
+                                 or overrides.get("PREFETCH_NEXT", False))
             if (kw.get("NORM") or kw.get("ROPE_NORM")) and not re.search(r"\b(?:add|fma)(?:\.rn)?\.f64\b", ptx):
                 problems.append("no fp64 add: a q/k norm's head sum must be exact (sum_squares), or the fused RoPE "
                                 "and the RoPE kernel round apart (run25)")

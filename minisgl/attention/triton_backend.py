@@ -98,6 +98,14 @@ class TritonAttentionBackend(AttentionBackend):
         return decode_shared_workspace_numel(range(1, max_bs + 1), self.num_q_heads, self.num_kv_heads,
                                              self.head_dim, self.num_splits_for)
 
+    def _next_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The next layer's K/V buffers for the decode kernel's L2 prefetch (kernel option decode_prefetch_next_kv),
+        if there is a next layer in the pool; a wrong guess costs speed, never correctness."""
+        nxt = layer_id + 1
+        if not current_options().decode_prefetch_next_kv or nxt >= len(self.kv_cache.k_buffers):
+            return None
+        return self.kv_cache.k_buffers[nxt], self.kv_cache.v_buffers[nxt]
+
     def _workspace(self, bs: int, device: torch.device) -> torch.Tensor | None:
         if self.num_splits_for(bs) <= 1:
             return None
@@ -215,7 +223,8 @@ class TritonAttentionBackend(AttentionBackend):
             decode_attention(q, k_buf, v_buf, self.req_to_token, meta.req_pool_indices, meta.seq_lens, out,
                              self.scale, max_seq_len=self.max_context_len,
                              workspace=self._workspace(bs, q.device), num_splits=self.num_splits_for(bs),
-                             new_kv=(k, v, meta.out_cache_loc) if fuse_store else None, rope=rope)
+                             new_kv=(k, v, meta.out_cache_loc) if fuse_store else None, rope=rope,
+                             next_kv=self._next_kv(layer_id))
         elif self._planned is meta and self._graph_decode_lens is not None:
             # a prefill graph: every request row through the decode kernel, with the lengths load_graph_step wrote
             # (a decode row's seq_len, else 0: skipped, its output row zeroed), before the extend kernel, which

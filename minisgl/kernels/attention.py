@@ -118,6 +118,12 @@ class DecodeRope:
 # run15's timeline). The keys and values themselves are read after it: the new token's are this step's.
 
 
+# The next layer's keys (kernel option `decode_prefetch_next_kv`, with the early metadata): a stage-1 program also asks
+# L2 for the next layer's keys and values at its first key tile's slots, before its wait (a prefetch lands nothing in
+# registers, and L2 is where any store to those rows goes, so none can be read stale). The next layer's stage 1 reads
+# those same positions early, and at batch 1 its early reads otherwise queue behind the qkv GEMV's weight stream:
+# run40's stamps on Qwen3-8B had the new token's split wait ~5 us after its wait for its q and early tile.
+#
 # The early keys (kernel option `early_kv`, with the early metadata and the fused store): stage 1 also reads its first
 # key tile's keys and values before the wait. Every slot in it holds a key of an earlier step, complete before this
 # step's first kernel, except the new token's (position seq_len - 1), which this program stores after the wait
@@ -270,6 +276,16 @@ def _stamp_after(x):
 
 
 @_jit
+def _prefetch_rows(Buf, slots, mask, kvh, stride_n, stride_h, HEAD_DIM: tl.constexpr):
+    """Ask L2 for the rows of one kv head at `slots` (a [BLOCK_N] tile; masked rows not): every 128-byte line."""
+    rows = Buf + slots * stride_n + kvh * stride_h
+    for d in tl.static_range(0, HEAD_DIM, 1024 // Buf.dtype.element_ty.primitive_bitwidth):  # 128 bytes a step
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r", [rows + d, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@_jit
 def _store_stamps(row, t_begin, t_wait):
     """A program's launch stamps at `row` (gemv's fields: kernels/gemv.py STAMP_FIELDS), its end now."""
     t_end = globaltimer()
@@ -284,6 +300,7 @@ def _decode_stage1_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, PartO, PartLse, Counters, Out, KNew, VNew, OutLoc,
     Pos, CosSin, WQ, WK,  # the fused RoPE's inputs (ROPE only)
     Stamps,  # STAMPS only: a program's row of STAGE1_STAMP_FIELDS int64s (gemv's four, then its phases)
+    KNext, VNext,  # PREFETCH_NEXT only: the next layer's buffers (this layer's strides)
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_r2t,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
@@ -293,6 +310,7 @@ def _decode_stage1_kernel(
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_DOT: tl.constexpr, FUSED_MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr, FUSED_STORE: tl.constexpr, EARLY_META: tl.constexpr, EARLY_KV: tl.constexpr,
     ROPE: tl.constexpr, ROPE_NORM: tl.constexpr, USE_PDL: tl.constexpr, STAMPS: tl.constexpr,
+    PREFETCH_NEXT: tl.constexpr,
 ):
     if STAMPS:  # a diagnostic (decode_attention(stamps=)): when this program began, its wait returned, it ended
         t_begin = globaltimer()
@@ -322,6 +340,9 @@ def _decode_stage1_kernel(
             v0 = _load_kv(V, slots0, offs_n0 < end, kvh, stride_vn, stride_vh, offs_d, dmask)
         if ROPE:  # the token's position is the step's input, its cos/sin a constant table
             cos, sin, sign = _rope_cos_sin(Pos, CosSin, b, stride_cs, HEAD_DIM)
+        if PREFETCH_NEXT:  # the next layer's rows at the same slots, into L2 ("The next layer's keys" above)
+            _prefetch_rows(KNext, slots0, offs_n0 < end, kvh, stride_kn, stride_kh, HEAD_DIM)
+            _prefetch_rows(VNext, slots0, offs_n0 < end, kvh, stride_vn, stride_vh, HEAD_DIM)
         if USE_PDL:
             pdl_wait()
     elif ROPE:
@@ -575,7 +596,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      num_splits: int | None = None, fused_merge: bool | None = None,
                      new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                      rope: DecodeRope | None = None,
-                     stamps: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+                     stamps: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                     next_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One new token per request: out[b] = softmax(q[b] K_b^T * scale) V_b over keys 0..seq_lens[b]-1.
 
     q, out: [B, Hq, D] (last dim contiguous); k_buf, v_buf: [num_slots, Hkv, D]; req_pool_indices: [B];
@@ -595,7 +617,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     where there is no stage 2) of at least `decode_programs(...)` x STAGE1_STAMP_FIELDS and x STAMP_FIELDS values,
     each program's row the global timer when it began, its PDL wait returned and it ended, and its SM, as
     `gemv(stamps=)` writes them, then stage 1's phases (STAGE1_STAMP_FIELDS). The output is the same with or
-    without them.
+    without them. `next_kv`: the next layer's K and V buffers (k_buf's and v_buf's layouts), whose rows at each
+    program's first key tile it asks L2 for before its PDL wait (the caller passes them under the kernel option
+    `decode_prefetch_next_kv`; only a PDL launch with the early metadata prefetches). The output is the same too.
     """
     _require_triton()
     B, Hq, D = q.shape
@@ -665,9 +689,15 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     early = options.early_metadata  # without PDL: only the order of its loads
     # the early keys need the early metadata's slots, and the new token's K/V in registers (the fused store)
     early_kv = early and options.early_kv and new_kv is not None
+    if next_kv is not None and any(t.shape != buf.shape or t.stride() != buf.stride() or t.dtype != buf.dtype
+                                   for t, buf in zip(next_kv, (k_buf, v_buf))):
+        raise ValueError("decode_attention's next_kv must be buffers of k_buf's and v_buf's shapes, strides, dtype")
+    prefetch_next = next_kv is not None and early and bool(kw)
+    k_next, v_next = next_kv if prefetch_next else (k_buf, v_buf)
     _decode_stage1_kernel[(B, Hkv, num_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse, counters, out,
         k_new, v_new, out_loc, positions, cos_sin, q_norm, k_norm, stamps1 if stamps1 is not None else seq_lens,
+        k_next, v_next,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
@@ -677,7 +707,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         GROUP=group, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HEAD_DIM=D, NUM_SPLITS=num_splits,
         IEEE_DOT=ieee, FUSED_MERGE=fused, BLOCK_S=block_s, FUSED_STORE=new_kv is not None, EARLY_META=early,
         EARLY_KV=early_kv, ROPE=rope is not None, ROPE_NORM=rope is not None and rope.q_norm is not None,
-        USE_PDL=bool(kw), STAMPS=stamps1 is not None, num_warps=4, num_stages=2, **kw,
+        USE_PDL=bool(kw), STAMPS=stamps1 is not None, PREFETCH_NEXT=prefetch_next, num_warps=4, num_stages=2,
+        **kw,
     )
     if num_splits > 1 and not fused:
         _decode_stage2_kernel[(B, Hq)](
