@@ -11,7 +11,10 @@ checked on what the compiler emits, not on the source. The GEMV with the early
 weight load (EARLY_W, 1-3 tiles) may load before the wait (its first weight tiles) but not store or use atomics;
 its strict variant (EARLY_W 0) is held to the full rule. So may the decode kernels and RoPE with the early
 metadata (EARLY_META: each request's length, row, slot and first key slots; each token's position and its
-cos/sin; with EARLY_KV, stage 1's first key tile too), compiled both ways, up to exactly those loads. Every
+cos/sin; with EARLY_KV, stage 1's first key tile too), compiled both ways, up to exactly those loads. L2 prefetches
+of memory no kernel in flight writes may come first too, and must be there where asked for: the GEMV's of the MLP's
+weights (PF_REGIONS, kernel option gemv_mlp_prefetch_mb) and stage 1's of the next layer's first key tile
+(PREFETCH_NEXT, kernel option decode_prefetch_next_kv); an inline-asm block is read statement by statement. Every
 `*_kernel` of the four modules must take USE_PDL and be among the compiled ones (a new kernel left out of this
 check fails it). One rule of another kind rides along, since the PTX is at hand: the RoPE kernel and the decode
 kernel's fused RoPE sum a head's squares for Qwen3's q/k norm in fp64 (exact, whatever order each kernel's layout
