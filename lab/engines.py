@@ -170,10 +170,11 @@ def gemv_kinds(model) -> dict[str, list]:
 STEP_BUFFERS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "token_dst")
 
 
-def step_replay_us(llm, iters: int = 15, per: int = 10) -> float:
+@contextlib.contextmanager
+def step_graph(llm):
     """The engine's batch-1 decode graph (the forward, the argmax, the token write) captured again under whatever
-    the caller has in force (kernel options, patched modules, changed tiles) and replayed back to back on the live
-    request's buffers (`decoding_request` first): microseconds a step. The live graph's metadata is back after."""
+    the caller has in force (kernel options, patched modules, changed tiles), on the live request's buffers
+    (`decoding_request` first): the greedy graph, to replay in the block. The live graph's metadata is back after."""
     from minisgl.engine.cuda_graph import CudaGraphRunner
 
     runner = llm.engine.runner
@@ -183,10 +184,16 @@ def step_replay_us(llm, iters: int = 15, per: int = 10) -> float:
         getattr(graph, buf)[:1].copy_(getattr(live, buf)[:1])
     runner.attn.prepare_for_replay(graph._meta(1))
     try:
-        return time_replay_us(graph.graphs[1, "greedy"], iters=iters, warmups=3, per=per)
+        yield graph.graphs[1, "greedy"]
     finally:
         del graph
         runner.attn.prepare_for_replay(live._meta(1))
+
+
+def step_replay_us(llm, iters: int = 15, per: int = 10) -> float:
+    """`step_graph` replayed back to back: microseconds a step."""
+    with step_graph(llm) as step:
+        return time_replay_us(step, iters=iters, warmups=3, per=per)
 
 
 def decoding_request(llm, prompt_len: int = 1024, steps: int = 8):

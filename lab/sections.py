@@ -572,11 +572,11 @@ PREFETCH_ABOUT = "each GEMV program's next weight tile loaded before the current
 STAGES_ABOUT = "the GEMV's K loop pipelined through shared memory, {} stages (Triton's cp.async pipelining)"
 MLP_PREFETCH_ABOUT = ("each layer's o GEMV asks L2 for the MLP's weights (gate/up, then down) before its PDL wait, "
                       "while the attention runs")
+MLP_PREFETCH_ARMS = {"off": ({"gemv_mlp_prefetch_mb": 0}, ""),
+                     "mb24": ({"gemv_mlp_prefetch_mb": 24}, MLP_PREFETCH_ABOUT)}
 NEXT_KV_ARMS = {"off": ({"decode_prefetch_next_kv": False}, ""),
                 "next_kv": ({"decode_prefetch_next_kv": True}, "each decode program asks L2 for the next layer's keys "
                             "and values at its first key tile, before its PDL wait")}
-MLP_PREFETCH_ARMS = {"off": ({"gemv_mlp_prefetch_mb": 0}, ""),
-                     "mb24": ({"gemv_mlp_prefetch_mb": 24}, MLP_PREFETCH_ABOUT)}
 EARLY_META_ABOUT = ("the decode kernels read each request's length, row and slot, and RoPE each token's position "
                     "and its cos/sin, before their PDL wait")
 FUSED_MERGE_ABOUT = "the decode splits merged by the last stage-1 program of each request and kv head"

@@ -48,7 +48,7 @@ from collections.abc import Iterator
 import torch
 
 from lab.checks import per_model_main
-from lab.engines import STEP_BUFFERS, decoding_request, gemv_kinds, step_replay_us, with_engine
+from lab.engines import decoding_request, gemv_kinds, step_graph, step_replay_us, with_engine
 from lab.timing import capture, time_replay_us
 
 PROMPT_LEN = 1024
@@ -306,18 +306,28 @@ def boundaries(llm, samples: int = 5) -> dict:
             torch.cuda.synchronize()
             stamps = [s.cpu() for *_, s in launches]
             steps.extend(torch.diff(torch.cat([s[:, :3].flatten() for s in stamps]).unique()).tolist())
-            for j in range(1, len(launches)):
-                for key, value in _boundary(stamps[j - 1], stamps[j]).items():
-                    rows.setdefault(launches[j][0], {}).setdefault(key, []).append(value)
+            _add_boundaries(rows, [kind for kind, *_ in launches], stamps)
     result["timer_step_ns"] = min(steps) if steps else None  # the global timer's resolution, as seen
     result["by_kind"] = {}
     for kind, m, _, stamps in launches[:len(order)]:
-        medians = {key: round(float(torch.tensor(v, dtype=torch.float64).quantile(0.5)), 3)
-                   for key, v in rows[kind].items()}
         result["by_kind"][kind] = {"programs": stamps.shape[0], "tiles": list(m.tiles),
-                                   "weight_mb": round(m.weight.numel() * m.weight.element_size() / 1e6, 2), **medians}
+                                   "weight_mb": round(m.weight.numel() * m.weight.element_size() / 1e6, 2),
+                                   **_medians(rows[kind])}
     print("boundaries", result, flush=True)
     return result
+
+
+def _add_boundaries(rows: dict, kinds: list[str], stamps: list[torch.Tensor]) -> None:
+    """One replay's stamped launches, each against the one before it (`_boundary`): its values appended to
+    rows[its kind][key]."""
+    for j in range(1, len(stamps)):
+        for key, value in _boundary(stamps[j - 1], stamps[j]).items():
+            rows.setdefault(kinds[j], {}).setdefault(key, []).append(value)
+
+
+def _medians(values: dict) -> dict:
+    """key -> the median of its values (3 decimals)."""
+    return {key: round(float(torch.tensor(v, dtype=torch.float64).quantile(0.5)), 3) for key, v in values.items()}
 
 
 def step_stamps(llm, samples: int = 5) -> dict:
@@ -330,7 +340,7 @@ def step_stamps(llm, samples: int = 5) -> dict:
     step unstamped says what the stamps cost."""
     import minisgl.attention.triton_backend as backend
     import minisgl.kernels.gemv as gv
-    from minisgl.engine.cuda_graph import CudaGraphRunner
+    from minisgl.engine.cuda_graph import CudaGraphRunner  # its _record, patched to see which graph is captured
     from minisgl.kernels.attention import STAGE1_STAMP_FIELDS, decode_programs
     from minisgl.kernels.options import current_options, use_options
 
@@ -374,36 +384,25 @@ def step_stamps(llm, samples: int = 5) -> dict:
         decoding_request(llm, PROMPT_LEN)
     patches = [(gv, "_launch", launch), (backend, "decode_attention", attention), (CudaGraphRunner, "_record", record)]
     result: dict = {"context_tokens": int(live.seq_lens[0]), "replay_us": {}}
-    with _folded(runner.model, True), use_options(llm.config.kernels):
+    rows: dict = {}
+    by_split: dict = {}
+    with _folded(runner.model, True), use_options(llm.config.kernels), contextlib.ExitStack() as stack:
         result["replay_us"]["plain"] = round(step_replay_us(llm, iters=ITERS, per=PER), 2)
-        with _patched(patches, None):
-            graph = CudaGraphRunner(runner, 1, batch_sizes=[1])
-        try:
-            for buf in STEP_BUFFERS:
-                getattr(graph, buf)[:1].copy_(getattr(live, buf)[:1])
-            runner.attn.prepare_for_replay(graph._meta(1))
-            step = graph.graphs[1, "greedy"]
-            result["replay_us"]["stamped"] = round(time_replay_us(step, iters=ITERS, warmups=3, per=PER), 2)
-            rows: dict = {}
-            by_split: dict = {}
-            for _ in range(samples):
-                step.replay()
-                torch.cuda.synchronize()
-                stamps = [s.cpu() for _, s, _ in launches]
-                for j in range(1, len(launches)):
-                    for key, value in _boundary(stamps[j - 1], stamps[j]).items():
-                        rows.setdefault(launches[j][0], {}).setdefault(key, []).append(value)
-                for (kind, _, splits), s in zip(launches, stamps):
-                    if kind == "attention_stage1":  # [kv heads, splits] programs of one request
-                        for name, phase in _stage1_phases(s).items():
-                            median = phase.view(-1, splits).double().quantile(0.5, dim=0) / 1e3
-                            by_split.setdefault(name, []).append(median)
-        finally:
-            del graph
-            runner.attn.prepare_for_replay(live._meta(1))
+        with _patched(patches, None):  # only the capture is stamped
+            step = stack.enter_context(step_graph(llm))
+        result["replay_us"]["stamped"] = round(time_replay_us(step, iters=ITERS, warmups=3, per=PER), 2)
+        for _ in range(samples):
+            step.replay()
+            torch.cuda.synchronize()
+            stamps = [s.cpu() for _, s, _ in launches]
+            _add_boundaries(rows, [kind for kind, _, _ in launches], stamps)
+            for (kind, _, splits), s in zip(launches, stamps):
+                if kind == "attention_stage1":  # [kv heads, splits] programs of one request
+                    for name, phase in _stage1_phases(s).items():
+                        median = phase.view(-1, splits).double().quantile(0.5, dim=0) / 1e3
+                        by_split.setdefault(name, []).append(median)
     result["launches"] = [kind for kind, _, _ in launches]
-    result["by_kind"] = {kind: {key: round(float(torch.tensor(v, dtype=torch.float64).quantile(0.5)), 3)
-                                for key, v in values.items()} for kind, values in rows.items()}
+    result["by_kind"] = {kind: _medians(values) for kind, values in rows.items()}
     # stage 1 by split: the median over kv heads, layers and replays of each phase (_stage1_phases)
     result["stage1_us_by_split"] = {name: [round(v, 3) for v in torch.stack(medians).quantile(0.5, dim=0).tolist()]
                                     for name, medians in by_split.items()}
